@@ -1,0 +1,324 @@
+"""Block layouts: a pattern made concrete for one sequence length, head count and block size.
+
+``make_layout(pattern, seq_len, num_heads, block_size)`` cuts the ``N x N`` score matrix of
+each head into ``block_size`` tiles (the last row/column of tiles is ragged when ``block_size``
+does not divide ``N``) and records, as numpy arrays, everything a kernel needs:
+
+``block_mask[h, I, J]`` (int8)
+    0 empty (never computed), 1 partial (computed under the element mask), 2 full (computed
+    with no element mask). Only valid tokens (``< seq_len``) count when classifying.
+
+Query-major lists (forward and dQ), padded ("ELL") so every array has a static shape:
+    ``q_count[h, I]`` key tiles listed for query tile ``I``; ``q_partial[h, I]`` how many of them,
+    listed *first*, are partial; ``q_index[h, I, k]`` the key tile; ``q_mask_id[h, I, k]`` the
+    row of ``masks`` for partial entries (-1 for full entries and padding). Entries past
+    ``q_count`` are padding (index 0) and must not be read.
+
+Key-major lists (dK/dV): ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id`` with the roles of
+query and key tiles swapped (``k_index`` lists query tiles; ``k_mask_id`` still names the mask of
+the tile as seen query-major, i.e. rows are queries).
+
+``masks[u, r, w]`` (int32)
+    The element mask of partial tiles as a compact bitmask: bit ``c % 32`` of word ``c // 32`` of
+    row ``r`` says whether query ``I*bs + r`` may attend to key ``J*bs + c``. Identical masks are
+    stored once (causal has one diagonal mask for every tile and head), so the table stays tiny.
+    *Why a bitmask rather than per-pattern parameters:* unions, intersections and per-head mixes
+    of arbitrary patterns reach the kernel through one mechanism, the kernel has one code path,
+    and its cost (one gathered int32 load and a shift per element of a *partial* tile only) is
+    paid only where a mask is needed. Bits of tokens past ``seq_len`` are 0; kernels must still
+    bound their loads by ``seq_len``, because full tiles of the ragged last row/column carry no mask.
+
+All metadata arrays have shapes that depend only on (heads, tiles, widest row, distinct masks),
+never on values, so a frontend can pass them to a kernel as tensors: a new pattern with the same
+shapes reuses the compiled kernel.
+
+Example::
+
+    >>> from sparsetp.core import patterns as P, make_layout
+    >>> lay = make_layout(P.causal(), seq_len=256, num_heads=2, block_size=64)
+    >>> lay.block_mask[0].tolist()
+    [[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [2, 2, 2, 1]]
+    >>> round(lay.density, 3)
+    0.625
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
+
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+_CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
+
+__all__ = ["BlockLayout", "make_layout", "SUPPORTED_BLOCK_SIZES"]
+
+
+def _words(block_size: int) -> int:
+    return -(-block_size // 32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockLayout:
+    """A pattern's tiles for one ``(seq_len, num_heads, block_size)``; see the module docstring."""
+
+    pattern: Pattern | None
+    seq_len: int
+    num_heads: int
+    block_size: int
+    block_mask: np.ndarray
+    q_count: np.ndarray
+    q_partial: np.ndarray
+    q_index: np.ndarray
+    q_mask_id: np.ndarray
+    k_count: np.ndarray
+    k_partial: np.ndarray
+    k_index: np.ndarray
+    k_mask_id: np.ndarray
+    masks: np.ndarray
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, np.ndarray):
+                v.setflags(write=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_mask.shape[1]
+
+    @property
+    def density(self) -> float:
+        """Fraction of tiles that are computed (partial or full)."""
+        return float((self.block_mask != EMPTY).mean())
+
+    @property
+    def nnz_blocks(self) -> int:
+        return int((self.block_mask != EMPTY).sum())
+
+    def metadata(self) -> dict[str, np.ndarray]:
+        """The arrays a kernel launch needs, by name (all int32)."""
+        names = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial",
+                 "k_index", "k_mask_id", "masks")
+        return {n: getattr(self, n) for n in names}
+
+    def tile_mask(self, h: int, qi: int, kj: int) -> np.ndarray:
+        """bool[bs, bs] element mask of one tile (rows queries), including padding as False."""
+        bs, n = self.block_size, self.seq_len
+        kind = self.block_mask[h, qi, kj]
+        rows = qi * bs + np.arange(bs) < n
+        cols = kj * bs + np.arange(bs) < n
+        if kind == EMPTY:
+            return np.zeros((bs, bs), bool)
+        if kind == FULL:
+            return rows[:, None] & cols[None, :]
+        k = int(np.searchsorted(self.q_index[h, qi, : self.q_partial[h, qi]], kj))
+        # q_index partial entries are sorted ascending, so searchsorted finds the slot.
+        return _unpack(self.masks[self.q_mask_id[h, qi, k]], bs)
+
+    def dense_mask(self) -> np.ndarray:
+        """bool[H, N, N] expanded from the tiles (for tests and references; O(N^2))."""
+        h_n, nb, bs, n = self.num_heads, self.num_blocks, self.block_size, self.seq_len
+        out = np.zeros((h_n, nb * bs, nb * bs), bool)
+        view = out.reshape(h_n, nb, bs, nb, bs)
+        full = self.block_mask == FULL
+        view[:] = full[:, :, None, :, None]
+        hh, ii = np.nonzero(self.q_partial > 0)
+        for h, i in zip(hh, ii):
+            for k in range(self.q_partial[h, i]):
+                view[h, i, :, self.q_index[h, i, k], :] = _unpack(
+                    self.masks[self.q_mask_id[h, i, k]], bs)
+        return out[:, :n, :n].copy()
+
+    def heads(self, start: int, stop: int) -> "BlockLayout":
+        """The layout of heads ``[start, stop)`` (what one tensor-parallel rank holds).
+
+        Equal to building the layout for those heads alone, except that list widths and the
+        mask table stay those of the whole layout (so every rank launches the same shapes).
+        """
+        if not (0 <= start < stop <= self.num_heads):
+            raise ValueError(
+                f"heads(start, stop) needs 0 <= start < stop <= num_heads={self.num_heads}, got "
+                f"({start}, {stop})")
+        sl = slice(start, stop)
+        return dataclasses.replace(
+            self,
+            pattern=_HeadSlice(self.pattern, start) if self.pattern is not None else None,
+            num_heads=stop - start,
+            **{name: getattr(self, name)[sl] for name in (
+                "block_mask", "q_count", "q_partial", "q_index", "q_mask_id", "k_count",
+                "k_partial", "k_index", "k_mask_id")})
+
+    def __repr__(self):
+        return (f"BlockLayout(pattern={self.pattern!r}, seq_len={self.seq_len}, "
+                f"num_heads={self.num_heads}, block_size={self.block_size}, "
+                f"density={self.density:.4f}, masks={self.masks.shape[0]})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _HeadSlice(Pattern):
+    """The pattern seen by a slice of heads: local head ``h`` is global head ``start + h``."""
+
+    base: Pattern
+    start: int
+
+    def _token(self, h, i, j, n):
+        return self.base._token(h + self.start, i, j, n)
+
+    def _block_kinds(self, h, block_size, n):
+        return self.base._block_kinds(h + self.start, block_size, n)
+
+    def head_key(self, h):
+        return self.base.head_key(h + self.start)
+
+    def _validate(self, seq_len):
+        self.base._validate(seq_len)
+
+
+def _unpack(words: np.ndarray, bs: int) -> np.ndarray:
+    bits = np.unpackbits(words.astype("<i4").view(np.uint8), axis=-1, bitorder="little")
+    return bits[:, :bs].astype(bool)
+
+
+def _pack(tiles: np.ndarray) -> np.ndarray:
+    """bool[P, bs, bs] -> int32[P, bs, words] (bit c%32 of word c//32)."""
+    p, bs, _ = tiles.shape
+    w = _words(bs)
+    packed = np.packbits(tiles, axis=-1, bitorder="little")  # uint8[P, bs, bs/8]
+    out = np.zeros((p, bs, w * 4), np.uint8)
+    out[:, :, : packed.shape[-1]] = packed
+    return out.view("<i4").astype(np.int32)
+
+
+def _check_int(name, value, lo):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return int(value)
+
+
+def _eval_tiles(pattern: Pattern, h: int, bs: int, n: int, qi: np.ndarray, kj: np.ndarray):
+    """bool[P, bs, bs] element masks of tiles (qi, kj); tokens past n are False."""
+    r = np.arange(bs, dtype=np.int64)
+    out = np.empty((qi.size, bs, bs), bool)
+    step = max(1, _CHUNK_ELEMENTS // (bs * bs))
+    for s in range(0, qi.size, step):
+        i = qi[s:s + step, None, None] * bs + r[None, :, None]
+        j = kj[s:s + step, None, None] * bs + r[None, None, :]
+        valid = (i < n) & (j < n)
+        out[s:s + step] = pattern._token(h, np.minimum(i, n - 1), np.minimum(j, n - 1), n) & valid
+    return out
+
+
+def _head_tiles(pattern: Pattern, h: int, bs: int, n: int, mask_ids: dict):
+    """Exact kinds int8[nb, nb] and mask-id int32[nb, nb] (-1 where not partial) of one head."""
+    kinds = np.array(pattern._block_kinds(h, bs, n), dtype=np.int8, copy=True)
+    nb = -(-n // bs)
+    if kinds.shape != (nb, nb):
+        raise AssertionError(f"{pattern!r} returned block kinds of shape {kinds.shape}")
+    mid = np.full((nb, nb), -1, np.int32)
+    qi, kj = np.nonzero(kinds == PARTIAL)
+    if qi.size == 0:
+        return kinds, mid
+    # Evaluate one representative tile per class of identical masks; tiles of the ragged last
+    # row/column (different valid region) and patterns with no known classes go one by one.
+    classes = pattern._tile_classes(h, bs, n, qi.astype(np.int64), kj.astype(np.int64))
+    if classes is None:
+        cls = np.arange(qi.size, dtype=np.int64)
+    else:
+        cls = np.asarray(classes, np.int64)
+        ragged = ((qi == nb - 1) | (kj == nb - 1)) & (n % bs != 0)
+        cls = np.where(ragged, cls.max(initial=0) + 1 + np.arange(qi.size), cls)
+    _, rep, inverse = np.unique(cls, return_index=True, return_inverse=True)
+    tiles = _eval_tiles(pattern, h, bs, n, qi[rep], kj[rep])
+    valid_rows = np.minimum(n - qi[rep] * bs, bs)
+    valid_cols = np.minimum(n - kj[rep] * bs, bs)
+    allowed = tiles.sum(axis=(1, 2))
+    n_valid = valid_rows * valid_cols
+    # Re-classify exactly: the structure may only have said "maybe".
+    rep_kind = np.where(allowed == n_valid, FULL, np.where(allowed == 0, EMPTY, PARTIAL))
+    kinds[qi, kj] = rep_kind[inverse]
+    rep_id = np.full(rep.size, -1, np.int32)
+    packed = _pack(tiles)
+    for t in np.nonzero(rep_kind == PARTIAL)[0]:
+        rep_id[t] = mask_ids.setdefault(packed[t].tobytes(), len(mask_ids))
+    mid[qi, kj] = rep_id[inverse]
+    return kinds, mid
+
+
+def _ell(kinds: np.ndarray, mid: np.ndarray):
+    """Row lists of one head: partial tiles first, then full tiles, each ascending."""
+    nb = kinds.shape[0]
+    part = kinds == PARTIAL
+    full = kinds == FULL
+    n_part = part.sum(1).astype(np.int32)
+    count = (n_part + full.sum(1)).astype(np.int32)
+    width = max(1, int(count.max(initial=0)))
+    index = np.zeros((nb, width), np.int32)
+    mask_id = np.full((nb, width), -1, np.int32)
+    for sel, base in ((part, np.zeros(nb, np.int32)), (full, n_part)):
+        rows, cols = np.nonzero(sel)
+        first = np.searchsorted(rows, np.arange(nb))
+        pos = np.arange(rows.size) - first[rows] + base[rows]
+        index[rows, pos] = cols
+        mask_id[rows, pos] = mid[rows, cols]
+    return count, n_part, index, mask_id
+
+
+def _stack_padded(arrays, fill):
+    width = max(a.shape[-1] for a in arrays)
+    out = np.full((len(arrays), arrays[0].shape[0], width), fill, np.int32)
+    for h, a in enumerate(arrays):
+        out[h, :, : a.shape[-1]] = a
+    return out
+
+
+def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
+                block_size: int = 64) -> BlockLayout:
+    """Build the :class:`BlockLayout` of ``pattern`` for ``seq_len`` tokens and ``num_heads``.
+
+    Cost is O(H' * nb^2) for the tile classification (``H'`` distinct head masks, ``nb`` tiles
+    per side) plus O(bs^2) per partial tile; no N x N array is ever built.
+
+    >>> from sparsetp.core import patterns as P
+    >>> make_layout(P.local(64, 0), seq_len=200, num_heads=1, block_size=64).q_count.tolist()
+    [[1, 2, 2, 2]]
+    """
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a sparsetp Pattern, got {type(pattern).__name__}")
+    seq_len = _check_int("seq_len", seq_len, 1)
+    num_heads = _check_int("num_heads", num_heads, 1)
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+    pattern._validate(seq_len)
+    mask_ids: dict[bytes, int] = {}
+    by_key: dict = {}
+    per_head = []
+    for h in range(num_heads):
+        key = pattern.head_key(h)
+        if key not in by_key:
+            kinds, mid = _head_tiles(pattern, h, block_size, seq_len, mask_ids)
+            by_key[key] = (kinds, mid, _ell(kinds, mid), _ell(kinds.T, mid.T))
+        per_head.append(by_key[key])
+    w = _words(block_size)
+    if mask_ids:
+        masks = np.frombuffer(b"".join(mask_ids), dtype="<i4").astype(np.int32)
+        masks = masks.reshape(len(mask_ids), block_size, w)
+    else:  # a valid pointer for kernels that never read it
+        masks = np.zeros((1, block_size, w), np.int32)
+    return BlockLayout(
+        pattern=pattern, seq_len=seq_len, num_heads=num_heads, block_size=block_size,
+        block_mask=np.stack([p[0] for p in per_head]),
+        q_count=np.stack([p[2][0] for p in per_head]),
+        q_partial=np.stack([p[2][1] for p in per_head]),
+        q_index=_stack_padded([p[2][2] for p in per_head], 0),
+        q_mask_id=_stack_padded([p[2][3] for p in per_head], -1),
+        k_count=np.stack([p[3][0] for p in per_head]),
+        k_partial=np.stack([p[3][1] for p in per_head]),
+        k_index=_stack_padded([p[3][2] for p in per_head], 0),
+        k_mask_id=_stack_padded([p[3][3] for p in per_head], -1),
+        masks=masks,
+    )

@@ -1,0 +1,646 @@
+"""The pattern vocabulary: which query token may attend to which key token.
+
+A pattern is an immutable value. For head ``h``, query token ``i`` and key token ``j``
+(0-based, self-attention, sequence length ``n``) it decides whether ``i`` may attend to ``j``.
+Patterns compose with ``|`` (union) and ``&`` (intersection) and :func:`per_head`.
+
+Every pattern answers two questions, both vectorised with numpy and never over an N x N grid:
+
+* ``token_mask(h, i, j, n)``: the token-level truth for broadcastable index arrays ``i``, ``j``.
+* ``_block_kinds(h, block_size, n)``: a *structural* classification of every
+  ``block_size x block_size`` tile: 0 surely empty, 2 surely full, 1 "maybe" (partial, or not
+  provable from the structure alone). :func:`sparsetp.core.layout.make_layout` evaluates
+  ``token_mask`` only inside the "maybe" tiles and re-classifies them exactly, so the
+  structure only has to be *sound*, not tight; it is tight for every built-in constructor.
+
+Tokens at or past ``n`` never count: a tile is "full" when every *valid* pair in it is allowed.
+
+Example::
+
+    >>> from sparsetp.core import patterns as P
+    >>> p = P.strided(16, 64) & P.causal() | P.local(127, 0)
+    >>> bool(p.token_mask(0, 130, 64, n=256))
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Hashable, Sequence
+
+import numpy as np
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+__all__ = [
+    "Pattern", "dense", "causal", "local", "block_diagonal", "fixed", "strided", "random_blocks",
+    "global_tokens", "block_local", "bigbird", "longformer", "per_head", "EMPTY", "PARTIAL", "FULL",
+]
+
+
+def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    lo = 0 if allow_zero else 1
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return int(value)
+
+
+def _tile_bounds(block_size: int, n: int):
+    """First and last valid token of every tile: (lo[nb], hi[nb]) as int64."""
+    nb = -(-n // block_size)
+    lo = np.arange(nb, dtype=np.int64) * block_size
+    hi = np.minimum(lo + block_size, n) - 1
+    return lo, hi
+
+
+def _band_kinds(dmin, dmax, lo, hi):
+    """Kinds of tiles whose difference d = j - i spans every integer of [dmin, dmax]
+    when the allowed differences are [lo, hi]."""
+    full = (dmin >= lo) & (dmax <= hi)
+    empty = (dmax < lo) | (dmin > hi)
+    return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+
+
+def _vector_kinds(ok: np.ndarray, block_size: int) -> np.ndarray:
+    """Per-tile kind of a predicate of one index only (ok: bool[n])."""
+    n = ok.shape[0]
+    lo, _ = _tile_bounds(block_size, n)
+    allowed = np.add.reduceat(ok.astype(np.int64), lo)
+    valid = np.diff(np.append(lo, n))
+    return np.where(allowed == valid, FULL, np.where(allowed == 0, EMPTY, PARTIAL)).astype(np.int8)
+
+
+def _union_kinds(kinds: Sequence[np.ndarray]) -> np.ndarray:
+    kinds = np.broadcast_arrays(*kinds)
+    full = np.logical_or.reduce([k == FULL for k in kinds])
+    empty = np.logical_and.reduce([k == EMPTY for k in kinds])
+    return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+
+
+def _intersection_kinds(kinds: Sequence[np.ndarray]) -> np.ndarray:
+    kinds = np.broadcast_arrays(*kinds)
+    empty = np.logical_or.reduce([k == EMPTY for k in kinds])
+    full = np.logical_and.reduce([k == FULL for k in kinds])
+    return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+
+
+def _relative_classes(block: int, block_size: int, n: int, qi, kj) -> np.ndarray:
+    """Classes of a predicate of (i // block, j // block, j - i): determined by i0 % block and
+    j0 - i0 (i0, j0 the tiles' first tokens)."""
+    i0, j0 = qi * block_size, kj * block_size
+    return (i0 % block) * (4 * n + 1) + (j0 - i0 + 2 * n)
+
+
+def _parts_classes(parts, h, block_size, n, qi, kj) -> np.ndarray | None:
+    """Classes of a union/intersection: a part whose tile is empty or full contributes a
+    constant (its mask there is known), so only parts that are partial split the classes."""
+    classes = []
+    for p in parts:
+        k = _part(p, h, block_size, n)[qi, kj]
+        c = p._tile_classes(h, block_size, n, qi, kj) if (k == PARTIAL).any() else k
+        if c is None:
+            return None
+        classes.append(np.where(k == PARTIAL, c, -1 - k))
+    return _combine_classes(classes)
+
+
+def _combine_classes(classes) -> np.ndarray | None:
+    out = np.zeros(classes[0].shape, np.int64)
+    for c in classes:
+        _, inv = np.unique(c, return_inverse=True)
+        out = out * (int(inv.max(initial=0)) + 1) + inv.reshape(c.shape)
+        _, out = np.unique(out, return_inverse=True)  # keep ids small: no int64 overflow
+        out = out.reshape(c.shape)
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_kinds(pattern, key, block_size: int, n: int, h: int):
+    """Tile kinds of a part, shared by every head with the same head_key."""
+    out = np.broadcast_to(pattern._block_kinds(h, block_size, n), (-(-n // block_size),) * 2)
+    out.setflags(write=False)
+    return out
+
+
+def _part(pattern, h, block_size, n):
+    return _cached_kinds(pattern, pattern.head_key(h), block_size, n, h)
+
+
+class Pattern:
+    """Base class of all patterns (frozen, slotted dataclasses; equal values hash equal)."""
+
+    __slots__ = ()
+
+    def token_mask(self, h: int, i, j, n: int) -> np.ndarray:
+        """Whether query ``i`` may attend to key ``j`` in head ``h`` of a length-``n`` sequence.
+
+        ``i`` and ``j`` are broadcastable integer arrays (or ints) with ``0 <= i, j < n``.
+        """
+        return self._token(int(h), np.asarray(i, np.int64), np.asarray(j, np.int64), int(n))
+
+    def _token(self, h: int, i: np.ndarray, j: np.ndarray, n: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _block_kinds(self, h: int, block_size: int, n: int) -> np.ndarray:
+        """int8[nb, nb]: EMPTY / FULL where provable from the structure, PARTIAL otherwise."""
+        nb = -(-n // block_size)
+        return np.full((nb, nb), PARTIAL, np.int8)
+
+    def _tile_classes(self, h: int, block_size: int, n: int, qi, kj) -> np.ndarray | None:
+        """int64[P] ids of the tiles ``(qi[p], kj[p])`` such that two *interior* tiles (not in
+        the ragged last row or column) with equal ids have identical element masks; ``None`` if
+        no such structure is known. Lets the layout evaluate one tile per class instead of every
+        partial tile (causal: one diagonal tile instead of nb)."""
+        return None
+
+    def head_key(self, h: int) -> Hashable:
+        """Heads with equal keys have identical masks (lets layouts build each mask once)."""
+        return None
+
+    def _validate(self, seq_len: int) -> None:
+        """Raise ValueError if the pattern cannot be applied to ``seq_len`` tokens."""
+
+    def __or__(self, other: "Pattern") -> "Pattern":
+        return _combine(_Union, self, other)
+
+    def __and__(self, other: "Pattern") -> "Pattern":
+        return _combine(_Intersection, self, other)
+
+    def __bool__(self):
+        raise TypeError(
+            "the truth value of a Pattern is ambiguous: use `a | b` for union and `a & b` for "
+            "intersection, not `or`/`and`")
+
+
+def _combine(cls, a, b):
+    if not isinstance(a, Pattern) or not isinstance(b, Pattern):
+        return NotImplemented
+    parts = []
+    for p in (a, b):
+        parts.extend(p.parts if isinstance(p, cls) else (p,))
+    return cls(tuple(parts))
+
+
+_frozen = functools.partial(dataclasses.dataclass, frozen=True, slots=True)
+
+
+@_frozen
+class Dense(Pattern):
+    def _token(self, h, i, j, n):
+        return np.ones(np.broadcast_shapes(i.shape, j.shape), bool)
+
+    def _block_kinds(self, h, block_size, n):
+        nb = -(-n // block_size)
+        return np.full((nb, nb), FULL, np.int8)
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        return np.zeros(qi.shape, np.int64)
+
+
+@_frozen
+class Local(Pattern):
+    """``i - left <= j <= i + right``; ``left``/``right`` may be ``None`` for unbounded."""
+
+    left: int | None
+    right: int | None
+
+    def __post_init__(self):
+        if self.left is not None:
+            _positive_int("left", self.left, allow_zero=True)
+        if self.right is not None:
+            _positive_int("right", self.right, allow_zero=True)
+
+    def _bounds(self):
+        big = np.iinfo(np.int64).max // 4
+        lo = -big if self.left is None else -self.left
+        hi = big if self.right is None else self.right
+        return lo, hi
+
+    def _token(self, h, i, j, n):
+        lo, hi = self._bounds()
+        d = j - i
+        return (d >= lo) & (d <= hi)
+
+    def _block_kinds(self, h, block_size, n):
+        lo_t, hi_t = _tile_bounds(block_size, n)
+        dmin = lo_t[None, :] - hi_t[:, None]
+        dmax = hi_t[None, :] - lo_t[:, None]
+        return _band_kinds(dmin, dmax, *self._bounds())
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        return kj - qi
+
+
+@_frozen
+class Causal(Local):
+    """``j <= i``."""
+
+    left: int | None = None
+    right: int | None = 0
+
+
+@_frozen
+class BlockDiagonal(Pattern):
+    size: int
+
+    def __post_init__(self):
+        _positive_int("size", self.size)
+
+    def _token(self, h, i, j, n):
+        return (i // self.size) == (j // self.size)
+
+    def _block_kinds(self, h, block_size, n):
+        lo, hi = _tile_bounds(block_size, n)
+        g_lo, g_hi = lo // self.size, hi // self.size
+        # Group ranges of rows and columns are contiguous integer ranges: the tile is full when
+        # both collapse to one equal group, empty when they do not meet.
+        full = (g_lo[:, None] == g_hi[:, None]) & (g_lo[None, :] == g_hi[None, :]) & (
+            g_lo[:, None] == g_lo[None, :])
+        empty = (g_hi[:, None] < g_lo[None, :]) | (g_lo[:, None] > g_hi[None, :])
+        return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        return _relative_classes(self.size, block_size, n, qi, kj)
+
+
+@_frozen
+class _Column(Pattern):
+    """A predicate on the key index alone (used by fixed and strided)."""
+
+    def _col(self, h, j, n):
+        raise NotImplementedError
+
+    def _token(self, h, i, j, n):
+        return np.broadcast_to(self._col(h, j, n), np.broadcast_shapes(i.shape, j.shape))
+
+    def _block_kinds(self, h, block_size, n):
+        col = _vector_kinds(self._col(h, np.arange(n, dtype=np.int64), n), block_size)
+        return np.broadcast_to(col[None, :], (col.shape[0], col.shape[0])).copy()
+
+    def _period(self) -> int | None:
+        return None
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        j0 = kj * block_size
+        return j0 % self._period() if self._period() else j0
+
+
+@_frozen
+class Strided(_Column):
+    """``(j // block + offset + (h if per_head_offset else 0)) % stride == 0``."""
+
+    stride: int
+    block: int
+    offset: int = 0
+    per_head_offset: bool = False
+
+    def __post_init__(self):
+        _positive_int("stride", self.stride)
+        _positive_int("block", self.block)
+        _positive_int("offset", self.offset, allow_zero=True)
+
+    def _shift(self, h):
+        return self.offset + (h if self.per_head_offset else 0)
+
+    def _col(self, h, j, n):
+        return (j // self.block + self._shift(h)) % self.stride == 0
+
+    def _period(self):
+        return self.block * self.stride
+
+    def head_key(self, h):
+        return self._shift(h) % self.stride if self.per_head_offset else None
+
+
+@_frozen
+class _FixedGlobalColumns(_Column):
+    local_size: int
+    global_size: int
+
+    def _col(self, h, j, n):
+        return j % self.local_size >= self.local_size - self.global_size
+
+    def _period(self):
+        return self.local_size
+
+
+@_frozen
+class Fixed(Pattern):
+    """``i // L == j // L  or  j % L >= L - G`` (Sparse Transformer "fixed")."""
+
+    local_size: int
+    global_size: int
+
+    def __post_init__(self):
+        _positive_int("local_size", self.local_size)
+        _positive_int("global_size", self.global_size, allow_zero=True)
+        if self.global_size > self.local_size:
+            raise ValueError(
+                f"global_size must be <= local_size, got {self.global_size} > {self.local_size}")
+
+    def _parts(self):
+        return (BlockDiagonal(self.local_size),
+                _FixedGlobalColumns(self.local_size, self.global_size))
+
+    def _token(self, h, i, j, n):
+        a, b = self._parts()
+        return a._token(h, i, j, n) | b._token(h, i, j, n)
+
+    def _block_kinds(self, h, block_size, n):
+        return _union_kinds([p._block_kinds(h, block_size, n) for p in self._parts()])
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        return _parts_classes(self._parts(), h, block_size, n, qi, kj)
+
+
+@_frozen
+class GlobalTokens(Pattern):
+    """``i < n_global or j < n_global``."""
+
+    n_global: int
+
+    def __post_init__(self):
+        _positive_int("n", self.n_global, allow_zero=True)
+
+    def _token(self, h, i, j, n):
+        return (i < self.n_global) | (j < self.n_global)
+
+    def _block_kinds(self, h, block_size, n):
+        k = _vector_kinds(np.arange(n) < self.n_global, block_size)
+        return _union_kinds([k[:, None], k[None, :]])
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        i0, j0 = qi * block_size, kj * block_size
+        # Tiles wholly past the global tokens on an axis look alike along that axis.
+        return np.where(i0 < self.n_global, i0, -1) * (2 * n + 1) + np.where(
+            j0 < self.n_global, j0, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _random_table(per_row: int, block: int, seed: int, h: int, n: int) -> np.ndarray:
+    """bool[nqb, nkb]: the key blocks each query block of head h attends to.
+
+    Documented order: ``rng = numpy.random.default_rng((seed, h))``; ``keys = rng.random((nqb,
+    nkb))``; query block ``r`` takes the ``per_row`` key blocks with the smallest keys in row ``r``
+    (ties cannot occur in practice; argpartition decides them). One vectorised draw per head keeps
+    layout building fast and the choice identical in every framework.
+    """
+    nblk = -(-n // block)
+    keys = np.random.default_rng((seed, h)).random((nblk, nblk))
+    chosen = np.argpartition(keys, per_row - 1, axis=1)[:, :per_row]
+    table = np.zeros((nblk, nblk), bool)
+    np.put_along_axis(table, chosen, True, axis=1)
+    table.setflags(write=False)
+    return table
+
+
+def _table_kinds(table: np.ndarray, block: int, block_size: int, n: int) -> np.ndarray:
+    """Exact tile kinds of a pattern constant on ``block x block`` cells (prefix sums)."""
+    lo, hi = _tile_bounds(block_size, n)
+    if block % block_size == 0:  # every tile lies inside one cell
+        cell = lo // block
+        return np.where(table[cell[:, None], cell[None, :]], FULL, EMPTY).astype(np.int8)
+    r0, r1 = lo // block, hi // block
+    s = np.zeros((table.shape[0] + 1, table.shape[1] + 1), np.int64)
+    s[1:, 1:] = table.cumsum(0).cumsum(1)
+    c0, c1 = r0, r1
+    count = (s[r1[:, None] + 1, c1[None, :] + 1] - s[r0[:, None], c1[None, :] + 1]
+             - s[r1[:, None] + 1, c0[None, :]] + s[r0[:, None], c0[None, :]])
+    area = (r1 - r0 + 1)[:, None] * (c1 - c0 + 1)[None, :]
+    return np.where(count == area, FULL, np.where(count == 0, EMPTY, PARTIAL)).astype(np.int8)
+
+
+@_frozen
+class RandomBlocks(Pattern):
+    per_row: int
+    block: int
+    seed: int
+
+    def __post_init__(self):
+        _positive_int("per_row", self.per_row)
+        _positive_int("block", self.block)
+        _positive_int("seed", self.seed, allow_zero=True)
+
+    def _validate(self, seq_len):
+        nblk = -(-seq_len // self.block)
+        if self.per_row > nblk:
+            raise ValueError(
+                f"per_row={self.per_row} is larger than the number of key blocks "
+                f"({nblk} blocks of {self.block} tokens for seq_len={seq_len})")
+
+    def table(self, h: int, n: int) -> np.ndarray:
+        self._validate(n)
+        return _random_table(self.per_row, self.block, self.seed, int(h), int(n))
+
+    def _token(self, h, i, j, n):
+        return self.table(h, n)[i // self.block, j // self.block]
+
+    def _block_kinds(self, h, block_size, n):
+        return _table_kinds(self.table(h, n), self.block, block_size, n)
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        # A tile covering c x c whole cells is classed by the bits of those cells.
+        c = block_size // self.block
+        if block_size % self.block or c * c > 62:
+            return None
+        table = self.table(h, n)
+        a = np.arange(c)
+        rows = np.minimum(qi[:, None, None] * c + a[None, :, None], table.shape[0] - 1)
+        cols = np.minimum(kj[:, None, None] * c + a[None, None, :], table.shape[1] - 1)
+        bits = table[rows, cols].reshape(qi.size, c * c).astype(np.int64)
+        return bits @ (np.int64(1) << np.arange(c * c, dtype=np.int64))
+
+    def head_key(self, h):
+        return h
+
+
+@_frozen
+class BlockLocal(Pattern):
+    """``i // block - left_blocks <= j // block <= i // block + right_blocks``."""
+
+    block: int
+    left_blocks: int
+    right_blocks: int
+
+    def __post_init__(self):
+        _positive_int("block", self.block)
+        _positive_int("left_blocks", self.left_blocks, allow_zero=True)
+        _positive_int("right_blocks", self.right_blocks, allow_zero=True)
+
+    def _token(self, h, i, j, n):
+        d = j // self.block - i // self.block
+        return (d >= -self.left_blocks) & (d <= self.right_blocks)
+
+    def _block_kinds(self, h, block_size, n):
+        lo, hi = _tile_bounds(block_size, n)
+        r0, r1 = lo // self.block, hi // self.block
+        return _band_kinds(r0[None, :] - r1[:, None], r1[None, :] - r0[:, None],
+                           -self.left_blocks, self.right_blocks)
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        return _relative_classes(self.block, block_size, n, qi, kj)
+
+
+@_frozen
+class _Union(Pattern):
+    parts: tuple
+
+    def _token(self, h, i, j, n):
+        return np.logical_or.reduce([p._token(h, i, j, n) for p in self.parts])
+
+    def _block_kinds(self, h, block_size, n):
+        return _union_kinds([_part(p, h, block_size, n) for p in self.parts])
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        return _parts_classes(self.parts, h, block_size, n, qi, kj)
+
+    def head_key(self, h):
+        return tuple(p.head_key(h) for p in self.parts)
+
+    def _validate(self, seq_len):
+        for p in self.parts:
+            p._validate(seq_len)
+
+
+@_frozen
+class _Intersection(_Union):
+    def _token(self, h, i, j, n):
+        return np.logical_and.reduce([p._token(h, i, j, n) for p in self.parts])
+
+    def _block_kinds(self, h, block_size, n):
+        return _intersection_kinds([_part(p, h, block_size, n) for p in self.parts])
+
+
+@_frozen
+class PerHead(Pattern):
+    """Head ``h`` uses ``patterns[h % len(patterns)]`` (which still sees the true ``h``)."""
+
+    patterns: tuple
+
+    def __post_init__(self):
+        if len(self.patterns) == 0:
+            raise ValueError("patterns must not be empty")
+        for p in self.patterns:
+            if not isinstance(p, Pattern):
+                raise ValueError(f"patterns must hold Pattern values, got {p!r}")
+
+    def _pick(self, h):
+        return self.patterns[h % len(self.patterns)]
+
+    def _token(self, h, i, j, n):
+        return self._pick(h)._token(h, i, j, n)
+
+    def _block_kinds(self, h, block_size, n):
+        return self._pick(h)._block_kinds(h, block_size, n)
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        return self._pick(h)._tile_classes(h, block_size, n, qi, kj)
+
+    def head_key(self, h):
+        return (h % len(self.patterns), self._pick(h).head_key(h))
+
+    def _validate(self, seq_len):
+        for p in self.patterns:
+            p._validate(seq_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public constructors (pure functions returning frozen values).
+
+
+def dense() -> Pattern:
+    """Every query attends to every key."""
+    return Dense()
+
+
+def causal() -> Pattern:
+    """``j <= i``."""
+    return Causal()
+
+
+def local(left: int, right: int) -> Pattern:
+    """Sliding window ``i - left <= j <= i + right``; ``local(w, 0)`` is a causal window.
+
+    >>> bool(local(2, 0).token_mask(0, 5, 3, n=8))
+    True
+    """
+    return Local(left, right)
+
+
+def block_diagonal(size: int) -> Pattern:
+    """``i // size == j // size``."""
+    return BlockDiagonal(size)
+
+
+def fixed(local_size: int, global_size: int) -> Pattern:
+    """Sparse Transformer / DeepSpeed "fixed": ``i // L == j // L or j % L >= L - G``."""
+    return Fixed(local_size, global_size)
+
+
+def strided(stride: int, block: int, offset: int = 0, per_head_offset: bool = False) -> Pattern:
+    """Vertical stride: ``(j // block + offset + (h if per_head_offset else 0)) % stride == 0``.
+
+    >>> p = strided(16, 64) & causal()   # every 16th key block, causally
+    """
+    return Strided(stride, block, offset, per_head_offset)
+
+
+def random_blocks(per_row: int, block: int, seed: int) -> Pattern:
+    """``per_row`` distinct random key blocks (of ``block`` tokens) per query block and head.
+
+    Head ``h`` draws with ``numpy.random.default_rng((seed, h))``: ``keys = rng.random((nb, nb))``
+    with ``nb = ceil(seq_len / block)``, and query block ``r`` takes the ``per_row`` key blocks
+    with the smallest ``keys[r]``. The choice depends on ``seq_len`` (it sets ``nb``) and on
+    nothing else: no global RNG, no framework RNG, so every backend sees the same blocks.
+    """
+    return RandomBlocks(per_row, block, seed)
+
+
+def global_tokens(n: int) -> Pattern:
+    """Longformer/BigBird global tokens: ``i < n or j < n``."""
+    return GlobalTokens(n)
+
+
+def block_local(block: int, left_blocks: int, right_blocks: int) -> Pattern:
+    """Block-aligned band: ``i//block - left_blocks <= j//block <= i//block + right_blocks``."""
+    return BlockLocal(block, left_blocks, right_blocks)
+
+
+def bigbird(block: int, window_blocks: int, global_blocks: int, random_per_row: int,
+            seed: int) -> Pattern:
+    """BigBird = ``block_local(block, w // 2, w // 2) | global_tokens(global_blocks * block)
+    | random_blocks(random_per_row, block, seed)`` with ``w = window_blocks`` (odd: 3 means the
+    query's own block and one on each side). Random blocks may coincide with window or global
+    blocks (the union is what counts); ``random_per_row=0`` drops the random part.
+
+    >>> p = bigbird(64, 3, 1, 2, seed=0)
+    """
+    _positive_int("window_blocks", window_blocks)
+    if window_blocks % 2 == 0:
+        raise ValueError(f"window_blocks must be odd (centred on the query block), got "
+                         f"{window_blocks}")
+    _positive_int("global_blocks", global_blocks, allow_zero=True)
+    _positive_int("random_per_row", random_per_row, allow_zero=True)
+    p = block_local(block, window_blocks // 2, window_blocks // 2)
+    if global_blocks:
+        p = p | global_tokens(global_blocks * block)
+    if random_per_row:
+        p = p | random_blocks(random_per_row, block, seed)
+    return p
+
+
+def longformer(window: int, global_n: int) -> Pattern:
+    """Longformer = ``local(window // 2, window // 2) | global_tokens(global_n)``."""
+    _positive_int("window", window, allow_zero=True)
+    return local(window // 2, window // 2) | global_tokens(global_n)
+
+
+def per_head(patterns: Sequence[Pattern]) -> Pattern:
+    """Head ``h`` uses ``patterns[h % len(patterns)]``.
+
+    >>> p = per_head([causal(), local(64, 0)])
+    """
+    return PerHead(tuple(patterns))
