@@ -9,7 +9,7 @@ means a sensible pattern at any size (windows and strides scale with the block s
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from sparsetp.core import patterns as P
 

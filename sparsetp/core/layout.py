@@ -26,7 +26,7 @@ the tile as seen query-major, i.e. rows are queries).
     of arbitrary patterns reach the kernel through one mechanism, the kernel has one code path,
     and its cost (one gathered int32 load and a shift per element of a *partial* tile only) is
     paid only where a mask is needed. Bits of tokens past ``seq_len`` are 0; kernels must still
-    bound their loads by ``seq_len``, because full tiles of the ragged last row/column carry no mask.
+    bound their loads by ``seq_len``: full tiles of the ragged last row/column carry no mask.
 
 All metadata arrays have shapes that depend only on (heads, tiles, widest row, distinct masks),
 never on values, so a frontend can pass them to a kernel as tensors: a new pattern with the same
@@ -126,13 +126,13 @@ class BlockLayout:
         full = self.block_mask == FULL
         view[:] = full[:, :, None, :, None]
         hh, ii = np.nonzero(self.q_partial > 0)
-        for h, i in zip(hh, ii):
+        for h, i in zip(hh, ii, strict=True):
             for k in range(self.q_partial[h, i]):
                 view[h, i, :, self.q_index[h, i, k], :] = _unpack(
                     self.masks[self.q_mask_id[h, i, k]], bs)
         return out[:, :n, :n].copy()
 
-    def heads(self, start: int, stop: int) -> "BlockLayout":
+    def heads(self, start: int, stop: int) -> BlockLayout:
         """The layout of heads ``[start, stop)`` (what one tensor-parallel rank holds).
 
         Equal to building the layout for those heads alone, except that list widths and the

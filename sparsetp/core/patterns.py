@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -103,7 +103,8 @@ def _parts_classes(parts, h, block_size, n, qi, kj) -> np.ndarray | None:
         c = p._tile_classes(h, block_size, n, qi, kj) if (k == PARTIAL).any() else k
         if c is None:
             return None
-        classes.append(np.where(k == PARTIAL, c, -1 - k))
+        # Pair (kind, class): a class id may take any value, so no sentinel could be safe.
+        classes += [k.astype(np.int64), np.where(k == PARTIAL, c, 0)]
     return _combine_classes(classes)
 
 
@@ -163,10 +164,10 @@ class Pattern:
     def _validate(self, seq_len: int) -> None:
         """Raise ValueError if the pattern cannot be applied to ``seq_len`` tokens."""
 
-    def __or__(self, other: "Pattern") -> "Pattern":
+    def __or__(self, other: Pattern) -> Pattern:
         return _combine(_Union, self, other)
 
-    def __and__(self, other: "Pattern") -> "Pattern":
+    def __and__(self, other: Pattern) -> Pattern:
         return _combine(_Intersection, self, other)
 
     def __bool__(self):
@@ -180,7 +181,7 @@ def _combine(cls, a, b):
         return NotImplemented
     parts = []
     for p in (a, b):
-        parts.extend(p.parts if isinstance(p, cls) else (p,))
+        parts.extend(p.parts if type(p) is cls else (p,))  # not isinstance: & subclasses |
     return cls(tuple(parts))
 
 

@@ -1,0 +1,262 @@
+"""Spec layer: patterns mean exactly their documented token-level rule; layouts agree with them."""
+
+import itertools
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from sparsetp.core import make_layout
+from sparsetp.core import patterns as P
+from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
+
+
+def _random_spec(per_row, block, seed):
+    """Independent re-statement of random_blocks' documented draw."""
+    def spec(h, i, j, n):
+        nb = -(-n // block)
+        keys = np.random.default_rng((seed, h)).random((nb, nb))
+        table = np.zeros((nb, nb), bool)
+        for r in range(nb):
+            table[r, np.argsort(keys[r], kind="stable")[:per_row]] = True
+        return table[i // block, j // block]
+    return spec
+
+
+# (pattern, independent token-level rule written from the issue's text).
+SPECS = {
+    "dense": (P.dense(), lambda h, i, j, n: np.ones_like(i + j, bool)),
+    "causal": (P.causal(), lambda h, i, j, n: j <= i),
+    "local": (P.local(5, 2), lambda h, i, j, n: (i - 5 <= j) & (j <= i + 2)),
+    "local_causal_window": (P.local(7, 0), lambda h, i, j, n: (i - 7 <= j) & (j <= i)),
+    "block_diagonal": (P.block_diagonal(12), lambda h, i, j, n: i // 12 == j // 12),
+    "fixed": (P.fixed(16, 4), lambda h, i, j, n: (i // 16 == j // 16) | (j % 16 >= 12)),
+    "strided": (P.strided(3, 8, offset=1),
+                lambda h, i, j, n: (j // 8 + 1) % 3 == 0),
+    "strided_per_head": (P.strided(4, 8, offset=1, per_head_offset=True),
+                         lambda h, i, j, n: (j // 8 + 1 + h) % 4 == 0),
+    "random": (P.random_blocks(2, 16, seed=5), _random_spec(2, 16, 5)),
+    "global": (P.global_tokens(6), lambda h, i, j, n: (i < 6) | (j < 6)),
+    "block_local": (P.block_local(8, 1, 2),
+                    lambda h, i, j, n: (i // 8 - 1 <= j // 8) & (j // 8 <= i // 8 + 2)),
+    "bigbird": (P.bigbird(16, 3, 1, 1, seed=2),
+                lambda h, i, j, n: (np.abs(i // 16 - j // 16) <= 1) | (i < 16) | (j < 16)
+                | _random_spec(1, 16, 2)(h, i, j, n)),
+    "longformer": (P.longformer(10, 3),
+                   lambda h, i, j, n: (np.abs(i - j) <= 5) | (i < 3) | (j < 3)),
+    "strided_and_causal": (P.strided(4, 16) & P.causal(),
+                           lambda h, i, j, n: ((j // 16) % 4 == 0) & (j <= i)),
+    "union": (P.local(3, 0) | P.strided(5, 4),
+              lambda h, i, j, n: ((i - 3 <= j) & (j <= i)) | ((j // 4) % 5 == 0)),
+    "per_head": (P.per_head([P.causal(), P.local(4, 4), P.strided(2, 8, per_head_offset=True)]),
+                 lambda h, i, j, n: [j <= i, np.abs(i - j) <= 4,
+                                     (j // 8 + h) % 2 == 0][h % 3]),
+}
+
+
+def _token_truth(spec, heads, n):
+    i = np.arange(n)[:, None]
+    j = np.arange(n)[None, :]
+    return np.stack([np.broadcast_to(spec(h, i, j, n), (n, n)) for h in range(heads)])
+
+
+def _check_layout(test, lay, truth):
+    """block_mask, the CSR/CSC lists and the bitmasks all agree with the token-level truth."""
+    h_n, n, bs = lay.num_heads, lay.seq_len, lay.block_size
+    np.testing.assert_array_equal(lay.dense_mask(), truth)
+    nb = lay.num_blocks
+    pad = np.zeros((h_n, nb * bs, nb * bs), bool)
+    valid = np.zeros_like(pad)
+    pad[:, :n, :n] = truth
+    valid[:, :n, :n] = True
+    allowed = pad.reshape(h_n, nb, bs, nb, bs).sum((2, 4))
+    n_valid = valid.reshape(h_n, nb, bs, nb, bs).sum((2, 4))
+    expect = np.where(allowed == 0, 0, np.where(allowed == n_valid, 2, 1))
+    np.testing.assert_array_equal(lay.block_mask, expect)
+    for h, r in itertools.product(range(h_n), range(nb)):
+        q_list = lay.q_index[h, r, : lay.q_count[h, r]]
+        np.testing.assert_array_equal(np.sort(q_list), np.nonzero(expect[h, r])[0])
+        npart = lay.q_partial[h, r]
+        test.assertTrue((expect[h, r, q_list[:npart]] == 1).all())
+        test.assertTrue((expect[h, r, q_list[npart:]] == 2).all())
+        test.assertTrue((lay.q_mask_id[h, r, :npart] >= 0).all())
+        test.assertTrue((lay.q_mask_id[h, r, npart:] == -1).all())
+        k_list = lay.k_index[h, r, : lay.k_count[h, r]]
+        np.testing.assert_array_equal(np.sort(k_list), np.nonzero(expect[h, :, r])[0])
+        kpart = lay.k_partial[h, r]
+        test.assertTrue((expect[h, k_list[:kpart], r] == 1).all())
+        test.assertTrue((expect[h, k_list[kpart:], r] == 2).all())
+        # The key-major mask ids name the same bitmask as the query-major view of that tile.
+        for t in range(kpart):
+            qi = k_list[t]
+            slot = np.nonzero(lay.q_index[h, qi, : lay.q_partial[h, qi]] == r)[0]
+            test.assertLen(slot, 1)
+            test.assertEqual(lay.k_mask_id[h, r, t], lay.q_mask_id[h, qi, slot[0]])
+
+
+class PatternTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        (f"{name}_n{n}_bs{bs}", name, n, bs)
+        for name, (n, bs) in itertools.product(SPECS, [(64, 16), (100, 32), (37, 16), (130, 64)]))
+    def test_layout_matches_token_rule(self, name, n, bs):
+        pattern, spec = SPECS[name]
+        heads = 3
+        if name in ("random", "bigbird") and n < 32:
+            n = 40  # random_blocks needs per_row <= number of key blocks
+        lay = make_layout(pattern, n, heads, bs)
+        truth = _token_truth(spec, heads, n)
+        np.testing.assert_array_equal(
+            np.stack([pattern.token_mask(h, np.arange(n)[:, None], np.arange(n)[None], n)
+                      for h in range(heads)]), truth)
+        _check_layout(self, lay, truth)
+
+    def test_random_shapes_and_combinations(self):
+        rng = np.random.default_rng(0)
+        names = list(SPECS)
+        for _ in range(25):
+            a, b = rng.choice(names, 2)
+            op = rng.integers(2)
+            (pa, sa), (pb, sb) = SPECS[a], SPECS[b]
+            pattern = (pa | pb) if op else (pa & pb)
+            spec = ((lambda h, i, j, n, sa=sa, sb=sb: sa(h, i, j, n) | sb(h, i, j, n)) if op
+                    else (lambda h, i, j, n, sa=sa, sb=sb: sa(h, i, j, n) & sb(h, i, j, n)))
+            n = int(rng.integers(33, 200))
+            bs = int(rng.choice([16, 32, 64, 128]))
+            heads = int(rng.integers(1, 5))
+            with self.subTest(a=a, b=b, op=op, n=n, bs=bs, heads=heads):
+                _check_layout(self, make_layout(pattern, n, heads, bs),
+                              _token_truth(spec, heads, n))
+
+    def test_literal_block_masks(self):
+        # 4 tiles of 16 tokens each (N = 64), one head.
+        def bm(p, n=64, bs=16):
+            return make_layout(p, n, 1, bs).block_mask[0].tolist()
+
+        self.assertEqual(bm(P.dense()), [[2] * 4] * 4)
+        self.assertEqual(bm(P.causal()), [[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [2, 2, 2, 1]])
+        self.assertEqual(bm(P.local(16, 0)),
+                         [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]])
+        self.assertEqual(bm(P.block_diagonal(32)),
+                         [[2, 2, 0, 0], [2, 2, 0, 0], [0, 0, 2, 2], [0, 0, 2, 2]])
+        self.assertEqual(bm(P.fixed(32, 16)),
+                         [[2, 2, 0, 2], [2, 2, 0, 2], [0, 2, 2, 2], [0, 2, 2, 2]])
+        self.assertEqual(bm(P.strided(2, 16, offset=1)), [[0, 2, 0, 2]] * 4)
+        self.assertEqual(bm(P.global_tokens(8)),
+                         [[1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]])
+        self.assertEqual(bm(P.block_local(16, 1, 0)),
+                         [[2, 0, 0, 0], [2, 2, 0, 0], [0, 2, 2, 0], [0, 0, 2, 2]])
+        self.assertEqual(bm(P.strided(2, 16) & P.causal()),
+                         [[1, 0, 0, 0], [2, 0, 0, 0], [2, 0, 1, 0], [2, 0, 2, 0]])
+        self.assertEqual(bm(P.strided(2, 16) | P.causal()),
+                         [[2, 0, 2, 0], [2, 1, 2, 0], [2, 2, 2, 0], [2, 2, 2, 1]])
+        self.assertEqual(bm(P.longformer(32, 16)),
+                         [[2, 2, 2, 2], [2, 2, 1, 0], [2, 1, 2, 1], [2, 0, 1, 2]])
+        self.assertEqual(
+            make_layout(P.per_head([P.causal(), P.block_diagonal(32)]), 64, 2, 16)
+            .block_mask[:, 0].tolist(), [[1, 0, 0, 0], [2, 2, 0, 0]])
+        # Ragged: 40 tokens in tiles of 16; the last tile has 8 valid rows/cols.
+        self.assertEqual(bm(P.causal(), n=40), [[1, 0, 0], [2, 1, 0], [2, 2, 1]])
+        self.assertEqual(bm(P.dense(), n=40), [[2] * 3] * 3)
+        self.assertEqual(bm(P.local(23, 0), n=40), [[1, 0, 0], [1, 1, 0], [1, 2, 1]])
+        # Random: per_row=1 of 4 blocks, every row exactly one full tile.
+        rnd = np.array(bm(P.random_blocks(1, 16, seed=0)))
+        self.assertEqual(sorted(set(rnd.ravel().tolist())), [0, 2])
+        self.assertEqual((rnd == 2).sum(1).tolist(), [1, 1, 1, 1])
+
+    def test_masks_are_deduplicated(self):
+        lay = make_layout(P.causal(), 1024, 8, 64)
+        self.assertEqual(lay.masks.shape, (1, 64, 2))  # one diagonal mask for all tiles/heads
+        lay = make_layout(P.causal(), 1000, 2, 64)      # + the ragged last diagonal tile
+        self.assertEqual(lay.masks.shape[0], 2)
+
+    def test_heads_slice_equals_layout_of_those_heads(self):
+        for name in ("strided_per_head", "random", "per_head", "bigbird"):
+            pattern, _ = SPECS[name]
+            full = make_layout(pattern, 96, 6, 16)
+            for a, b in [(0, 2), (2, 4), (3, 6), (5, 6)]:
+                part = full.heads(a, b)
+                np.testing.assert_array_equal(part.dense_mask(), full.dense_mask()[a:b])
+                np.testing.assert_array_equal(part.block_mask, full.block_mask[a:b])
+                # ...and equal to building the sliced pattern alone.
+                alone = make_layout(part.pattern, 96, b - a, 16)
+                np.testing.assert_array_equal(alone.dense_mask(), part.dense_mask())
+                np.testing.assert_array_equal(alone.block_mask, part.block_mask)
+                for nm in ("q_count", "q_partial", "k_count", "k_partial"):
+                    np.testing.assert_array_equal(getattr(alone, nm), getattr(part, nm))
+        with self.assertRaisesRegex(ValueError, "heads"):
+            full.heads(4, 2)
+
+    def test_density_and_metadata_dtypes(self):
+        lay = make_layout(P.causal(), 256, 2, 64)
+        self.assertAlmostEqual(lay.density, 10 / 16)
+        for name, arr in lay.metadata().items():
+            self.assertEqual(arr.dtype, np.int32, name)
+            self.assertFalse(arr.flags.writeable, name)
+
+    def test_examples_registry_builds(self):
+        for name in EXAMPLE_PATTERNS:
+            for n, bs in [(256, 64), (200, 32), (97, 16)]:
+                lay = make_layout(example_pattern(name, n, bs), n, 4, bs)
+                self.assertEqual(lay.block_mask.shape, (4, -(-n // bs), -(-n // bs)))
+        lay = make_layout(example_pattern("masked_rows", 128, 32), 128, 1, 32)
+        rows = lay.dense_mask()[0].any(-1)
+        self.assertFalse(rows[:32].any())
+        self.assertTrue(rows[32:].all())
+        with self.assertRaisesRegex(ValueError, "unknown pattern name"):
+            example_pattern("nope", 64, 16)
+
+    def test_large_layout_builds_without_dense_arrays(self):
+        # The build-time benchmark lives in benchmarks/layout_build.py; here only correctness of
+        # a long sequence: causal at N = 131072 lists nb*(nb+1)/2 tiles per head.
+        lay = make_layout(P.causal(), 131072, 2, 128)
+        nb = 1024
+        self.assertEqual(int(lay.q_count[0].sum()), nb * (nb + 1) // 2)
+        self.assertEqual(int(lay.q_partial.sum()), 2 * nb)
+
+
+class ValueSemanticsTest(absltest.TestCase):
+    def test_equality_and_hash(self):
+        self.assertEqual(P.local(3, 2), P.local(3, 2))
+        self.assertEqual(hash(P.bigbird(64, 3, 1, 2, 0)), hash(P.bigbird(64, 3, 1, 2, 0)))
+        self.assertNotEqual(P.local(3, 2), P.local(2, 3))
+        self.assertEqual(P.causal() | P.dense(), P.causal() | P.dense())
+        self.assertEqual(len({P.causal(), P.causal(), P.dense()}), 2)
+
+    def test_bool_raises(self):
+        with self.assertRaisesRegex(TypeError, "ambiguous"):
+            bool(P.causal())
+        with self.assertRaisesRegex(TypeError, "ambiguous"):
+            _ = P.causal() and P.dense()
+
+    def test_frozen(self):
+        p = P.local(3, 2)
+        with self.assertRaises(AttributeError):
+            p.left = 5
+
+    def test_bad_input(self):
+        cases = [
+            (lambda: P.local(-1, 0), "left"),
+            (lambda: P.local(0, -2), "right"),
+            (lambda: P.block_diagonal(0), "size"),
+            (lambda: P.fixed(0, 0), "local_size"),
+            (lambda: P.fixed(8, 9), "global_size"),
+            (lambda: P.strided(0, 8), "stride"),
+            (lambda: P.strided(2, -8), "block"),
+            (lambda: P.random_blocks(0, 8, 0), "per_row"),
+            (lambda: P.global_tokens(-1), "n"),
+            (lambda: P.bigbird(64, 2, 1, 1, 0), "window_blocks"),
+            (lambda: P.per_head([]), "patterns"),
+            (lambda: make_layout(P.causal(), 64, 1, 48), "block_size"),
+            (lambda: make_layout(P.causal(), 0, 1, 16), "seq_len"),
+            (lambda: make_layout(P.causal(), 64, 0, 16), "num_heads"),
+            (lambda: make_layout("causal", 64, 1, 16), "pattern"),
+            (lambda: make_layout(P.random_blocks(5, 16, 0), 64, 1, 16), "per_row"),
+            (lambda: make_layout(P.causal() | P.random_blocks(5, 16, 0), 64, 1, 16), "per_row"),
+        ]
+        for fn, name in cases:
+            with self.subTest(name=name):
+                with self.assertRaisesRegex(ValueError, name):
+                    fn()
+
+
+if __name__ == "__main__":
+    absltest.main()
