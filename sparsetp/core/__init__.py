@@ -4,6 +4,22 @@ Imports numpy and the standard library only (never torch or jax), so both fronte
 """
 
 from sparsetp.core import patterns
+from sparsetp.core.config import (
+    DTYPES,
+    PARAM_NAMES,
+    HybridConfig,
+    check_tp_size,
+    init_params,
+    param_shapes,
+    partition_dim,
+    shard_param,
+    shard_params,
+    unshard_param,
+)
 from sparsetp.core.layout import SUPPORTED_BLOCK_SIZES, BlockLayout, make_layout
 
-__all__ = ["patterns", "BlockLayout", "make_layout", "SUPPORTED_BLOCK_SIZES"]
+__all__ = [
+    "patterns", "BlockLayout", "make_layout", "SUPPORTED_BLOCK_SIZES",
+    "HybridConfig", "DTYPES", "PARAM_NAMES", "param_shapes", "init_params", "partition_dim",
+    "check_tp_size", "shard_param", "shard_params", "unshard_param",
+]

@@ -74,3 +74,183 @@ def attention_grad(q, k, v, layout: BlockLayout, d_out, scale: float | None = No
     dq = np.einsum("bhnm,bhmd->bhnd", ds, k)
     dk = np.einsum("bhnm,bhnd->bhmd", ds, q)
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid block oracle: layer norm, GELU (tanh), MLP and the pre-norm block, forward and a
+# hand-written backward (checked against finite differences in tests/reference_test.py).
+
+__all__ += ["layer_norm", "layer_norm_grad", "gelu_tanh", "gelu_tanh_grad", "mlp", "mlp_grad",
+            "hybrid_block", "hybrid_block_grad"]
+
+_GELU_C = np.sqrt(2.0 / np.pi)  # GELU tanh approximation: 0.5 x (1 + tanh(c (x + a x^3)))
+_GELU_A = 0.044715
+
+
+def layer_norm(x, weight, bias, eps: float = 1e-5):
+    """Layer norm over the last dim (biased variance, like torch and flax): float64."""
+    x, weight, bias = _f64(x, weight, bias)
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * weight + bias
+
+
+def layer_norm_grad(x, weight, eps, dy):
+    """``(dx, dweight, dbias)`` of ``layer_norm(x, weight, bias, eps)`` for cotangent ``dy``."""
+    x, weight, dy = _f64(x, weight, dy)
+    mu = x.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps)
+    xhat = (x - mu) * rstd
+    red = tuple(range(x.ndim - 1))
+    dweight = (dy * xhat).sum(red)
+    dbias = dy.sum(red)
+    g = dy * weight
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx, dweight, dbias
+
+
+def gelu_tanh(x):
+    """GELU, tanh approximation (``torch.nn.functional.gelu(approximate="tanh")``)."""
+    (x,) = _f64(x)
+    return 0.5 * x * (1.0 + np.tanh(_GELU_C * (x + _GELU_A * x ** 3)))
+
+
+def gelu_tanh_grad(x, dy):
+    """``dy * gelu_tanh'(x)``."""
+    x, dy = _f64(x, dy)
+    t = np.tanh(_GELU_C * (x + _GELU_A * x ** 3))
+    d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
+    return dy * d
+
+
+def _mlp_arrays(params_or_arrays):
+    """(w1, b1, w2, b2) from a canonical dict (``mlp.fc1.weight`` ...) or a 4-sequence."""
+    if isinstance(params_or_arrays, dict):
+        p = params_or_arrays
+        return (p["mlp.fc1.weight"], p.get("mlp.fc1.bias"), p["mlp.fc2.weight"],
+                p.get("mlp.fc2.bias"))
+    w1, b1, w2, b2 = params_or_arrays
+    return w1, b1, w2, b2
+
+
+def _linear(x, w, b):
+    y = x @ np.asarray(w, np.float64)
+    return y if b is None else y + np.asarray(b, np.float64)
+
+
+def mlp(params_or_arrays, x):
+    """``fc2(gelu_tanh(fc1(x)))``; weights ``[in, out]``; biases may be None. float64.
+
+    ``params_or_arrays``: a canonical param dict or ``(w1, b1, w2, b2)``.
+    """
+    w1, b1, w2, b2 = _mlp_arrays(params_or_arrays)
+    (x,) = _f64(x)
+    return _linear(gelu_tanh(_linear(x, w1, b1)), w2, b2)
+
+
+def _linear_grad(x, w, dy, has_bias):
+    """(dx, dw, db) of ``x @ w + b`` over any leading dims."""
+    dx = dy @ w.T
+    dw = x.reshape(-1, x.shape[-1]).T @ dy.reshape(-1, dy.shape[-1])
+    db = dy.reshape(-1, dy.shape[-1]).sum(0) if has_bias else None
+    return dx, dw, db
+
+
+def mlp_grad(params_or_arrays, x, dy):
+    """``(dx, (dw1, db1, dw2, db2))`` of :func:`mlp` (db* None where the bias is None)."""
+    w1, b1, w2, b2 = _mlp_arrays(params_or_arrays)
+    x, dy, w1, w2 = _f64(x, dy, w1, w2)
+    h = _linear(x, w1, b1)
+    a = gelu_tanh(h)
+    da, dw2, db2 = _linear_grad(a, w2, dy, b2 is not None)
+    dh = gelu_tanh_grad(h, da)
+    dx, dw1, db1 = _linear_grad(x, w1, dh, b1 is not None)
+    return dx, (dw1, db1, dw2, db2)
+
+
+def _block_layout(config, seq_len):
+    from sparsetp.core.layout import make_layout  # local: keeps the module header untouched
+    return make_layout(config.pattern, seq_len, config.num_heads, config.block_size)
+
+
+def _split_heads(qkv, num_heads):
+    """[B, N, 3d] (columns h*3*hd + t*hd + e) -> q, k, v each [B, H, N, hd]."""
+    b, n, three_d = qkv.shape
+    hd = three_d // (3 * num_heads)
+    t = qkv.reshape(b, n, num_heads, 3, hd).transpose(3, 0, 2, 1, 4)  # [3, B, H, N, hd]
+    return t[0], t[1], t[2]
+
+
+def _merge_heads(o):
+    """[B, H, N, hd] -> [B, N, H*hd] (columns h*hd + e)."""
+    b, h, n, hd = o.shape
+    return o.transpose(0, 2, 1, 3).reshape(b, n, h * hd)
+
+
+def _block_forward(params, x, config):
+    """Forward with every intermediate the backward needs."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    (x,) = _f64(x)
+    if x.ndim != 3 or x.shape[-1] != config.d_model:
+        raise ValueError(f"x must be [B, N, d_model={config.d_model}], got {x.shape}")
+    layout = _block_layout(config, x.shape[1])
+    scale = config.head_dim ** -0.5
+    eps = config.norm_eps
+    h1 = layer_norm(x, p["ln1.weight"], p["ln1.bias"], eps)
+    qkv = _linear(h1, p["attn.qkv.weight"], p.get("attn.qkv.bias"))
+    q, k, v = _split_heads(qkv, config.num_heads)
+    o, _ = attention(q, k, v, layout, scale=scale)
+    o_m = _merge_heads(o)
+    y1 = x + _linear(o_m, p["attn.out.weight"], p.get("attn.out.bias"))
+    h2 = layer_norm(y1, p["ln2.weight"], p["ln2.bias"], eps)
+    f = _linear(h2, p["mlp.fc1.weight"], p.get("mlp.fc1.bias"))
+    a = gelu_tanh(f)
+    y = y1 + _linear(a, p["mlp.fc2.weight"], p.get("mlp.fc2.bias"))
+    return y, dict(p=p, x=x, layout=layout, scale=scale, h1=h1, q=q, k=k, v=v, o_m=o_m, y1=y1,
+                   h2=h2, f=f, a=a)
+
+
+def hybrid_block(params, x, config):
+    """Pre-norm hybrid block ``y = y1 + MLP(LN2(y1))``, ``y1 = x + Attn(LN1(x))``, float64.
+
+    ``params``: canonical unsharded dict (see :mod:`sparsetp.core.config`); ``x``: ``[B, N, d]``.
+    Attention uses ``make_layout(config.pattern, N, num_heads, config.block_size)`` and scale
+    ``head_dim ** -0.5``.
+    """
+    return _block_forward(params, x, config)[0]
+
+
+def hybrid_block_grad(params, x, config, dy):
+    """``(dx, dparams)`` of :func:`hybrid_block` for cotangent ``dy``, by hand (float64).
+
+    ``dparams`` has the canonical names and unsharded shapes of ``params``.
+    """
+    _, c = _block_forward(params, x, config)
+    p, eps = c["p"], config.norm_eps
+    (dy,) = _f64(dy)
+    has_b = config.bias
+    g = {}
+    # y = y1 + fc2(gelu(fc1(ln2(y1))))
+    da, g["mlp.fc2.weight"], db = _linear_grad(c["a"], p["mlp.fc2.weight"], dy, has_b)
+    if has_b:
+        g["mlp.fc2.bias"] = db
+    df = gelu_tanh_grad(c["f"], da)
+    dh2, g["mlp.fc1.weight"], db = _linear_grad(c["h2"], p["mlp.fc1.weight"], df, has_b)
+    if has_b:
+        g["mlp.fc1.bias"] = db
+    dy1_ln, g["ln2.weight"], g["ln2.bias"] = layer_norm_grad(c["y1"], p["ln2.weight"], eps, dh2)
+    dy1 = dy + dy1_ln
+    # y1 = x + out(attn(split(qkv(ln1(x)))))
+    do_m, g["attn.out.weight"], db = _linear_grad(c["o_m"], p["attn.out.weight"], dy1, has_b)
+    if has_b:
+        g["attn.out.bias"] = db
+    b, n, _ = do_m.shape
+    do = do_m.reshape(b, n, config.num_heads, config.head_dim).transpose(0, 2, 1, 3)
+    dq, dk, dv = attention_grad(c["q"], c["k"], c["v"], c["layout"], do, scale=c["scale"])
+    dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 2, 0, 4).reshape(b, n, 3 * config.d_model)
+    dh1, g["attn.qkv.weight"], db = _linear_grad(c["h1"], p["attn.qkv.weight"], dqkv, has_b)
+    if has_b:
+        g["attn.qkv.bias"] = db
+    dx_ln, g["ln1.weight"], g["ln1.bias"] = layer_norm_grad(c["x"], p["ln1.weight"], eps, dh1)
+    dx = dy1 + dx_ln
+    return dx, {name: g[name] for name in params}
