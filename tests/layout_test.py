@@ -1,6 +1,8 @@
 """Spec layer: patterns mean exactly their documented token-level rule; layouts agree with them."""
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 from absl.testing import absltest, parameterized
@@ -211,6 +213,14 @@ class PatternTest(parameterized.TestCase):
         nb = 1024
         self.assertEqual(int(lay.q_count[0].sum()), nb * (nb + 1) // 2)
         self.assertEqual(int(lay.q_partial.sum()), 2 * nb)
+
+
+class SpecLayerIsFrameworkFreeTest(absltest.TestCase):
+    def test_core_imports_no_framework(self):
+        code = ("import sys, sparsetp.core, sparsetp.core.reference, sparsetp.core.examples; "
+                "bad = [m for m in ('torch', 'jax', 'triton') if m in sys.modules]; "
+                "assert not bad, bad")
+        subprocess.run([sys.executable, "-c", code], check=True)
 
 
 class ValueSemanticsTest(absltest.TestCase):

@@ -1,0 +1,74 @@
+"""Layout build time for every pattern constructor, up to N = 131072 (CPU, numpy only).
+
+Believe these numbers only when `python -m pytest tests/layout_test.py` passes.
+
+    python benchmarks/layout_build.py --seq_lens=8192,32768,131072 --out=benchmarks/results/layout_build.json
+"""
+
+import json
+import platform
+import time
+
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+from sparsetp.core import make_layout
+from sparsetp.core import patterns as P
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("seq_lens", ["8192", "32768", "131072"], "sequence lengths")
+flags.DEFINE_integer("num_heads", 16, "heads")
+flags.DEFINE_integer("block_size", 128, "layout block size")
+flags.DEFINE_integer("repeats", 3, "builds per case (the minimum is reported)")
+flags.DEFINE_string("out", None, "write JSON here")
+
+
+def cases(bs):
+    return {
+        "dense": P.dense(),
+        "causal": P.causal(),
+        "local(511,511)": P.local(511, 511),
+        "block_diagonal(1024)": P.block_diagonal(1024),
+        "fixed(256,32)": P.fixed(256, 32),
+        "strided(16,bs,per_head)&causal": P.strided(16, bs, per_head_offset=True) & P.causal(),
+        "random_blocks(2,bs)": P.random_blocks(2, bs, seed=0),
+        "global_tokens(bs)": P.global_tokens(bs),
+        "bigbird(bs,3,1,2)": P.bigbird(bs, 3, 1, 2, seed=0),
+        "longformer(1024,64)": P.longformer(1024, 64),
+        "per_head(causal,local)": P.per_head([P.causal(), P.local(1023, 0)]),
+    }
+
+
+def main(argv):
+    del argv
+    bs = FLAGS.block_size
+    rows = []
+    todo = [(int(n), name, p) for n in FLAGS.seq_lens for name, p in cases(bs).items()]
+    for n, name, p in tqdm(todo, desc="layouts"):
+        times = []
+        for _ in range(FLAGS.repeats):
+            P._cached_kinds.cache_clear()
+            P._random_table.cache_clear()
+            t0 = time.perf_counter()
+            lay = make_layout(p, n, FLAGS.num_heads, bs)
+            times.append(time.perf_counter() - t0)
+        rows.append(dict(pattern=name, seq_len=n, num_heads=FLAGS.num_heads, block_size=bs,
+                         seconds=min(times), density=lay.density, masks=lay.masks.shape[0]))
+    print(f"{'pattern':34s} {'N':>7s} {'ms':>9s} {'density':>8s} {'masks':>6s}")
+    for r in rows:
+        print(f"{r['pattern']:34s} {r['seq_len']:7d} {r['seconds'] * 1e3:9.1f} "
+              f"{r['density']:8.4f} {r['masks']:6d}")
+    if FLAGS.out:
+        meta = dict(machine=platform.platform(), processor=platform.processor(),
+                    python=platform.python_version(), numpy=np.__version__,
+                    command="python benchmarks/layout_build.py " + " ".join(
+                        f"--{k}={v}" for k, v in [("seq_lens", ",".join(FLAGS.seq_lens)),
+                                                  ("num_heads", FLAGS.num_heads),
+                                                  ("block_size", bs)]))
+        with open(FLAGS.out, "w") as f:
+            json.dump(dict(meta=meta, results=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
