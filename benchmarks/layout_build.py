@@ -48,7 +48,7 @@ def main(argv):
     for n, name, p in tqdm(todo, desc="layouts"):
         times = []
         for _ in range(FLAGS.repeats):
-            P._cached_kinds.cache_clear()
+            P._KINDS_CACHE.clear()
             P._random_table.cache_clear()
             t0 = time.perf_counter()
             lay = make_layout(p, n, FLAGS.num_heads, bs)

@@ -16,10 +16,15 @@ def _random_spec(per_row, block, seed):
     """Independent re-statement of random_blocks' documented draw."""
     def spec(h, i, j, n):
         nb = -(-n // block)
-        keys = np.random.default_rng((seed, h)).random((nb, nb))
+        rng = np.random.default_rng((seed, h))
+        sets = [set() for _ in range(nb)]
+        for j_top in range(nb - per_row, nb):
+            draws = rng.integers(0, j_top + 1, size=nb)
+            for r in range(nb):
+                sets[r].add(j_top if int(draws[r]) in sets[r] else int(draws[r]))
         table = np.zeros((nb, nb), bool)
         for r in range(nb):
-            table[r, np.argsort(keys[r], kind="stable")[:per_row]] = True
+            table[r, sorted(sets[r])] = True
         return table[i // block, j // block]
     return spec
 

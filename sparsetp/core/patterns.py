@@ -118,16 +118,21 @@ def _combine_classes(classes) -> np.ndarray | None:
     return out
 
 
-@functools.lru_cache(maxsize=32)
-def _cached_kinds(pattern, key, block_size: int, n: int, h: int):
-    """Tile kinds of a part, shared by every head with the same head_key."""
-    out = np.broadcast_to(pattern._block_kinds(h, block_size, n), (-(-n // block_size),) * 2)
-    out.setflags(write=False)
-    return out
+_KINDS_CACHE: dict = {}
 
 
 def _part(pattern, h, block_size, n):
-    return _cached_kinds(pattern, pattern.head_key(h), block_size, n, h)
+    """Tile kinds of a part, computed once for every head with the same ``head_key`` (a union
+    over 16 heads with one random part builds its window and global parts once)."""
+    key = (pattern, pattern.head_key(h), block_size, n)
+    out = _KINDS_CACHE.get(key)
+    if out is None:
+        if len(_KINDS_CACHE) >= 32:
+            _KINDS_CACHE.clear()
+        out = np.broadcast_to(pattern._block_kinds(h, block_size, n), (-(-n // block_size),) * 2)
+        out.setflags(write=False)
+        _KINDS_CACHE[key] = out
+    return out
 
 
 class Pattern:
@@ -382,16 +387,22 @@ class GlobalTokens(Pattern):
 
 @functools.lru_cache(maxsize=64)
 def _random_table(per_row: int, block: int, seed: int, h: int, n: int) -> np.ndarray:
-    """bool[nqb, nkb]: the key blocks each query block of head h attends to.
+    """bool[nb, nb]: the key blocks each query block of head h attends to.
 
-    Documented order: ``rng = numpy.random.default_rng((seed, h))``; ``keys = rng.random((nqb,
-    nkb))``; query block ``r`` takes the ``per_row`` key blocks with the smallest keys in row ``r``
-    (ties cannot occur in practice; argpartition decides them). One vectorised draw per head keeps
-    layout building fast and the choice identical in every framework.
+    Documented draw (Floyd's sampling without replacement, vectorised over query blocks):
+    ``rng = numpy.random.default_rng((seed, h))``; for step ``s = 0 .. per_row-1`` with
+    ``j = nb - per_row + s``: ``t = rng.integers(0, j + 1, size=nb)`` (one draw per query block);
+    each query block adds ``t`` to its set unless it already holds ``t``, in which case it adds
+    ``j``. ``per_row`` calls of the generator per head, whatever ``nb``, keep layout building fast
+    and the choice identical in every framework.
     """
     nblk = -(-n // block)
-    keys = np.random.default_rng((seed, h)).random((nblk, nblk))
-    chosen = np.argpartition(keys, per_row - 1, axis=1)[:, :per_row]
+    rng = np.random.default_rng((seed, h))
+    chosen = np.empty((nblk, per_row), np.int64)
+    for s, j in enumerate(range(nblk - per_row, nblk)):
+        t = rng.integers(0, j + 1, size=nblk)
+        dup = (chosen[:, :s] == t[:, None]).any(axis=1)
+        chosen[:, s] = np.where(dup, j, t)
     table = np.zeros((nblk, nblk), bool)
     np.put_along_axis(table, chosen, True, axis=1)
     table.setflags(write=False)
@@ -592,10 +603,12 @@ def strided(stride: int, block: int, offset: int = 0, per_head_offset: bool = Fa
 def random_blocks(per_row: int, block: int, seed: int) -> Pattern:
     """``per_row`` distinct random key blocks (of ``block`` tokens) per query block and head.
 
-    Head ``h`` draws with ``numpy.random.default_rng((seed, h))``: ``keys = rng.random((nb, nb))``
-    with ``nb = ceil(seq_len / block)``, and query block ``r`` takes the ``per_row`` key blocks
-    with the smallest ``keys[r]``. The choice depends on ``seq_len`` (it sets ``nb``) and on
-    nothing else: no global RNG, no framework RNG, so every backend sees the same blocks.
+    Head ``h`` draws with ``numpy.random.default_rng((seed, h))`` by Floyd's sampling over
+    ``nb = ceil(seq_len / block)`` key blocks, vectorised over query blocks: for ``s`` in
+    ``0 .. per_row-1`` and ``j = nb - per_row + s``, ``t = rng.integers(0, j + 1, size=nb)``, and
+    each query block takes ``t`` unless it already has it, else ``j``. The choice depends on
+    ``seq_len`` (it sets ``nb``) and on nothing else: no global RNG, no framework RNG, so every
+    backend sees the same blocks.
     """
     return RandomBlocks(per_row, block, seed)
 
