@@ -2,7 +2,7 @@
 
 Believe these numbers only when `python -m pytest tests/layout_test.py` passes.
 
-    python benchmarks/layout_build.py --seq_lens=8192,32768,131072 --out=benchmarks/results/layout_build.json
+    python benchmarks/layout_build.py --out=benchmarks/results/layout_build_cpu.json
 """
 
 import json
