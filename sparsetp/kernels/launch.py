@@ -1,0 +1,350 @@
+"""Framework-neutral launch logic for the block-sparse attention kernels.
+
+Nothing here imports torch or jax. A frontend turns its arrays into a :class:`KernelCall` with
+one of :func:`fwd_call`, :func:`bwd_preprocess_call`, :func:`bwd_dq_call`,
+:func:`bwd_dkdv_call`, then launches ``call.kernel`` its own way. The kernel signature is always
+
+    (*call.args, *<one pointer per call.outputs entry>, **call.constexprs)
+
+i.e. input pointers, then scalars (scale, N, H, every stride, including the strides of the
+outputs), then the output pointers, then constexprs by keyword. That is exactly the order
+``jax_triton.triton_call`` uses (it appends output pointers after all positional arguments).
+
+Torch (compiled on CUDA, or Triton's interpreter on CPU)::
+
+    call = fwd_call(q, k, v, meta, scale=s, dtype="bfloat16", device_kind="cuda",
+                    strides={"q": q.stride(), "k": k.stride(), "v": v.stride(),
+                             "out": out.stride(), "lse": lse.stride()})
+    call.kernel[call.grid](*call.args, out, lse, **call.constexprs,
+                           num_warps=call.num_warps, num_stages=call.num_stages)
+
+JAX (GPU, through jax_triton; arrays are contiguous, so ``strides`` may be omitted)::
+
+    call = fwd_call(q, k, v, meta, scale=s, dtype=q.dtype.name, device_kind="cuda")
+    out, lse = jax_triton.triton_call(
+        *call.args, kernel=call.kernel, grid=call.grid,
+        out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in call.outputs],
+        num_warps=call.num_warps, num_stages=call.num_stages, **call.constexprs)
+
+JAX on CPU: wrap numpy buffers with ``torch.from_numpy`` (the interpreter runs on torch CPU
+tensors) and launch as torch does, with ``device_kind="interpreter"``; serialise interpreted
+launches with a lock (the interpreter is not thread-safe).
+
+Arguments
+---------
+``q, k, v`` (and ``out``, ``d_out``, ``lse``, ``delta``) are passed through untouched into
+``call.args``; only ``.shape`` is read. ``meta`` is a mapping with the int32 arrays of
+:meth:`sparsetp.core.layout.BlockLayout.metadata` (``q_count``, ``q_partial``, ``q_index``,
+``q_mask_id``, ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id``, ``masks``), already on
+the device and **C-contiguous** (their strides are computed from their shapes). ``strides`` maps
+tensor names to element strides; a name left out means C-contiguous. Names: ``q k v out lse``
+(forward), ``out d_out delta`` (preprocess), ``q k v d_out lse dq`` (dQ; ``delta`` shares the
+``lse`` strides), ``q k v d_out lse dk dv`` (dK/dV; same). ``lse`` and ``delta`` are
+``[B, H, N]`` in :func:`stats_dtype` (float32, or float64 for float64 inputs). ``scale`` is the
+softmax scale (default ``D ** -0.5`` is the frontend's job). All scalars are Python ints/floats
+(``jax_triton`` only recognises those as scalars).
+
+Supported: head dims :data:`SUPPORTED_HEAD_DIMS` (16, 32, 64, 128; ``tl.dot`` needs >= 16 and
+a power of two for ``tl.arange``; larger dims would need a split accumulator), dtypes float16,
+bfloat16, float32 (float64 too, for gradcheck: correct in the interpreter, not a GPU fast path),
+layout block sizes 16, 32, 64, 128 (the layout block is the kernel tile for now).
+
+Example::
+
+    >>> tile_config("fwd", head_dim=64, dtype="bfloat16", block_size=64, device_kind="cuda")
+    TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from sparsetp.kernels import attention as _k
+
+__all__ = [
+    "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES", "DEVICE_KINDS",
+    "KERNEL_NAMES", "TileConfig", "OutputSpec", "KernelCall", "tile_config", "check_head_dim",
+    "check_dtype", "stats_dtype", "dot_precision", "mask_words", "grid", "contiguous_strides",
+    "fwd_call", "bwd_preprocess_call", "bwd_dq_call", "bwd_dkdv_call", "kernel",
+]
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+DEVICE_KINDS = ("cuda", "interpreter")
+KERNEL_NAMES = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
+
+_KERNELS = {
+    "fwd": _k._attn_fwd_kernel,
+    "bwd_preprocess": _k._attn_bwd_preprocess_kernel,
+    "bwd_dq": _k._attn_bwd_dq_kernel,
+    "bwd_dkdv": _k._attn_bwd_dkdv_kernel,
+}
+
+
+def kernel(name: str):
+    """The ``@triton.jit`` kernel object called ``name`` (one of :data:`KERNEL_NAMES`)."""
+    try:
+        return _KERNELS[name]
+    except KeyError:
+        raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {name!r}") from None
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch parameters of one kernel launch (validated on construction).
+
+    ``block_m`` x ``block_n`` is the (query x key) tile; for now both equal the layout block.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v not in SUPPORTED_BLOCK_SIZES:
+                raise ValueError(f"TileConfig.{name} must be one of {SUPPORTED_BLOCK_SIZES}, "
+                                 f"got {v!r}")
+        if self.block_m != self.block_n:
+            raise ValueError(f"TileConfig needs block_m == block_n (the layout block), got "
+                             f"{self.block_m} x {self.block_n}")
+        if not isinstance(self.num_warps, int) or not _pow2(self.num_warps) or self.num_warps > 16:
+            raise ValueError(f"TileConfig.num_warps must be a power of two <= 16, got "
+                             f"{self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"TileConfig.num_stages must be an int in [1, 8], got "
+                             f"{self.num_stages!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """An output buffer the launcher must allocate: name, shape and dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """Everything needed to launch one kernel; see the module docstring for the order."""
+
+    name: str
+    kernel: Any
+    grid: tuple[int, int, int]
+    args: tuple
+    outputs: tuple[OutputSpec, ...]
+    constexprs: Mapping[str, Any]
+    num_warps: int
+    num_stages: int
+
+
+def check_head_dim(head_dim: int, arg: str = "q") -> int:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{arg} has head dim {head_dim}; supported head dims are "
+                         f"{SUPPORTED_HEAD_DIMS} (tl.dot needs >= 16 and a power of two)")
+    return int(head_dim)
+
+
+def check_dtype(dtype: str, arg: str = "q") -> str:
+    name = str(dtype).replace("torch.", "")
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"{arg} has dtype {dtype}; supported dtypes are {SUPPORTED_DTYPES}")
+    return name
+
+
+def stats_dtype(dtype: str) -> str:
+    """dtype name of the LSE and Delta buffers (softmax statistics)."""
+    return "float64" if check_dtype(dtype) == "float64" else "float32"
+
+
+def dot_precision(dtype: str) -> str:
+    """tl.dot input precision: full IEEE for fp32/fp64 inputs (tf32 would cost ~1e-3 relative
+    error and fail float32 tests); for fp16/bf16 the setting is moot and we pass the default."""
+    return "ieee" if check_dtype(dtype) in ("float32", "float64") else "tf32"
+
+
+def mask_words(block_size: int) -> int:
+    """int32 words per tile row of the bitmask table (one bit per key column)."""
+    return -(-block_size // 32)
+
+
+def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
+                device_kind: str) -> TileConfig:
+    """Default launch config: a heuristic of (kernel, head dim, dtype, block size, device).
+
+    The tile equals the layout block. Warps grow with the tile area; pipelining stages shrink
+    when the shared-memory footprint (tile x head dim x element size) grows. The backward
+    kernels keep 4 [BLOCK, HEAD_DIM] fp32 accumulator-sized live tensors, so they get fewer
+    stages than the forward. The interpreter ignores all of this (1 warp, 1 stage).
+    """
+    if kernel_name not in KERNEL_NAMES:
+        raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel_name!r}")
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind must be one of {DEVICE_KINDS}, got {device_kind!r}")
+    check_head_dim(head_dim)
+    dtype = check_dtype(dtype)
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+    if device_kind == "interpreter":
+        return TileConfig(block_size, block_size, 1, 1)
+    wide = dtype in ("float32", "float64")
+    if kernel_name == "bwd_preprocess":
+        return TileConfig(block_size, block_size, 4, 1)
+    if kernel_name == "fwd":
+        if block_size >= 128:
+            warps = 8 if head_dim >= 64 else 4
+            stages = 1 if wide else (2 if head_dim >= 128 else 3)
+        elif block_size == 64:
+            warps = 4
+            stages = 1 if (wide and head_dim >= 128) else (2 if wide else 3)
+        else:
+            warps, stages = (2 if block_size == 16 else 4), 2
+        return TileConfig(block_size, block_size, warps, stages)
+    # bwd_dq / bwd_dkdv
+    if block_size >= 128:
+        warps, stages = 8, 1
+    elif block_size == 64:
+        warps, stages = 4, (1 if wide or head_dim >= 128 else 2)
+    else:
+        warps, stages = (2 if block_size == 16 else 4), 1
+    return TileConfig(block_size, block_size, warps, stages)
+
+
+def grid(batch: int, heads: int, seq_len: int, block_size: int) -> tuple[int, int, int]:
+    """Launch grid of every attention kernel: (tiles along N, B * H, 1)."""
+    return (-(-int(seq_len) // int(block_size)), int(batch) * int(heads), 1)
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of ``shape``."""
+    out, acc = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= int(s)
+    return tuple(reversed(out))
+
+
+def _strides(strides: Mapping[str, Any] | None, name: str, shape) -> tuple[int, ...]:
+    st = None if strides is None else strides.get(name)
+    st = contiguous_strides(shape) if st is None else tuple(int(x) for x in st)
+    if len(st) != len(shape):
+        raise ValueError(f"strides[{name!r}] has {len(st)} entries for a {len(shape)}-d tensor")
+    return st
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+def _check_meta(meta: Mapping[str, Any], major: str, heads: int, tiles: int, block: int):
+    names = [f"{major}_count", f"{major}_partial", f"{major}_index", f"{major}_mask_id", "masks"]
+    missing = [n for n in names if n not in meta]
+    if missing:
+        raise ValueError(f"meta is missing {missing}")
+    cnt, part, idx, mid, masks = (_shape(meta[n]) for n in names)
+    if cnt != (heads, tiles) or part != cnt:
+        raise ValueError(f"meta[{names[0]!r}] has shape {cnt}, expected {(heads, tiles)}")
+    if len(idx) != 3 or idx[:2] != (heads, tiles) or mid != idx:
+        raise ValueError(f"meta[{names[2]!r}] / [{names[3]!r}] have shapes {idx} / {mid}, "
+                         f"expected ({heads}, {tiles}, W)")
+    if len(masks) != 3 or masks[1:] != (block, mask_words(block)):
+        raise ValueError(f"meta['masks'] has shape {masks}, expected (U, {block}, "
+                         f"{mask_words(block)})")
+    return ([meta[n] for n in names],
+            contiguous_strides(cnt) + contiguous_strides(idx) + contiguous_strides(masks))
+
+
+def _common(q, block_size, dtype, device_kind, kernel_name):
+    b, h, n, d = _shape(q)
+    check_head_dim(d)
+    dtype = check_dtype(dtype)
+    cfg = tile_config(kernel_name, head_dim=d, dtype=dtype, block_size=block_size,
+                      device_kind=device_kind)
+    return b, h, n, d, dtype, cfg
+
+
+def _constexprs(block_size, d, dtype):
+    return {"BLOCK": block_size, "HEAD_DIM": d, "MASK_WORDS": mask_words(block_size),
+            "DOT_PRECISION": dot_precision(dtype)}
+
+
+def _block_size(meta) -> int:
+    return int(_shape(meta["masks"])[1])
+
+
+def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, device_kind: str,
+             strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """Forward launch: outputs ``out`` [B, H, N, D] (input dtype) and ``lse`` [B, H, N]."""
+    bs = _block_size(meta)
+    b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, "fwd")
+    tiles = -(-n // bs)
+    arrays, meta_strides = _check_meta(meta, "q", h, tiles, bs)
+    shape, lse_shape = (b, h, n, d), (b, h, n)
+    args = (q, k, v, *arrays, float(scale), n, h,
+            *_strides(strides, "q", shape), *_strides(strides, "k", shape),
+            *_strides(strides, "v", shape), *_strides(strides, "out", shape),
+            *_strides(strides, "lse", lse_shape), *meta_strides)
+    return KernelCall("fwd", _KERNELS["fwd"], grid(b, h, n, bs), args,
+                      (OutputSpec("out", shape, dtype),
+                       OutputSpec("lse", lse_shape, stats_dtype(dtype))),
+                      _constexprs(bs, d, dtype), cfg.num_warps, cfg.num_stages)
+
+
+def bwd_preprocess_call(out, d_out, *, block_size: int, dtype: str, device_kind: str,
+                        strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """Backward preprocess: output ``delta`` [B, H, N] = rowsum(d_out * out)."""
+    b, h, n, d, dtype, cfg = _common(out, block_size, dtype, device_kind, "bwd_preprocess")
+    shape, lse_shape = (b, h, n, d), (b, h, n)
+    args = (out, d_out, n, h, *_strides(strides, "out", shape),
+            *_strides(strides, "d_out", shape), *_strides(strides, "delta", lse_shape))
+    return KernelCall("bwd_preprocess", _KERNELS["bwd_preprocess"], grid(b, h, n, block_size),
+                      args, (OutputSpec("delta", lse_shape, stats_dtype(dtype)),),
+                      {"BLOCK": block_size, "HEAD_DIM": d}, cfg.num_warps, cfg.num_stages)
+
+
+def bwd_dq_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
+                dtype: str, device_kind: str,
+                strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """dQ launch (query-major lists): output ``dq`` [B, H, N, D] in the input dtype."""
+    bs = _block_size(meta)
+    b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, "bwd_dq")
+    tiles = -(-n // bs)
+    arrays, meta_strides = _check_meta(meta, "q", h, tiles, bs)
+    shape, lse_shape = (b, h, n, d), (b, h, n)
+    args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
+            *_strides(strides, "q", shape), *_strides(strides, "k", shape),
+            *_strides(strides, "v", shape), *_strides(strides, "d_out", shape),
+            *_strides(strides, "lse", lse_shape), *meta_strides,
+            *_strides(strides, "dq", shape))
+    return KernelCall("bwd_dq", _KERNELS["bwd_dq"], grid(b, h, n, bs), args,
+                      (OutputSpec("dq", shape, dtype),),
+                      _constexprs(bs, d, dtype), cfg.num_warps, cfg.num_stages)
+
+
+def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
+                  dtype: str, device_kind: str,
+                  strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """dK/dV launch (key-major lists): outputs ``dk``, ``dv`` [B, H, N, D] in the input dtype."""
+    bs = _block_size(meta)
+    b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, "bwd_dkdv")
+    tiles = -(-n // bs)
+    arrays, meta_strides = _check_meta(meta, "k", h, tiles, bs)
+    shape, lse_shape = (b, h, n, d), (b, h, n)
+    args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
+            *_strides(strides, "q", shape), *_strides(strides, "k", shape),
+            *_strides(strides, "v", shape), *_strides(strides, "d_out", shape),
+            *_strides(strides, "lse", lse_shape), *meta_strides,
+            *_strides(strides, "dk", shape), *_strides(strides, "dv", shape))
+    return KernelCall("bwd_dkdv", _KERNELS["bwd_dkdv"], grid(b, h, n, bs), args,
+                      (OutputSpec("dk", shape, dtype), OutputSpec("dv", shape, dtype)),
+                      _constexprs(bs, d, dtype), cfg.num_warps, cfg.num_stages)
