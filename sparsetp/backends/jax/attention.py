@@ -1,0 +1,244 @@
+"""Block-sparse attention for JAX: the Triton kernels of :mod:`sparsetp.kernels` behind a
+``jax.custom_vjp``.
+
+``sparse_attention(q, k, v, layout)`` takes ``[B, H, N, D]`` arrays and a layout, and returns the
+attention output ``[B, H, N, D]``. The forward launches ``_attn_fwd_kernel``; the backward (a
+``custom_vjp`` rule, since jax-triton does not differentiate) launches the preprocess, dQ and
+dK/dV kernels. Launches go through :func:`sparsetp.backends.jax.launch.call_kernel`
+(``jax_triton`` on GPU, ``pure_callback`` + Triton's interpreter on CPU).
+
+Layouts reach the kernels as array *operands*, never as trace constants: :class:`LayoutArrays`
+is a pytree whose leaves are the int32 metadata arrays of a
+:class:`~sparsetp.core.layout.BlockLayout` and whose static part is only ``seq_len``. Under
+``jax.jit``, two patterns whose metadata arrays have the same shapes therefore share one trace
+and one compiled executable::
+
+    >>> import jax, numpy as np
+    >>> from sparsetp.core import make_layout, patterns as P
+    >>> f = jax.jit(sparse_attention)
+    >>> q = k = v = jax.numpy.asarray(np.random.randn(1, 2, 128, 16), "float32")
+    >>> a = layout_arrays(make_layout(P.causal(), 128, 2, 64))
+    >>> b = layout_arrays(make_layout(P.local(64, 0), 128, 2, 64))   # other pattern, same shapes
+    >>> out_a, out_b = f(q, k, v, a), f(q, k, v, b)                    # traced once
+
+A :class:`~sparsetp.core.layout.BlockLayout` is accepted too (converted with
+:func:`layout_arrays`; as a ``static_argnames`` argument of ``jit`` it is a trace constant).
+
+Tensor parallelism: inside ``jax.shard_map`` with heads split over a mesh axis, give each shard
+its heads' metadata, either by passing the :class:`LayoutArrays` with
+:meth:`LayoutArrays.partition_specs` as its ``in_specs`` (per-head arrays split like the heads,
+the mask table replicated), or by passing it replicated and calling
+:meth:`LayoutArrays.local_heads` inside. Outputs are typed varying over the axes the inputs vary
+over, so ``jax.grad`` works with ``check_vma=True`` (leave it on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from sparsetp.backends.jax import launch as _launch
+from sparsetp.core.layout import BlockLayout
+from sparsetp.kernels import launch as _kl
+
+__all__ = ["sparse_attention", "sparse_attention_fwd", "LayoutArrays", "layout_arrays"]
+
+_PER_HEAD = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial", "k_index",
+             "k_mask_id")
+_META = (*_PER_HEAD, "masks")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutArrays:
+    """The kernel metadata of a :class:`~sparsetp.core.layout.BlockLayout` as JAX arrays.
+
+    A pytree: the nine int32 arrays are leaves (operands of the kernels), ``seq_len`` is static.
+    ``num_heads`` and ``block_size`` are read off the array shapes, so a head slice of the arrays
+    (inside ``shard_map``) is itself a valid :class:`LayoutArrays` of its heads.
+    """
+
+    q_count: jax.Array
+    q_partial: jax.Array
+    q_index: jax.Array
+    q_mask_id: jax.Array
+    k_count: jax.Array
+    k_partial: jax.Array
+    k_index: jax.Array
+    k_mask_id: jax.Array
+    masks: jax.Array
+    seq_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.q_count.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.masks.shape[1])
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.q_count.shape[1])
+
+    def metadata(self) -> dict[str, jax.Array]:
+        """The arrays by name, as :meth:`BlockLayout.metadata` names them."""
+        return {n: getattr(self, n) for n in _META}
+
+    def partition_specs(self, axis_name: str | None) -> LayoutArrays:
+        """``shard_map`` in/out specs: per-head arrays split over ``axis_name``, masks replicated.
+
+        >>> spec = layout_arrays(lay).partition_specs("tp")    # doctest: +SKIP
+        >>> jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"),) * 3 + (spec,), ...)  # +SKIP
+        """
+        from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+        return dataclasses.replace(
+            self, **{n: P(axis_name) for n in _PER_HEAD}, masks=P())
+
+    def heads(self, start: int, stop: int) -> LayoutArrays:
+        """Heads ``[start, stop)`` (static bounds), like :meth:`BlockLayout.heads`."""
+        if not 0 <= start < stop <= self.num_heads:
+            raise ValueError(f"heads(start, stop) needs 0 <= start < stop <= num_heads="
+                             f"{self.num_heads}, got ({start}, {stop})")
+        return dataclasses.replace(self, **{n: getattr(self, n)[start:stop] for n in _PER_HEAD})
+
+    def local_heads(self, axis_name: str) -> LayoutArrays:
+        """Inside ``shard_map``: this shard's contiguous slice of heads along mesh axis
+        ``axis_name`` (shard ``i`` of ``n`` gets heads ``[i*H/n, (i+1)*H/n)``)."""
+        n = jax.lax.axis_size(axis_name)
+        if self.num_heads % n:
+            raise ValueError(f"num_heads={self.num_heads} is not divisible by the size {n} of "
+                             f"mesh axis {axis_name!r}")
+        per = self.num_heads // n
+        start = jax.lax.axis_index(axis_name) * per
+        return dataclasses.replace(self, **{
+            name: jax.lax.dynamic_slice_in_dim(getattr(self, name), start, per, axis=0)
+            for name in _PER_HEAD})
+
+
+jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META), meta_fields=["seq_len"])
+
+LayoutLike = BlockLayout | LayoutArrays
+
+
+def layout_arrays(layout: LayoutLike) -> LayoutArrays:
+    """A :class:`LayoutArrays` for ``layout`` (a ``BlockLayout``, or a ``LayoutArrays`` as is)."""
+    if isinstance(layout, LayoutArrays):
+        return layout
+    if not isinstance(layout, BlockLayout):
+        raise ValueError(f"layout must be a sparsetp BlockLayout or LayoutArrays, got "
+                         f"{type(layout).__name__}")
+    return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
+                        seq_len=layout.seq_len)
+
+
+def _check_inputs(q, k, v, lay: LayoutArrays):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share one [B, H, N, D] shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _kl.check_dtype(jnp.dtype(q.dtype).name)
+    _kl.check_head_dim(q.shape[3])
+    if q.shape[1] != lay.num_heads or q.shape[2] != lay.seq_len:
+        raise ValueError(f"layout is for H={lay.num_heads}, N={lay.seq_len}, got q of shape "
+                         f"{tuple(q.shape)}")
+    for name, a in lay.metadata().items():
+        if a.dtype != jnp.int32:
+            raise ValueError(f"layout metadata {name!r} must be int32, got {a.dtype}")
+
+
+def _device_kind() -> str:
+    return "interpreter" if _launch.is_interpreted(_kl.kernel("fwd")) else "cuda"
+
+
+def _launch_call(call: _kl.KernelCall):
+    return _launch.call_kernel(
+        call.kernel, call.args,
+        out_shapes=[jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in call.outputs],
+        grid=call.grid, constexprs=call.constexprs, num_warps=call.num_warps,
+        num_stages=call.num_stages, name=f"sparsetp_attn_{call.name}")
+
+
+def sparse_attention_fwd(q, k, v, layout: LayoutLike, *, scale: float | None = None):
+    """Forward only: ``(out [B,H,N,D], lse [B,H,N])`` (``lse`` float32, natural log, ``-inf``
+    for rows with no allowed key). Not differentiable; see :func:`sparse_attention`."""
+    lay = layout_arrays(layout)
+    _check_inputs(q, k, v, lay)
+    return _fwd(q, k, v, lay.metadata(), _scale(q, scale))
+
+
+def _scale(q, scale) -> float:
+    if scale is None:
+        return float(q.shape[-1]) ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise ValueError(f"scale must be a Python float or None, got {scale!r}")
+    return float(scale)
+
+
+def _fwd(q, k, v, meta, scale):
+    call = _kl.fwd_call(q, k, v, meta, scale=scale, dtype=jnp.dtype(q.dtype).name,
+                        device_kind=_device_kind())
+    out, lse = _launch_call(call)
+    return out, lse
+
+
+def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLike, *,
+                     scale: float | None = None) -> jax.Array:
+    """Block-sparse softmax attention ``softmax(q k^T * scale + mask) v`` per head.
+
+    Args:
+      q, k, v: ``[B, H, N, D]``, one dtype (float16, bfloat16, float32), ``D`` in
+        ``sparsetp.kernels.launch.SUPPORTED_HEAD_DIMS``.
+      layout: a :class:`~sparsetp.core.layout.BlockLayout` or :class:`LayoutArrays` for
+        ``H`` heads and ``N`` tokens.
+      scale: softmax scale (a Python float, static); default ``D ** -0.5``.
+
+    Returns ``[B, H, N, D]`` in the input dtype. Rows with no allowed key give 0 (and pass no
+    gradient). Differentiable w.r.t. ``q, k, v`` (``jax.grad``/``jax.vjp``: the backward runs the
+    Triton backward kernels); works under ``jit`` and inside ``shard_map``.
+
+    Raises ValueError for mismatched shapes or dtypes, an unsupported dtype or head dim, or a
+    layout for another head count / sequence length.
+
+    >>> out = sparse_attention(q, k, v, make_layout(P.causal(), 1024, 8))   # doctest: +SKIP
+    """
+    lay = layout_arrays(layout)
+    _check_inputs(q, k, v, lay)
+    return _attention(q, k, v, lay.metadata(), scale=_scale(q, scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnames=("scale",))
+def _attention(q, k, v, meta, scale):  # scale: passed by name (nondiff_argnames)
+    return _fwd(q, k, v, meta, scale)[0]
+
+
+def _attention_fwd_rule(q, k, v, meta, scale):
+    out, lse = _fwd(q, k, v, meta, scale)
+    return out, (q, k, v, out, lse, meta)
+
+
+def _attention_bwd_rule(scale, residuals, d_out):
+    q, k, v, out, lse, meta = residuals
+    d_out = d_out.astype(q.dtype)
+    dtype, kind = jnp.dtype(q.dtype).name, _device_kind()
+    (delta,) = _launch_call(_kl.bwd_preprocess_call(
+        out, d_out, block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind))
+    (dq,) = _launch_call(_kl.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale,
+                                         dtype=dtype, device_kind=kind))
+    dk, dv = _launch_call(_kl.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale,
+                                            dtype=dtype, device_kind=kind))
+    # Integer metadata has no cotangent (JAX's float0 zeros).
+    d_meta = jax.tree_util.tree_map(
+        lambda a: np.zeros(a.shape, jax.dtypes.float0), meta)
+    return dq, dk, dv, d_meta
+
+
+_attention.defvjp(_attention_fwd_rule, _attention_bwd_rule)

@@ -1,0 +1,87 @@
+"""Version differences of JAX and jax-triton, kept in one place.
+
+Tested combinations (pin these; anything else is untested):
+
+========================  ==============================  =================================
+where                     versions                        path
+========================  ==============================  =================================
+CI / developer machines   jax 0.10.2 (CPU), triton 3.9    ``pure_callback`` + Triton interpreter
+GPU device machine        jax 0.11.2 (CUDA 13), triton    ``jax_triton.triton_call``
+                          3.6, jax-triton 0.3.1
+========================  ==============================  =================================
+
+* ``import jax_triton`` raises ImportError on a JAX without GPU support, so it is imported lazily,
+  only on the GPU path (:func:`jax_triton`).
+* jax-triton 0.3.1 sets ``TRITON_CACHE_DIR=""`` for the whole process when imported (0.4.x
+  deletes it); a later torch launch of a Triton kernel then fails. :func:`jax_triton` restores
+  the variable to what it was.
+* The "varying manual axes" of a value inside ``shard_map`` are ``aval.vma`` on newer JAX and
+  ``aval.manual_axis_type.varying`` on 0.10.x (:func:`varying_axes`); ``jax.lax.pcast(x, axes,
+  to="varying")`` marks outputs of opaque calls (``triton_call``, ``pure_callback``) as varying,
+  and older JAX spelled it ``jax.lax.pvary`` (:func:`mark_varying`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+
+import jax
+
+__all__ = ["jax_triton", "varying_axes", "mark_varying", "auto_mesh"]
+
+_IMPORT_LOCK = threading.Lock()
+_JAX_TRITON = None
+
+
+def jax_triton():
+    """The ``jax_triton`` module (imported on first use), with ``TRITON_CACHE_DIR`` restored."""
+    global _JAX_TRITON
+    with _IMPORT_LOCK:
+        if _JAX_TRITON is None:
+            saved = os.environ.get("TRITON_CACHE_DIR")
+            try:
+                import jax_triton as jt  # noqa: PLC0415  (GPU-only import; see module docstring)
+            finally:
+                if saved is None:
+                    os.environ.pop("TRITON_CACHE_DIR", None)
+                else:
+                    os.environ["TRITON_CACHE_DIR"] = saved
+            _JAX_TRITON = jt
+    return _JAX_TRITON
+
+
+def varying_axes(x) -> frozenset:
+    """Mesh axes over which ``x`` varies inside ``shard_map`` (empty outside / when replicated)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset()
+
+
+def mark_varying(x, axes: Iterable[str]):
+    """``x`` typed as varying over ``axes`` (no-op for axes it already varies over)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # JAX before pcast
+
+
+def auto_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...], devices=None):
+    """A mesh whose axes are of type Auto.
+
+    ``jax.make_mesh`` defaults to Explicit axes on JAX >= 0.10, under which ``shard_map`` refuses
+    inputs not already laid out as its ``in_specs`` and ``with_sharding_constraint`` is rejected;
+    with Auto axes XLA reshards as needed, which is what a one-call API like ``hybrid_block``
+    wants.
+    """
+    axis_type = jax.sharding.AxisType.Auto
+    kwargs = {} if devices is None else {"devices": devices}
+    return jax.make_mesh(shape, axis_names, axis_types=(axis_type,) * len(shape), **kwargs)

@@ -1,0 +1,127 @@
+"""Megatron-style tensor-parallel layers for use inside ``jax.shard_map`` (``check_vma=True``).
+
+Weights are ``[in, out]`` (``y = x @ w + b``), as in :mod:`sparsetp.core.config`.
+
+=============================  =====================================  ==========================
+layer                          forward collective                     backward collective
+=============================  =====================================  ==========================
+``column_parallel_linear``     none (input replicated, output split)  all-reduce of d(input)
+``row_parallel_linear``        all-reduce of the partial products     none (d(output) replicated)
+``parallel_mlp``               one all-reduce (in fc2)                one all-reduce (of dx)
+=============================  =====================================  ==========================
+
+No custom transpose rules are needed: under ``check_vma=True`` JAX types every value as
+*varying* or *invariant* over the mesh axis. ``column_parallel_linear`` casts its replicated
+(invariant) input to varying with ``pcast(..., to="varying")`` — Megatron's ``f`` — whose transpose
+is an all-reduce (``psum``) of the input's cotangent: exactly one per column-parallel layer.
+``row_parallel_linear`` reduces with ``psum`` — Megatron's ``g`` — whose transpose hands the
+replicated cotangent to every shard with no communication. (With ``check_vma=False`` JAX cannot
+tell the two cases apart and the input gradient of a probe came out wrong — GPU.md — so keep it
+on.) ``tests/jax_tp_test.py`` counts the all-reduces in the backward jaxpr.
+
+With ``axis_name=None`` the layers are plain dense layers (the unsharded path of
+:func:`sparsetp.backends.jax.block.hybrid_block`).
+
+fp32 matmuls use ``Precision.HIGHEST`` so a GPU does not silently drop to TF32 (torch's default
+for fp32 matmul is full precision too); half-precision inputs accumulate in fp32.
+
+Example (inside ``shard_map`` over a mesh axis ``"tp"``, ``x`` replicated)::
+
+    y = parallel_mlp(x, w1_shard, b1_shard, w2_shard, b2, axis_name="tp")
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from sparsetp.backends.jax import compat
+
+__all__ = ["column_parallel_linear", "row_parallel_linear", "parallel_mlp", "gelu_tanh", "linear"]
+
+
+def _matmul(x, w):
+    """``x @ w`` accumulated (and returned) in at least fp32, full-precision fp32 matmul."""
+    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.promote_types(jnp.result_type(x, w), jnp.float32))
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """``x @ w + b`` over any leading dims (full-precision fp32 matmul), in ``x``/``w``'s dtype."""
+    y = _matmul(x, w)
+    if b is not None:
+        y = y + b
+    return y.astype(jnp.result_type(x, w))
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (``torch.nn.functional.gelu(approximate="tanh")``),
+    computed in at least fp32."""
+    y = jax.nn.gelu(x.astype(jnp.promote_types(x.dtype, jnp.float32)), approximate=True)
+    return y.astype(x.dtype)
+
+
+def _check_replicated(x, axis_name: str, what: str):
+    if axis_name in compat.varying_axes(x):
+        raise ValueError(f"{what} must be replicated over mesh axis {axis_name!r} (pass it with "
+                         f"PartitionSpec() / no {axis_name!r} in its in_spec); it varies over it")
+
+
+def column_parallel_linear(x: jax.Array, w_shard: jax.Array, b_shard: jax.Array | None, *,
+                           axis_name: str | None) -> jax.Array:
+    """Column-parallel linear: ``x @ w_shard + b_shard`` with ``x`` replicated, output split.
+
+    Args:
+      x: ``[..., in]``, replicated over ``axis_name`` (invariant).
+      w_shard: ``[in, out / tp]``, this shard's contiguous columns.
+      b_shard: ``[out / tp]`` or None.
+      axis_name: the tensor-parallel mesh axis (None: plain dense layer).
+
+    Returns ``[..., out / tp]``, varying over ``axis_name``. Backward: d(x) is all-reduced once.
+    """
+    if x.shape[-1] != w_shard.shape[0]:
+        raise ValueError(f"x has {x.shape[-1]} input features but w_shard is {w_shard.shape}")
+    if b_shard is not None and b_shard.shape != w_shard.shape[1:]:
+        raise ValueError(f"b_shard must have shape {w_shard.shape[1:]}, got {b_shard.shape}")
+    if axis_name is not None:
+        _check_replicated(x, axis_name, "column_parallel_linear's input x")
+        x = compat.mark_varying(x, (axis_name,))  # Megatron's f: identity fwd, all-reduce bwd
+    return linear(x, w_shard, b_shard)
+
+
+def row_parallel_linear(x_shard: jax.Array, w_shard: jax.Array, b: jax.Array | None, *,
+                        axis_name: str | None) -> jax.Array:
+    """Row-parallel linear: ``psum(x_shard @ w_shard) + b``.
+
+    Args:
+      x_shard: ``[..., in / tp]``, this shard's features (varying over ``axis_name``).
+      w_shard: ``[in / tp, out]``, this shard's contiguous rows.
+      b: ``[out]`` replicated, added once after the all-reduce; or None.
+      axis_name: the tensor-parallel mesh axis (None: plain dense layer).
+
+    Returns ``[..., out]``, replicated. Backward: no collective (the cotangent is replicated).
+    """
+    if x_shard.shape[-1] != w_shard.shape[0]:
+        raise ValueError(f"x_shard has {x_shard.shape[-1]} features but w_shard is "
+                         f"{w_shard.shape}")
+    if b is not None and b.shape != w_shard.shape[1:]:
+        raise ValueError(f"b must have shape {w_shard.shape[1:]}, got {b.shape}")
+    y = _matmul(x_shard, w_shard)  # partial products in >= fp32, summed before the cast back
+    if axis_name is not None:
+        if b is not None:
+            _check_replicated(b, axis_name, "row_parallel_linear's bias b")
+        y = jax.lax.psum(y, axis_name)  # Megatron's g: all-reduce fwd, nothing bwd
+    if b is not None:
+        y = y + b
+    return y.astype(jnp.result_type(x_shard, w_shard))
+
+
+def parallel_mlp(x: jax.Array, w1_shard: jax.Array, b1_shard: jax.Array | None,
+                 w2_shard: jax.Array, b2: jax.Array | None, *, axis_name: str | None) -> jax.Array:
+    """``fc2(gelu_tanh(fc1(x)))`` with fc1 column-parallel and fc2 row-parallel.
+
+    ``w1_shard [d, ff/tp]``, ``b1_shard [ff/tp]``, ``w2_shard [ff/tp, d]``, ``b2 [d]``;
+    ``x [..., d]`` replicated; returns ``[..., d]`` replicated. One all-reduce forward, one
+    backward (of dx).
+    """
+    h = column_parallel_linear(x, w1_shard, b1_shard, axis_name=axis_name)
+    return row_parallel_linear(gelu_tanh(h), w2_shard, b2, axis_name=axis_name)
