@@ -1,0 +1,1 @@
+"""PyTorch backend: kernel launches, autograd glue and tensor-parallel layers."""

@@ -1,0 +1,326 @@
+"""PyTorch frontend of block-sparse attention, plus two plain-PyTorch baselines.
+
+* :func:`sparse_attention` - the Triton kernels behind one ``torch.autograd.Function``: compiled
+  on CUDA tensors, Triton's interpreter on CPU tensors (see :mod:`sparsetp._runtime`).
+* :class:`SparseAttention` - an ``nn.Module`` holding a pattern and caching its layouts.
+* :func:`naive_sparse_attention` - gather the listed tiles, softmax, scatter; autograd does the
+  backward. The benchmark baseline for "block-sparse in plain PyTorch".
+* :func:`dense_attention` - ``scaled_dot_product_attention`` with the layout's dense mask.
+
+All take ``q, k, v`` of shape ``[B, H, N, D]`` and a :class:`~sparsetp.core.layout.BlockLayout`
+built for ``seq_len=N`` and ``num_heads=H``. A query row with no allowed key gets output 0,
+LSE ``-inf`` and zero gradients, in every function here.
+
+Example::
+
+    >>> import torch
+    >>> from sparsetp.core import patterns as P, make_layout
+    >>> lay = make_layout(P.causal(), seq_len=64, num_heads=2, block_size=32)
+    >>> q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    >>> sparse_attention(q, k, v, lay).shape
+    torch.Size([1, 2, 64, 16])
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import numpy as np
+
+import torch
+from sparsetp import _runtime
+from sparsetp.core.layout import BlockLayout, make_layout
+from sparsetp.core.patterns import Pattern
+from sparsetp.kernels import launch as L
+
+__all__ = ["sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Triton's interpreter is not thread-safe (GPU.md): serialise interpreted launches.
+_INTERPRET_LOCK = threading.Lock()
+# Per-layout device tensors; weak keys so a dropped layout frees its tensors.
+_META_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NAIVE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_inputs(q, k, v, layout, scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, H, N, D], got {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but q has {tuple(q.shape)}; "
+                             "q, k and v must share one [B, H, N, D] shape")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q must be a floating-point tensor, got dtype {q.dtype}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q has dtype {q.dtype}; supported: {_DTYPES}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if not isinstance(layout, BlockLayout):
+        raise ValueError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    b, h, n, d = q.shape
+    if layout.seq_len != n:
+        raise ValueError(f"layout is for seq_len={layout.seq_len} but q has N={n}")
+    if layout.num_heads != h:
+        raise ValueError(f"layout is for num_heads={layout.num_heads} but q has H={h}")
+    if b == 0:
+        raise ValueError("q has batch size 0")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    return (d ** -0.5) if scale is None else float(scale)
+
+
+def _device_kind(t: torch.Tensor) -> str:
+    interpret = _runtime.interpret_mode()
+    if t.is_cuda:
+        if interpret:
+            raise ValueError("q is a CUDA tensor but this process runs Triton in interpreter "
+                             "mode (SPARSETP_INTERPRET/TRITON_INTERPRET); unset it to use the GPU")
+        return "cuda"
+    if t.device.type == "cpu":
+        if not interpret:
+            raise ValueError("q is a CPU tensor but this process compiles Triton kernels for the "
+                             "GPU; move q, k, v to CUDA or set SPARSETP_INTERPRET=1 before "
+                             "importing sparsetp")
+        return "interpreter"
+    raise ValueError(f"q is on unsupported device {t.device}")
+
+
+def _metadata(layout: BlockLayout, device: torch.device) -> dict[str, torch.Tensor]:
+    per_layout = _META_CACHE.setdefault(layout, {})
+    key = str(device)
+    if key not in per_layout:
+        per_layout[key] = {
+            name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C")).to(device)
+            for name, arr in layout.metadata().items()}
+    return per_layout[key]
+
+
+def _launch(call: L.KernelCall, outputs, device_kind: str):
+    kern = call.kernel[call.grid]
+    if device_kind == "interpreter":
+        with _INTERPRET_LOCK:
+            kern(*call.args, *outputs, **call.constexprs)
+        return
+    # jax_triton 0.3.1 sets TRITON_CACHE_DIR="" for the whole process, which makes Triton fail
+    # to create its cache; an empty value means "unset" to us.
+    if os.environ.get("TRITON_CACHE_DIR", None) == "":
+        del os.environ["TRITON_CACHE_DIR"]
+    with torch.cuda.device(outputs[0].device):
+        kern(*call.args, *outputs, **call.constexprs, num_warps=call.num_warps,
+             num_stages=call.num_stages)
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _forward(q, k, v, layout, scale):
+    kind = _device_kind(q)
+    dtype = str(q.dtype).replace("torch.", "")
+    b, h, n, d = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((b, h, n), device=q.device, dtype=_stats_dtype(q.dtype))
+    call = L.fwd_call(q, k, v, _metadata(layout, q.device), scale=scale, dtype=dtype,
+                      device_kind=kind,
+                      strides={"q": q.stride(), "k": k.stride(), "v": v.stride(),
+                               "out": out.stride(), "lse": lse.stride()})
+    _launch(call, (out, lse), kind)
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
+    kind = _device_kind(q)
+    dtype = str(q.dtype).replace("torch.", "")
+    b, h, n, d = q.shape
+    meta = _metadata(layout, q.device)
+    delta = torch.empty((b, h, n), device=q.device, dtype=lse.dtype)
+    call = L.bwd_preprocess_call(out, d_out, block_size=layout.block_size, dtype=dtype,
+                                 device_kind=kind,
+                                 strides={"out": out.stride(), "d_out": d_out.stride(),
+                                          "delta": delta.stride()})
+    _launch(call, (delta,), kind)
+    if d_lse is not None:
+        # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as
+        # Delta - d_lse. Rows with no key have P = 0, so their (possibly inf) entries are moot;
+        # mask them so no inf - inf NaN ever reaches the kernels.
+        delta = delta - torch.where(torch.isfinite(lse), d_lse.to(delta.dtype), 0.0)
+    strides = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
+               "lse": lse.stride()}
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    call = L.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
+                         device_kind=kind, strides={**strides, "dq": dq.stride()})
+    _launch(call, (dq,), kind)
+    call = L.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
+                           device_kind=kind,
+                           strides={**strides, "dk": dk.stride(), "dv": dv.stride()})
+    _launch(call, (dk, dv), kind)
+    return dq, dk, dv
+
+
+class _SparseAttentionFn(torch.autograd.Function):
+    """Forward: (q, k, v, layout, scale) -> (out, lse). Backward: (dq, dk, dv, None, None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, scale):
+        out, lse = _forward(q, k, v, layout, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout = layout
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        dq, dk, dv = _backward(q, k, v, out, lse, d_out, d_lse, ctx.layout, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
+                     *, scale: float | None = None, return_lse: bool = False):
+    """Block-sparse attention ``softmax(q k^T * scale, masked by layout) v``.
+
+    Args:
+      q, k, v: ``[B, H, N, D]`` tensors of one dtype (float16, bfloat16, float32; float64 works
+        too, mainly for gradcheck) on one device, any strides; ``D`` in 16, 32, 64, 128.
+      layout: a :class:`BlockLayout` for ``seq_len=N``, ``num_heads=H``.
+      scale: softmax scale, default ``D ** -0.5``.
+      return_lse: also return the log-sum-exp ``[B, H, N]`` (float32; differentiable).
+
+    Returns ``out`` (``[B, H, N, D]``, q's dtype), or ``(out, lse)``. Rows with no allowed key
+    give 0 and ``-inf``. Differentiable in q, k, v (deterministic backward, no atomics).
+
+    >>> import torch
+    >>> from sparsetp.core import patterns as P, make_layout
+    >>> lay = make_layout(P.local(16, 0), seq_len=40, num_heads=1, block_size=16)
+    >>> q = k = v = torch.randn(1, 1, 40, 32)
+    >>> out, lse = sparse_attention(q, k, v, lay, return_lse=True)
+    >>> out.shape, lse.shape
+    (torch.Size([1, 1, 40, 32]), torch.Size([1, 1, 40]))
+    """
+    scale = _check_inputs(q, k, v, layout, scale)
+    L.check_head_dim(q.shape[-1], "q")
+    out, lse = _SparseAttentionFn.apply(q, k, v, layout, scale)
+    return (out, lse) if return_lse else out
+
+
+class SparseAttention(torch.nn.Module):
+    """Block-sparse attention with a fixed pattern; layouts cached per (seq_len, num_heads).
+
+    >>> import torch
+    >>> from sparsetp.core import patterns as P
+    >>> attn = SparseAttention(P.causal(), block_size=32)
+    >>> q = k = v = torch.randn(2, 4, 64, 16)
+    >>> attn(q, k, v).shape
+    torch.Size([2, 4, 64, 16])
+    """
+
+    def __init__(self, pattern: Pattern, block_size: int = 64, scale: float | None = None):
+        super().__init__()
+        if not isinstance(pattern, Pattern):
+            raise ValueError(f"pattern must be a sparsetp Pattern, got {type(pattern).__name__}")
+        if block_size not in L.SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {L.SUPPORTED_BLOCK_SIZES}, got "
+                             f"{block_size!r}")
+        self.pattern = pattern
+        self.block_size = block_size
+        self.scale = scale
+        self._layouts: dict[tuple[int, int], BlockLayout] = {}
+
+    def layout(self, seq_len: int, num_heads: int) -> BlockLayout:
+        key = (int(seq_len), int(num_heads))
+        if key not in self._layouts:
+            self._layouts[key] = make_layout(self.pattern, seq_len, num_heads, self.block_size)
+        return self._layouts[key]
+
+    def forward(self, q, k, v, return_lse: bool = False):
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise ValueError("q must be a [B, H, N, D] torch.Tensor")
+        lay = self.layout(q.shape[2], q.shape[1])
+        return sparse_attention(q, k, v, lay, scale=self.scale, return_lse=return_lse)
+
+    def extra_repr(self):
+        return f"pattern={self.pattern!r}, block_size={self.block_size}, scale={self.scale}"
+
+
+# ----------------------------------------------------------------------------- baselines
+def _naive_tables(layout: BlockLayout, device: torch.device):
+    """Per layout: key-tile index [H, NT, W] and element mask [H, NT, bs, W*bs] (bool)."""
+    per_layout = _NAIVE_CACHE.setdefault(layout, {})
+    key = str(device)
+    if key not in per_layout:
+        bs, n = layout.block_size, layout.seq_len
+        h_n, nt, w = layout.q_index.shape
+        words = layout.masks.astype("<i4").view(np.uint8)
+        unpacked = np.unpackbits(words, axis=-1, bitorder="little")[..., :bs].astype(bool)
+        e = np.arange(w)
+        listed = e[None, None, :] < layout.q_count[..., None]          # [H, NT, W]
+        partial = e[None, None, :] < layout.q_partial[..., None]
+        elem = np.where(partial[..., None, None],
+                        unpacked[np.maximum(layout.q_mask_id, 0)],
+                        listed[..., None, None])                       # [H, NT, W, bs, bs]
+        cols = layout.q_index[..., None] * bs + np.arange(bs)          # [H, NT, W, bs]
+        elem &= (cols < n)[..., None, :]
+        elem = elem.transpose(0, 1, 3, 2, 4).reshape(h_n, nt, bs, w * bs)
+        per_layout[key] = (torch.from_numpy(layout.q_index.astype(np.int64)).to(device),
+                           torch.from_numpy(np.ascontiguousarray(elem)).to(device))
+    return per_layout[key]
+
+
+def naive_sparse_attention(q, k, v, layout: BlockLayout, scale: float | None = None):
+    """Block-sparse attention in plain PyTorch: gather listed key tiles, masked softmax, matmul.
+
+    Memory is ``O(B * H * N * W * bs * D)`` for the gathered tiles (``W`` = widest row of the
+    layout); differentiable through autograd. Returns ``out`` only.
+    """
+    scale = _check_inputs(q, k, v, layout, scale)
+    b, h, n, d = q.shape
+    bs = layout.block_size
+    nt = -(-n // bs)
+    pad = nt * bs - n
+    index, elem = _naive_tables(layout, q.device)
+    w = index.shape[-1]
+
+    def tiles(t):
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)).reshape(b, h, nt, bs, d)
+
+    qt, kt, vt = tiles(q), tiles(k), tiles(v)
+    heads = torch.arange(h, device=q.device)[:, None, None]
+    k_g = kt[:, heads, index].reshape(b, h, nt, w * bs, d)  # [B, H, NT, W*bs, D]
+    v_g = vt[:, heads, index].reshape(b, h, nt, w * bs, d)
+    s = torch.matmul(qt, k_g.transpose(-1, -2)).float() * scale  # [B, H, NT, bs, W*bs]
+    s = s.masked_fill(~elem, float("-inf"))
+    has_key = elem.any(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~has_key, 0.0), dim=-1)
+    p = torch.where(has_key, p, 0.0)  # rows with no key: output 0, no gradient, no NaN
+    out = torch.matmul(p.to(q.dtype), v_g)
+    return out.reshape(b, h, nt * bs, d)[:, :, :n]
+
+
+def dense_attention(q, k, v, layout: BlockLayout, scale: float | None = None):
+    """``scaled_dot_product_attention`` with the layout's dense ``[H, N, N]`` mask.
+
+    SDPA returns NaN for rows whose mask is all False; here those rows see every key inside
+    SDPA and are then set to 0 (so forward and gradients stay finite: 0 output, 0 gradient).
+    """
+    scale = _check_inputs(q, k, v, layout, scale)
+    mask = torch.from_numpy(layout.dense_mask()).to(q.device)  # [H, N, N], True = attend
+    has_key = mask.any(-1, keepdim=True)                        # [H, N, 1]
+    safe_mask = mask | ~has_key
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=safe_mask[None], scale=scale)
+    return torch.where(has_key[None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
