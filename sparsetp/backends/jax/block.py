@@ -1,0 +1,209 @@
+"""The hybrid block in JAX: pre-norm block-sparse attention + MLP, optionally tensor-parallel.
+
+``y1 = x + Attn(LN1(x));  y = y1 + MLP(LN2(y1))``, GELU (tanh), softmax scale ``head_dim**-0.5``:
+the block of :class:`sparsetp.backends.torch` ``HybridBlock`` and of the float64 oracle
+:func:`sparsetp.core.reference.hybrid_block`, on the canonical parameter dict of
+:func:`sparsetp.core.config.init_params` (unsharded names and shapes, weights ``[in, out]``).
+
+With a ``mesh``, the block runs inside ``jax.shard_map`` over mesh axis ``axis_name``, split the
+Megatron way (the split of each parameter comes from :func:`sparsetp.core.config.partition_dim`,
+the same description the torch layers use):
+
+* ``attn.qkv`` column-parallel: each shard gets whole heads (the qkv columns are head-major), runs
+  the Triton attention kernel on its heads with its heads' layout metadata;
+* ``attn.out`` row-parallel: one all-reduce forward;
+* ``mlp.fc1`` column-parallel, ``mlp.fc2`` row-parallel: one all-reduce forward;
+* layer norms and the two row-parallel biases replicated; the activations ``x``, ``y1``, ``y``
+  replicated. Backward: one all-reduce per column-parallel layer input (two per block).
+
+Example::
+
+    >>> from sparsetp.core import HybridConfig, init_params, patterns as P   # doctest: +SKIP
+    >>> cfg = HybridConfig(d_model=64, num_heads=4, d_ff=128, pattern=P.causal(), block_size=32)
+    >>> mesh = make_mesh(4)                                 # 4 devices on axis "tp"
+    >>> params = shard_params(init_params(cfg, seed=0), cfg, mesh)
+    >>> y = jax.jit(hybrid_block, static_argnames=("config", "mesh"))(params, x, cfg, mesh=mesh)
+    >>> grads = jax.grad(lambda p, x: hybrid_block(p, x, cfg, mesh=mesh).sum())(params, x)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from sparsetp.backends.jax import compat
+from sparsetp.backends.jax.attention import LayoutArrays, layout_arrays, sparse_attention
+from sparsetp.backends.jax.layers import (
+    column_parallel_linear,
+    gelu_tanh,
+    row_parallel_linear,
+)
+from sparsetp.core.config import (
+    HybridConfig,
+    check_tp_size,
+    param_shapes,
+    partition_dim,
+)
+from sparsetp.core.layout import BlockLayout, make_layout
+
+__all__ = ["hybrid_block", "shard_params", "param_specs", "load_params", "export_params",
+           "make_mesh", "block_layout"]
+
+
+def make_mesh(tp: int, axis_name: str = "tp", devices=None) -> jax.sharding.Mesh:
+    """A 1-D mesh of ``tp`` devices (the first ``tp`` of ``jax.devices()`` by default) with an
+    Auto axis ``axis_name`` (see :func:`sparsetp.backends.jax.compat.auto_mesh`)."""
+    if devices is None:
+        devices = jax.devices()
+        if tp > len(devices):
+            raise ValueError(f"tp={tp} needs {tp} devices; JAX sees {len(devices)} "
+                             f"({devices[0].platform}). On CPU set XLA_FLAGS="
+                             f"--xla_force_host_platform_device_count={tp} or "
+                             f"jax.config.update('jax_num_cpu_devices', {tp}) before JAX starts.")
+        devices = devices[:tp]
+    return compat.auto_mesh((tp,), (axis_name,), devices=devices)
+
+
+def _dtype(config: HybridConfig):
+    return jnp.dtype(config.dtype)
+
+
+def param_specs(config: HybridConfig, axis_name: str = "tp") -> dict[str, P]:
+    """PartitionSpec of every canonical parameter (from ``core.config.partition_dim``)."""
+    specs = {}
+    for name, shape in param_shapes(config).items():
+        dim = partition_dim(name)
+        axes = [None] * len(shape)
+        if dim is not None:
+            axes[dim] = axis_name
+        specs[name] = P(*axes)
+    return specs
+
+
+def _check_params(params: Mapping[str, Any], config: HybridConfig):
+    shapes = param_shapes(config)
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params must be a dict of canonical parameters, got "
+                         f"{type(params).__name__}")
+    if set(params) != set(shapes):
+        raise ValueError(f"params must hold exactly {sorted(shapes)}; missing "
+                         f"{sorted(set(shapes) - set(params))}, unexpected "
+                         f"{sorted(set(params) - set(shapes))}")
+    for name, shape in shapes.items():
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(params[name].shape)}")
+
+
+def load_params(params: Mapping[str, Any], config: HybridConfig) -> dict[str, jax.Array]:
+    """Canonical params (numpy, torch-exported, ...) as JAX arrays, checked against ``config``.
+
+    Values and dtypes are kept bit for bit (``export_params(load_params(p, cfg))`` equals ``p``
+    bitwise); the block casts to ``config.dtype`` when it computes.
+    """
+    _check_params(params, config)
+    return {n: jnp.asarray(np.asarray(params[n])) for n in param_shapes(config)}
+
+
+def shard_params(params: Mapping[str, Any], config: HybridConfig, mesh: jax.sharding.Mesh,
+                 axis_name: str = "tp") -> dict[str, jax.Array]:
+    """Place canonical params on ``mesh``: each array split on its ``partition_dim`` over
+    ``axis_name`` (contiguously, like the torch ranks' shards) or replicated."""
+    _check_params(params, config)
+    check_tp_size(config, mesh.shape[axis_name])
+    specs = param_specs(config, axis_name)
+    return {n: jax.device_put(np.asarray(params[n]) if not isinstance(params[n], jax.Array)
+                              else params[n], NamedSharding(mesh, specs[n]))
+            for n in param_shapes(config)}
+
+
+def export_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Canonical unsharded numpy arrays (gathers sharded arrays), bitwise, names unchanged."""
+    return {n: np.asarray(jax.device_get(a)) for n, a in params.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def block_layout(config: HybridConfig, seq_len: int) -> BlockLayout:
+    """The attention layout of ``config`` for ``seq_len`` tokens (cached; all heads)."""
+    return make_layout(config.pattern, seq_len, config.num_heads, config.block_size)
+
+
+def _layer_norm(x, w, b, eps):
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mu = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mu).mean(-1, keepdims=True)
+    return ((xf - mu) * jax.lax.rsqrt(var + eps) * w + b).astype(x.dtype)
+
+
+def _block_local(p: Mapping[str, jax.Array], x: jax.Array, lay: LayoutArrays,
+                 config: HybridConfig, axis_name: str | None) -> jax.Array:
+    """The block on one shard: ``p`` holds this shard's slices (all of them if unsharded)."""
+    b, n, _ = x.shape
+    hd = config.head_dim
+    h1 = _layer_norm(x, p["ln1.weight"], p["ln1.bias"], config.norm_eps)
+    qkv = column_parallel_linear(h1, p["attn.qkv.weight"], p.get("attn.qkv.bias"),
+                                 axis_name=axis_name)                  # [B, N, 3 * H_loc * hd]
+    h_loc = qkv.shape[-1] // (3 * hd)
+    qkv = qkv.reshape(b, n, h_loc, 3, hd).transpose(3, 0, 2, 1, 4)    # [3, B, H_loc, N, hd]
+    o = sparse_attention(qkv[0], qkv[1], qkv[2], lay, scale=hd ** -0.5)
+    o = o.transpose(0, 2, 1, 3).reshape(b, n, h_loc * hd)
+    y1 = x + row_parallel_linear(o, p["attn.out.weight"], p.get("attn.out.bias"),
+                                 axis_name=axis_name)
+    h2 = _layer_norm(y1, p["ln2.weight"], p["ln2.bias"], config.norm_eps)
+    f = column_parallel_linear(h2, p["mlp.fc1.weight"], p.get("mlp.fc1.bias"), axis_name=axis_name)
+    y = y1 + row_parallel_linear(gelu_tanh(f), p["mlp.fc2.weight"], p.get("mlp.fc2.bias"),
+                                 axis_name=axis_name)
+    return y
+
+
+def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, *,
+                 mesh: jax.sharding.Mesh | None = None, axis_name: str = "tp") -> jax.Array:
+    """The hybrid block on ``x [B, N, d_model]``; see the module docstring.
+
+    Args:
+      params: the canonical unsharded parameter dict (numpy or JAX arrays, e.g. from
+        :func:`shard_params`); cast to ``config.dtype`` for compute.
+      x: ``[B, N, d_model]`` input (cast to ``config.dtype``).
+      config: the :class:`~sparsetp.core.config.HybridConfig` (static under ``jit``).
+      mesh: ``None`` runs unsharded on one device; otherwise a mesh with axis ``axis_name`` of
+        size ``tp`` (``num_heads`` and ``d_ff`` divisible by it), over which the block runs
+        Megatron-style inside ``shard_map``.
+
+    Returns ``[B, N, d_model]`` in ``config.dtype`` (replicated over the mesh). Differentiable
+    w.r.t. ``params`` and ``x``; works under ``jit`` (``config``, ``mesh`` static).
+    """
+    if not isinstance(config, HybridConfig):
+        raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
+    _check_params(params, config)
+    if not hasattr(x, "ndim") or x.ndim != 3 or x.shape[-1] != config.d_model:
+        raise ValueError(f"x must be [B, N, d_model={config.d_model}], got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    dtype = _dtype(config)
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("config.dtype='float64' needs jax.config.update('jax_enable_x64', True)")
+    x = jnp.asarray(x, dtype)
+    p = {n: jnp.asarray(a, dtype) for n, a in params.items()}
+    lay = layout_arrays(block_layout(config, int(x.shape[1])))
+    if mesh is None:
+        return _block_local(p, x, lay, config, None)
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis_name!r}")
+    check_tp_size(config, mesh.shape[axis_name])
+    specs = param_specs(config, axis_name)
+    in_specs = ({n: specs[n] for n in p}, P(), lay.partition_specs(axis_name))
+    args = (p, x, lay)
+    explicit = jax.sharding.AxisType.Explicit
+    if any(t == explicit for t in mesh.axis_types):
+        # Explicit meshes: shard_map wants its inputs already laid out as in_specs.
+        args = jax.tree_util.tree_map(
+            lambda s, a: jax.sharding.reshard(a, NamedSharding(mesh, s)), in_specs, args,
+            is_leaf=lambda s: isinstance(s, P))
+    fn = jax.shard_map(functools.partial(_block_local, config=config, axis_name=axis_name),
+                       mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=True)
+    return fn(*args)
