@@ -1,0 +1,280 @@
+"""Megatron-style tensor-parallel layers for PyTorch.
+
+Weights are stored ``[in, out]`` like the canonical parameters of :mod:`sparsetp.core.config`
+(``y = x @ W + b``); each rank holds a contiguous shard:
+
+* :class:`ColumnParallelLinear` splits the output features: ``weight_shard [in, out / tp]``.
+  Forward ``copy_to_region`` (its backward all-reduces the input gradient), optional
+  ``gather_from_region`` of the output.
+* :class:`RowParallelLinear` splits the input features: ``weight_shard [in / tp, out]``; partial
+  products are summed by ``reduce_from_region`` and the (replicated) bias is added once, after it.
+* :class:`ParallelMLP` = column fc1 -> GELU(tanh) -> row fc2: one all-reduce forward, one backward.
+* :class:`ParallelSparseAttention` = column qkv (whole heads per rank) -> block-sparse attention
+  of the local heads -> row out projection.
+
+``load_unsharded`` takes FULL tensors (numpy or torch) in the canonical layout and keeps this
+rank's shard; ``unsharded`` gathers them back (bitwise).
+
+>>> import torch
+>>> lin = ColumnParallelLinear(8, 16)          # single process: an ordinary linear layer
+>>> lin(torch.randn(2, 8)).shape
+torch.Size([2, 16])
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsetp.backends.torch.comm import (
+    all_gather_dim,
+    copy_to_region,
+    gather_from_region,
+    group_rank,
+    group_size,
+    reduce_from_region,
+    scatter_to_region,
+)
+from sparsetp.core.layout import BlockLayout, make_layout
+from sparsetp.core.patterns import Pattern
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention"]
+
+
+def _divide(name: str, value: int, world: int) -> int:
+    if value % world:
+        raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size {world}")
+    return value // world
+
+
+def _as_tensor(a, name: str) -> torch.Tensor:
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(a))
+    if isinstance(a, torch.Tensor):
+        return a.detach()
+    raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(a).__name__}")
+
+
+class _ParallelLinear(nn.Module):
+    """Shared parts: a weight shard split on ``_split_dim`` (0 rows, 1 columns) and a bias."""
+
+    _split_dim: int
+    _bias_split: bool
+
+    def __init__(self, in_features, out_features, bias, group, dtype, device, seed):
+        super().__init__()
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.world_size, self.rank = group_size(group), group_rank(group)
+        full = (in_features, out_features)
+        local = list(full)
+        local[self._split_dim] = _divide(("in_features", "out_features")[self._split_dim],
+                                         full[self._split_dim], self.world_size)
+        kw = dict(dtype=dtype or torch.float32, device=device)
+        self.weight = nn.Parameter(torch.empty(*local, **kw))
+        if bias:
+            n_bias = local[1] if self._bias_split else out_features
+            self.bias = nn.Parameter(torch.empty(n_bias, **kw))
+        else:
+            self.register_parameter("bias", None)
+        if seed is not None:
+            self.reset_parameters(seed)
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Draw the FULL weight ~ N(0, 1/in) and bias ~ N(0, 0.1^2) with
+        ``numpy.random.default_rng(seed)`` and keep this rank's shard, so a layer built with the
+        same seed is the same function at every tensor-parallel size."""
+        rng = np.random.default_rng(seed)
+        w = rng.standard_normal((self.in_features, self.out_features)) / math.sqrt(
+            self.in_features)
+        b = 0.1 * rng.standard_normal(self.out_features) if self.bias is not None else None
+        self.load_unsharded(w.astype(np.float32), None if b is None else b.astype(np.float32))
+
+    def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        size = full.shape[dim] // self.world_size
+        return full.narrow(dim, self.rank * size, size)
+
+    @torch.no_grad()
+    def load_unsharded(self, weight, bias=None) -> None:
+        """Copy this rank's shard of the FULL ``weight [in, out]`` (and ``bias [out]``)."""
+        w = _as_tensor(weight, "weight")
+        if tuple(w.shape) != (self.in_features, self.out_features):
+            raise ValueError(f"weight must have the unsharded shape "
+                             f"{(self.in_features, self.out_features)}, got {tuple(w.shape)}")
+        if (bias is None) != (self.bias is None):
+            raise ValueError("bias must be given exactly when the layer has a bias "
+                             f"(has bias: {self.bias is not None})")
+        self.weight.copy_(self._shard(w, self._split_dim))
+        if bias is not None:
+            b = _as_tensor(bias, "bias")
+            if tuple(b.shape) != (self.out_features,):
+                raise ValueError(f"bias must have shape {(self.out_features,)}, got "
+                                 f"{tuple(b.shape)}")
+            self.bias.copy_(self._shard(b, 0) if self._bias_split else b)
+
+    @torch.no_grad()
+    def unsharded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The FULL ``(weight [in, out], bias [out] or None)``, gathered from every rank."""
+        w = all_gather_dim(self.weight.detach(), self._split_dim, self.group)
+        b = self.bias
+        if b is not None:
+            b = all_gather_dim(b.detach(), 0, self.group) if self._bias_split else b.detach()
+        return w, b
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tp={self.world_size}, rank={self.rank}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ W + b`` with ``W [in, out]`` split by output columns over ``group``.
+
+    Args:
+      in_features, out_features: the UNSHARDED sizes (``out_features`` divisible by the TP size).
+      bias: whether to add a (column-split) bias.
+      gather_output: all-gather the output to ``[..., out]``; else each rank returns its
+        ``[..., out / tp]`` slice (to feed a :class:`RowParallelLinear`).
+      group: process group (None: default group if initialised, else single process).
+      dtype, device: of the parameters.
+      seed: :meth:`reset_parameters` seed; None leaves the parameters uninitialised (for a caller
+        that will :meth:`load_unsharded`).
+
+    Example (under torch.distributed with 2 ranks, each rank keeps 8 output columns)::
+
+        fc = ColumnParallelLinear(16, 16, gather_output=True)
+        fc.load_unsharded(w_full, b_full)
+    """
+
+    _split_dim = 1
+    _bias_split = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = False, group=None, *, dtype: torch.dtype | None = None,
+                 device=None, seed: int | None = 0):
+        self.gather_output = gather_output
+        super().__init__(in_features, out_features, bias, group, dtype, device, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_local = copy_to_region(x, self.group)
+        y_local = torch.matmul(x_local, self.weight)
+        if self.bias is not None:
+            y_local = y_local + self.bias
+        return gather_from_region(y_local, self.group) if self.gather_output else y_local
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x @ W + b`` with ``W [in, out]`` split by input rows over ``group``.
+
+    Args:
+      in_features, out_features: the UNSHARDED sizes (``in_features`` divisible by the TP size).
+      bias: whether to add the (replicated) bias, once, after the all-reduce.
+      input_is_parallel: the input is already this rank's ``[..., in / tp]`` slice (the output
+        of a :class:`ColumnParallelLinear`); else the full input is split here.
+      group, dtype, device, seed: as :class:`ColumnParallelLinear`.
+    """
+
+    _split_dim = 0
+    _bias_split = False
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = True, group=None, *,
+                 dtype: torch.dtype | None = None, device=None, seed: int | None = 0):
+        self.input_is_parallel = input_is_parallel
+        super().__init__(in_features, out_features, bias, group, dtype, device, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_local = x if self.input_is_parallel else scatter_to_region(x, self.group)
+        y = reduce_from_region(torch.matmul(x_local, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class ParallelMLP(nn.Module):
+    """``fc2(gelu_tanh(fc1(x)))``: fc1 column-parallel, fc2 row-parallel (``d_ff`` split).
+
+    One all-reduce forward (after fc2) and one backward (the input gradient, at fc1).
+
+    >>> import torch
+    >>> ParallelMLP(8, 32)(torch.randn(2, 3, 8)).shape
+    torch.Size([2, 3, 8])
+    """
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = True, group=None, *,
+                 dtype: torch.dtype | None = None, device=None, seed: int | None = 0):
+        super().__init__()
+        kw = dict(group=group, dtype=dtype, device=device)
+        self.fc1 = ColumnParallelLinear(d_model, d_ff, bias, gather_output=False,
+                                        seed=None if seed is None else seed, **kw)
+        self.fc2 = RowParallelLinear(d_ff, d_model, bias, input_is_parallel=True,
+                                     seed=None if seed is None else seed + 1, **kw)
+
+    def load_unsharded(self, fc1_weight, fc1_bias, fc2_weight, fc2_bias) -> None:
+        """FULL canonical ``mlp.fc1.*`` / ``mlp.fc2.*`` arrays (biases None without bias)."""
+        self.fc1.load_unsharded(fc1_weight, fc1_bias)
+        self.fc2.load_unsharded(fc2_weight, fc2_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class ParallelSparseAttention(nn.Module):
+    """Block-sparse multi-head self-attention with heads split contiguously over ``group``.
+
+    ``qkv`` is column-parallel with the canonical head-major interleaved columns
+    (``h * 3 * hd + t * hd + e``), so rank ``r`` of ``tp`` holds heads
+    ``[r * H / tp, (r + 1) * H / tp)`` and attends with ``layout.heads(...)`` of those heads;
+    ``out`` is row-parallel. Scale ``head_dim ** -0.5``.
+
+    Args:
+      d_model, num_heads: unsharded sizes (``num_heads`` divisible by the TP size).
+      pattern: attention pattern, laid out per sequence length with ``block_size`` tiles.
+      block_size, bias, group, dtype, device, seed: as above.
+
+    Input ``x [B, N, d_model]`` (replicated), output ``[B, N, d_model]`` (replicated).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, pattern: Pattern, block_size: int = 64,
+                 bias: bool = True, group=None, *, dtype: torch.dtype | None = None,
+                 device=None, seed: int | None = 0):
+        super().__init__()
+        if not isinstance(pattern, Pattern):
+            raise ValueError(f"pattern must be a sparsetp Pattern, got {pattern!r}")
+        if num_heads < 1 or d_model % num_heads:
+            raise ValueError(f"d_model={d_model} must be a positive multiple of "
+                             f"num_heads={num_heads}")
+        world = group_size(group)
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.local_heads = _divide("num_heads", num_heads, world)
+        self.pattern, self.block_size = pattern, block_size
+        self.head_start = group_rank(group) * self.local_heads
+        kw = dict(group=group, dtype=dtype, device=device)
+        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, bias, gather_output=False,
+                                        seed=seed, **kw)
+        self.out = RowParallelLinear(d_model, d_model, bias, input_is_parallel=True,
+                                     seed=None if seed is None else seed + 1, **kw)
+        self._layouts: dict[int, BlockLayout] = {}
+
+    def local_layout(self, seq_len: int) -> BlockLayout:
+        """This rank's heads of the pattern's layout for ``seq_len`` (cached)."""
+        lay = self._layouts.get(seq_len)
+        if lay is None:
+            full = make_layout(self.pattern, seq_len, self.num_heads, self.block_size)
+            lay = full.heads(self.head_start, self.head_start + self.local_heads)
+            self._layouts[seq_len] = lay
+        return lay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from sparsetp.backends.torch.attention import sparse_attention
+
+        b, n, _ = x.shape
+        qkv_local = self.qkv(x)  # [B, N, Hl * 3 * hd]
+        qkv_local = qkv_local.view(b, n, self.local_heads, 3, self.head_dim)
+        q, k, v = (qkv_local[:, :, :, t].transpose(1, 2).contiguous() for t in range(3))
+        o = sparse_attention(q, k, v, self.local_layout(n), scale=self.head_dim ** -0.5)
+        o_local = o.transpose(1, 2).reshape(b, n, self.local_heads * self.head_dim)
+        return self.out(o_local)

@@ -1,0 +1,284 @@
+"""PyTorch tensor parallelism on 1, 2 and 4 gloo processes against the float64 oracle.
+
+Every rank builds the same unsharded float64 problem (same seeds), runs its shard, and compares
+its outputs, input gradients and *its shard* of every weight gradient with the oracle, for a
+random cotangent. Sharding of the oracle goes through ``sparsetp.core.shard_param`` (the one
+partition description both frontends use).
+
+Tolerances (float32): values are O(1) (unit-variance inputs, 1/sqrt(fan_in) weights, layer
+norms) and every reduction is at most 256 long, so float32 rounding (2^-24 ~ 6e-8 relative per
+operation, growing ~sqrt(K)) leaves errors of ~1e-6; outputs use atol 1e-4, rtol 1e-5 and
+gradients twice that, which is the conventions' table (rtol = atol/10, gradients 2*atol) and
+still ~50x below the error of any real bug (a missing all-reduce or bias, a wrong shard or head
+order all give O(0.1-1) errors). Weight gradients sum over B*N tokens; their relative error
+stays ~1e-6, covered by rtol. float64 runs use atol 1e-10.
+"""
+
+from __future__ import annotations
+
+import unittest
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from absl.testing import absltest, parameterized
+
+from sparsetp.backends.torch.comm import (
+    copy_to_region,
+    gather_from_region,
+    group_size,
+    reduce_from_region,
+    scatter_to_region,
+)
+from sparsetp.backends.torch.layers import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    ParallelSparseAttention,
+    RowParallelLinear,
+)
+from sparsetp.core import HybridConfig, init_params, reference, shard_param
+from sparsetp.core import patterns as P
+
+try:  # pytest puts tests/ on sys.path (no package); a package layout reaches it as tests.*
+    import dist_utils
+except ImportError:  # pragma: no cover
+    from tests import dist_utils
+
+ATOL = {"float32": 1e-4, "float64": 1e-10}
+TORCH_DTYPE = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _close(actual, expected, dtype, grad=False, msg=""):
+    atol = ATOL[dtype] * (2 if grad else 1)
+    a = actual.detach().double().numpy() if isinstance(actual, torch.Tensor) else actual
+    np.testing.assert_allclose(a, expected, atol=atol, rtol=atol / 10, err_msg=msg)
+
+
+def _t(a, dtype, grad=False):
+    return torch.tensor(a, dtype=TORCH_DTYPE[dtype], requires_grad=grad)
+
+
+def _narrow(a, dim, rank, world):
+    size = a.shape[dim] // world
+    return np.take(a, np.arange(rank * size, (rank + 1) * size), axis=dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank functions (module level: pickled by name into the spawned processes).
+
+
+def _check_linears(rank, world, dtype):
+    rng = np.random.default_rng(0)  # same draws on every rank: the unsharded problem
+    d_in, d_out = 16, 24
+    x = rng.standard_normal((2, 5, d_in))
+    w, b = rng.standard_normal((d_in, d_out)) / 4, rng.standard_normal(d_out)
+    dy = rng.standard_normal((2, 5, d_out))
+    y_ref = x @ w + b
+    dx_ref = dy @ w.T
+    dw_ref = np.einsum("bti,bto->io", x, dy)
+    db_ref = dy.sum((0, 1))
+
+    for gather in (False, True):
+        lin = ColumnParallelLinear(d_in, d_out, gather_output=gather, dtype=TORCH_DTYPE[dtype])
+        lin.load_unsharded(w, b)
+        xt = _t(x, dtype, grad=True)
+        y = lin(xt)
+        want = y_ref if gather else _narrow(y_ref, -1, rank, world)
+        _close(y, want, dtype, msg=f"column gather={gather} y")
+        y.backward(_t(dy if gather else _narrow(dy, -1, rank, world), dtype))
+        _close(xt.grad, dx_ref, dtype, grad=True, msg="column dx")
+        _close(lin.weight.grad, _narrow(dw_ref, 1, rank, world), dtype, True, "column dw shard")
+        _close(lin.bias.grad, _narrow(db_ref, 0, rank, world), dtype, True, "column db shard")
+
+    for parallel_in in (True, False):
+        lin = RowParallelLinear(d_out, d_in, input_is_parallel=parallel_in,
+                                dtype=TORCH_DTYPE[dtype])
+        w2, b2 = w.T.copy(), rng.standard_normal(d_in)
+        lin.load_unsharded(w2, b2)
+        x2 = dy  # [2, 5, d_out]: reuse as an input of the right width
+        dy2 = rng.standard_normal((2, 5, d_in))
+        x_in = _narrow(x2, -1, rank, world) if parallel_in else x2
+        xt = _t(x_in, dtype, grad=True)
+        y = lin(xt)
+        _close(y, x2 @ w2 + b2, dtype, msg=f"row parallel_in={parallel_in} y")
+        y.backward(_t(dy2, dtype))
+        dx2 = dy2 @ w2.T
+        _close(xt.grad, _narrow(dx2, -1, rank, world) if parallel_in else dx2, dtype, True,
+               "row dx")
+        _close(lin.weight.grad, _narrow(np.einsum("bti,bto->io", x2, dy2), 0, rank, world),
+               dtype, True, "row dw shard")
+        _close(lin.bias.grad, dy2.sum((0, 1)), dtype, True, "row db (replicated)")
+
+    # Gathering back gives the loaded tensors bitwise.
+    lin = ColumnParallelLinear(d_in, d_out, dtype=TORCH_DTYPE[dtype])
+    w_t, b_t = _t(w, dtype), _t(b, dtype)
+    lin.load_unsharded(w_t, b_t)
+    w_back, b_back = lin.unsharded()
+    assert torch.equal(w_back, w_t) and torch.equal(b_back, b_t)
+    return True
+
+
+def _mlp_config(dtype="float32", bias=True):
+    return HybridConfig(d_model=16, num_heads=4, d_ff=32, pattern=P.causal(), block_size=32,
+                        dtype=dtype, bias=bias)
+
+
+def _check_mlp(rank, world, dtype, bias):
+    cfg = _mlp_config(dtype, bias)
+    params = {k: v.astype(np.float64) for k, v in init_params(cfg, 1).items()}
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 7, cfg.d_model))
+    dy = rng.standard_normal((2, 7, cfg.d_model))
+    y_ref = reference.mlp(params, x)
+    dx_ref, grads_ref = reference.mlp_grad(params, x, dy)
+    names = ("mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")
+
+    mlp = ParallelMLP(cfg.d_model, cfg.d_ff, bias=bias, dtype=TORCH_DTYPE[dtype], seed=None)
+    mlp.load_unsharded(*(params.get(n) for n in names))
+    xt = _t(x, dtype, grad=True)
+    y = mlp(xt)
+    _close(y, y_ref, dtype, msg="mlp y")
+    y.backward(_t(dy, dtype))
+    _close(xt.grad, dx_ref, dtype, grad=True, msg="mlp dx")
+    local = (mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
+    for name, p, g in zip(names, local, grads_ref, strict=True):
+        if not bias and name.endswith("bias"):
+            assert p is None and g is None
+            continue
+        _close(p.grad, shard_param(name, g, cfg, rank, world), dtype, True, name)
+
+    # Determinism: the same input twice gives bitwise the same output.
+    with torch.no_grad():
+        assert torch.equal(mlp(xt), mlp(xt))
+    return y.detach().double().numpy()
+
+
+def _check_collectives(rank, world):
+    x = torch.arange(6.0).reshape(2, 3) + 10 * rank
+    x.requires_grad_(True)
+    g = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
+    copy_to_region(x).backward(g)
+    summed = g.clone()
+    dist.all_reduce(summed)
+    assert torch.equal(x.grad, summed), "copy_to_region backward is an all-reduce"
+    x.grad = None
+    y = reduce_from_region(x)
+    assert torch.equal(y.detach(), sum(torch.arange(6.0).reshape(2, 3) + 10 * r
+                                       for r in range(world)))
+    y.backward(g)
+    assert torch.equal(x.grad, g), "reduce_from_region backward is the identity"
+    x.grad = None
+    full = gather_from_region(x)
+    assert full.shape == (2, 3 * world)
+    assert torch.equal(full[:, 3 * rank:3 * rank + 3].detach(), x.detach())
+    gf = torch.randn(2, 3 * world, generator=torch.Generator().manual_seed(7))
+    full.backward(gf)
+    assert torch.equal(x.grad, gf[:, 3 * rank:3 * rank + 3]), "gather backward splits"
+    z = torch.randn(2, 2 * world, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    part = scatter_to_region(z)
+    assert torch.equal(part.detach(), z.detach()[:, 2 * rank:2 * rank + 2])
+    part.backward(torch.full((2, 2), float(rank + 1)))
+    want = torch.cat([torch.full((2, 2), float(r + 1)) for r in range(world)], dim=1)
+    assert torch.equal(z.grad, want), "scatter backward all-gathers"
+    return group_size()
+
+
+def _check_bad_sizes(rank, world):
+    tc = unittest.TestCase()
+    # 5 and 3 divide neither 2 nor 4.
+    with tc.assertRaisesRegex(ValueError, f"out_features=5 is not divisible by the tensor-parallel "
+                                          f"size {world}"):
+        ColumnParallelLinear(16, 5)
+    with tc.assertRaisesRegex(ValueError, f"in_features=5 is not divisible .* {world}"):
+        RowParallelLinear(5, 16)
+    with tc.assertRaisesRegex(ValueError, f"out_features=5 is not divisible .* {world}"):
+        ParallelMLP(16, 5)
+    with tc.assertRaisesRegex(ValueError, f"num_heads=3 is not divisible .* {world}"):
+        ParallelSparseAttention(48, 3, P.causal(), block_size=32)
+    return True
+
+
+def _check_layers(rank, world):
+    """Collectives, Column/Row linears (float32, float64), MLP (with/without bias), bad sizes."""
+    assert _check_collectives(rank, world) == world
+    for dtype in ("float32", "float64"):
+        _check_linears(rank, world, dtype)
+    _check_mlp(rank, world, "float32", bias=False)
+    if world > 1:
+        _check_bad_sizes(rank, world)
+    return _check_mlp(rank, world, "float32", bias=True)
+
+
+def _fail_on_rank_one(rank, world):
+    if rank == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    dist.barrier()  # would wait forever for rank 1: the harness must kill us
+    return True
+
+
+def _sleep_forever(rank, world):
+    import time
+    time.sleep(3600)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class SingleProcessTest(parameterized.TestCase):
+    """No process group: group=None means a single process; layers are ordinary layers."""
+
+    def test_collectives_are_identity(self):
+        x = torch.randn(3, 4, requires_grad=True)
+        for f in (copy_to_region, reduce_from_region, gather_from_region, scatter_to_region):
+            self.assertTrue(torch.equal(f(x), x))
+        self.assertEqual(group_size(), 1)
+
+    def test_load_unsharded_errors(self):
+        lin = ColumnParallelLinear(8, 4)
+        with self.assertRaisesRegex(ValueError, r"unsharded shape \(8, 4\)"):
+            lin.load_unsharded(np.zeros((4, 8), np.float32), np.zeros(4, np.float32))
+        with self.assertRaisesRegex(ValueError, "bias must be given exactly"):
+            lin.load_unsharded(np.zeros((8, 4), np.float32), None)
+        with self.assertRaisesRegex(ValueError, r"bias must have shape \(4,\)"):
+            lin.load_unsharded(np.zeros((8, 4), np.float32), np.zeros(5, np.float32))
+        with self.assertRaisesRegex(ValueError, "weight must be a numpy array or a torch"):
+            lin.load_unsharded([[0.0] * 4] * 8, np.zeros(4, np.float32))
+        with self.assertRaisesRegex(ValueError, "in_features must be a positive int"):
+            RowParallelLinear(0, 4)
+        with self.assertRaisesRegex(ValueError, "pattern must be a sparsetp Pattern"):
+            ParallelSparseAttention(16, 4, "causal")
+        with self.assertRaisesRegex(ValueError, "d_model=18 must be a positive multiple"):
+            ParallelSparseAttention(18, 4, P.causal())
+
+    def test_same_seed_same_function(self):
+        a, b = ParallelMLP(8, 16, seed=3), ParallelMLP(8, 16, seed=3)
+        x = torch.randn(2, 8)
+        self.assertTrue(torch.equal(a(x), b(x)))
+
+
+class DistributedLayersTest(parameterized.TestCase):
+    """One spawn per TP size runs every layer check (spawning costs ~1-5 s on 2 cores)."""
+
+    @parameterized.parameters(1, 2, 4)
+    def test_layers(self, world):
+        results = dist_utils.run_distributed(_check_layers, world)
+        for mlp_out in results[1:]:  # every rank holds the same (replicated) output, bitwise
+            np.testing.assert_array_equal(mlp_out, results[0])
+
+
+class HarnessTest(absltest.TestCase):
+    def test_failing_rank_fails_promptly_with_its_traceback(self):
+        import time
+        start = time.monotonic()
+        with self.assertRaisesRegex(dist_utils.RankFailedError,
+                                    "(?s)rank 1 of 2 failed.*deliberate failure on rank 1"):
+            dist_utils.run_distributed(_fail_on_rank_one, 2, timeout=60)
+        self.assertLess(time.monotonic() - start, 30)  # not the 60 s timeout
+
+    def test_timeout(self):
+        with self.assertRaisesRegex(dist_utils.RankTimeoutError, "did not finish in 4 s"):
+            dist_utils.run_distributed(_sleep_forever, 2, timeout=4)
+
+
+if __name__ == "__main__":
+    absltest.main()
