@@ -45,7 +45,7 @@ from sparsetp.backends.jax import launch as _launch
 from sparsetp.core.layout import BlockLayout
 from sparsetp.kernels import launch as _kl
 
-__all__ = ["sparse_attention", "sparse_attention_fwd", "LayoutArrays", "layout_arrays"]
+__all__ = ["sparse_attention", "LayoutArrays", "layout_arrays"]
 
 _PER_HEAD = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial", "k_index",
              "k_mask_id")
@@ -136,23 +136,46 @@ def layout_arrays(layout: LayoutLike) -> LayoutArrays:
                         seq_len=layout.seq_len)
 
 
-def _check_inputs(q, k, v, lay: LayoutArrays):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-    if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k, v must share one [B, H, N, D] shape, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    _kl.check_dtype(jnp.dtype(q.dtype).name)
-    _kl.check_head_dim(q.shape[3])
-    if q.shape[1] != lay.num_heads or q.shape[2] != lay.seq_len:
-        raise ValueError(f"layout is for H={lay.num_heads}, N={lay.seq_len}, got q of shape "
-                         f"{tuple(q.shape)}")
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
+    """The torch frontend's checks and messages (``sparsetp.backends.torch.attention``)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(t, "shape") or not hasattr(t, "dtype") or isinstance(t, (int, float)):
+            raise ValueError(f"{name} must be a JAX or NumPy array, got {type(t).__name__}")
+    if len(q.shape) != 4:
+        raise ValueError(f"q must have shape [B, H, N, D], got {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but q has {tuple(q.shape)}; "
+                             "q, k and v must share one [B, H, N, D] shape")
+    dtype = jnp.dtype(q.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"q must be a floating-point array, got dtype {dtype}")
+    if dtype.name not in _DTYPES:
+        raise ValueError(f"q has dtype {dtype}; supported: {_DTYPES}")
+    for name, t in (("k", k), ("v", v)):
+        if jnp.dtype(t.dtype) != dtype:
+            raise ValueError(f"{name} has dtype {jnp.dtype(t.dtype)} but q has {dtype}")
+    if not isinstance(layout, (BlockLayout, LayoutArrays)):
+        raise ValueError(f"layout must be a BlockLayout (or LayoutArrays), got "
+                         f"{type(layout).__name__}")
+    b, h, n, _ = q.shape
+    if layout.seq_len != n:
+        raise ValueError(f"layout is for seq_len={layout.seq_len} but q has N={n}")
+    if layout.num_heads != h:
+        raise ValueError(f"layout is for num_heads={layout.num_heads} but q has H={h}")
+    if b == 0:
+        raise ValueError("q has batch size 0")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    _kl.check_head_dim(q.shape[-1], "q")
+    lay = layout_arrays(layout)
     for name, a in lay.metadata().items():
-        if a.dtype != jnp.int32:
+        if jnp.dtype(a.dtype) != jnp.int32:
             raise ValueError(f"layout metadata {name!r} must be int32, got {a.dtype}")
+    return lay, (q.shape[-1] ** -0.5 if scale is None else float(scale))
 
 
 def _device_kind() -> str:
@@ -167,22 +190,6 @@ def _launch_call(call: _kl.KernelCall):
         num_stages=call.num_stages, name=f"sparsetp_attn_{call.name}")
 
 
-def sparse_attention_fwd(q, k, v, layout: LayoutLike, *, scale: float | None = None):
-    """Forward only: ``(out [B,H,N,D], lse [B,H,N])`` (``lse`` float32, natural log, ``-inf``
-    for rows with no allowed key). Not differentiable; see :func:`sparse_attention`."""
-    lay = layout_arrays(layout)
-    _check_inputs(q, k, v, lay)
-    return _fwd(q, k, v, lay.metadata(), _scale(q, scale))
-
-
-def _scale(q, scale) -> float:
-    if scale is None:
-        return float(q.shape[-1]) ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise ValueError(f"scale must be a Python float or None, got {scale!r}")
-    return float(scale)
-
-
 def _fwd(q, k, v, meta, scale):
     call = _kl.fwd_call(q, k, v, meta, scale=scale, dtype=jnp.dtype(q.dtype).name,
                         device_kind=_device_kind())
@@ -191,53 +198,59 @@ def _fwd(q, k, v, meta, scale):
 
 
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLike, *,
-                     scale: float | None = None) -> jax.Array:
-    """Block-sparse softmax attention ``softmax(q k^T * scale + mask) v`` per head.
+                     scale: float | None = None, return_lse: bool = False):
+    """Block-sparse softmax attention ``softmax(q k^T * scale, masked by layout) v`` per head.
 
     Args:
-      q, k, v: ``[B, H, N, D]``, one dtype (float16, bfloat16, float32), ``D`` in
-        ``sparsetp.kernels.launch.SUPPORTED_HEAD_DIMS``.
+      q, k, v: ``[B, H, N, D]`` arrays of one dtype (float16, bfloat16, float32; float64 with
+        ``jax_enable_x64``, in the interpreter), ``D`` in 16, 32, 64, 128.
       layout: a :class:`~sparsetp.core.layout.BlockLayout` or :class:`LayoutArrays` for
         ``H`` heads and ``N`` tokens.
       scale: softmax scale (a Python float, static); default ``D ** -0.5``.
+      return_lse: also return the log-sum-exp ``[B, H, N]`` (float32; differentiable).
 
-    Returns ``[B, H, N, D]`` in the input dtype. Rows with no allowed key give 0 (and pass no
-    gradient). Differentiable w.r.t. ``q, k, v`` (``jax.grad``/``jax.vjp``: the backward runs the
-    Triton backward kernels); works under ``jit`` and inside ``shard_map``.
+    Returns ``out`` (``[B, H, N, D]``, the input dtype), or ``(out, lse)``. Rows with no allowed
+    key give 0 and ``-inf`` and pass no gradient. Differentiable w.r.t. ``q, k, v``
+    (``jax.grad``/``jax.vjp`` run the Triton backward kernels); works under ``jit`` and inside
+    ``shard_map``.
 
-    Raises ValueError for mismatched shapes or dtypes, an unsupported dtype or head dim, or a
-    layout for another head count / sequence length.
+    Raises ValueError, with the torch frontend's messages, for mismatched shapes or dtypes, an
+    unsupported dtype or head dim, or a layout for another head count / sequence length.
 
     >>> out = sparse_attention(q, k, v, make_layout(P.causal(), 1024, 8))   # doctest: +SKIP
     """
-    lay = layout_arrays(layout)
-    _check_inputs(q, k, v, lay)
-    return _attention(q, k, v, lay.metadata(), scale=_scale(q, scale))
+    lay, scale = _check_inputs(q, k, v, layout, scale)
+    out, lse = _attention(q, k, v, lay.metadata(), scale=scale)
+    return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("scale",))
 def _attention(q, k, v, meta, scale):  # scale: passed by name (nondiff_argnames)
-    return _fwd(q, k, v, meta, scale)[0]
+    return _fwd(q, k, v, meta, scale)
 
 
 def _attention_fwd_rule(q, k, v, meta, scale):
     out, lse = _fwd(q, k, v, meta, scale)
-    return out, (q, k, v, out, lse, meta)
+    return (out, lse), (q, k, v, out, lse, meta)
 
 
-def _attention_bwd_rule(scale, residuals, d_out):
+def _attention_bwd_rule(scale, residuals, cotangents):
     q, k, v, out, lse, meta = residuals
+    d_out, d_lse = cotangents
     d_out = d_out.astype(q.dtype)
     dtype, kind = jnp.dtype(q.dtype).name, _device_kind()
     (delta,) = _launch_call(_kl.bwd_preprocess_call(
         out, d_out, block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind))
+    # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as Delta - d_lse
+    # (as in the torch frontend). Rows with no key (lse = -inf) have P = 0: mask them so no
+    # inf - inf NaN reaches the kernels. When only ``out`` is used, d_lse is zeros.
+    delta = delta - jnp.where(jnp.isfinite(lse), d_lse.astype(delta.dtype), 0.0)
     (dq,) = _launch_call(_kl.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale,
                                          dtype=dtype, device_kind=kind))
     dk, dv = _launch_call(_kl.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale,
                                             dtype=dtype, device_kind=kind))
     # Integer metadata has no cotangent (JAX's float0 zeros).
-    d_meta = jax.tree_util.tree_map(
-        lambda a: np.zeros(a.shape, jax.dtypes.float0), meta)
+    d_meta = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), meta)
     return dq, dk, dv, d_meta
 
 
