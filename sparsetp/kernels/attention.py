@@ -18,7 +18,8 @@ Conventions shared by the four kernels
   ``n_partial`` of which are partial (they carry a row of the ``masks`` bitmask table), the rest
   full (no element mask).
 * The only constexprs are tile shape (``BLOCK`` = layout block size, ``HEAD_DIM``), the number of
-  int32 mask words per tile row (``MASK_WORDS``) and the tl.dot input precision.
+  int32 mask words per tile row (``MASK_WORDS``), the tl.dot input precision and
+  ``DOT_UPCAST`` (an interpreter-only bf16 workaround, see :func:`_dot`).
 * Every kernel bounds its loads by ``N``: full tiles of the ragged last tile row/column carry no
   mask bits, so ``offs < N`` is always part of the validity mask.
 * Softmax runs in fp32 (fp64 for fp64 inputs) in base 2: scores are multiplied by
@@ -49,6 +50,22 @@ assert abs(LOG2E - 1 / math.log(2)) < 1e-15 and abs(LN2 - math.log(2)) < 1e-15
 
 
 @triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """``tl.dot(a, b)`` with an fp32 accumulator (fp64 for fp64 operands).
+
+    DOT_UPCAST (set by the launcher for bf16 in the interpreter only): Triton 3.9's interpreter
+    feeds the raw uint16 storage of bf16 operands to numpy's matmul (its create_dot converts only
+    fp8), which gives garbage. bf16 -> fp32 is exact and the GPU's bf16 MMA multiplies exactly
+    and accumulates in fp32, so upcasting first computes the same thing the GPU does.
+    """
+    if DOT_UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return out
+
+
+@triton.jit
 def _tile_bits(masks, mask_id, offs_r, offs_c, stride_mu, stride_mr, stride_mw):
     """Element mask of one partial tile, gathered from the bitmask table.
 
@@ -66,12 +83,13 @@ def _tile_bits(masks, mask_id, offs_r, offs_c, stride_mu, stride_mr, stride_mw):
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
               stride_kn, stride_kd, stride_vn, stride_vd,
               masks, mask_id, stride_mu, stride_mr, stride_mw,
-              BLOCK: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              BLOCK: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              DOT_UPCAST: tl.constexpr):
     """One online-softmax step of the forward pass over key tile ``kb`` (shapes in the caller)."""
     offs_n = kb * BLOCK + offs_t
     k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                   mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, BLOCK] = K^T
-    qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # base-2 scores
+    qk = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # base-2 scores
     valid = offs_n[None, :] < N
     if PARTIAL:
         valid = valid & _tile_bits(masks, mask_id, offs_t[:, None], offs_t[None, :],
@@ -87,7 +105,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                 mask=offs_n[:, None] < N, other=0.0)  # [BLOCK, HEAD_DIM]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return acc, m_new, l_i
 
 
@@ -106,7 +124,7 @@ def _attn_fwd_kernel(
     stride_mu, stride_mr, stride_mw,
     Out, LSE,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_WORDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """Forward: Out = softmax(Q K^T * sm_scale, masked) V and LSE = logsumexp of the scores.
 
@@ -152,13 +170,13 @@ def _attn_fwd_kernel(
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kb, offs_t, offs_d, N,
                                   qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                                   masks, mid, stride_mu, stride_mr, stride_mw,
-                                  BLOCK, True, DOT_PRECISION)
+                                  BLOCK, True, DOT_PRECISION, DOT_UPCAST)
     for e in range(n_partial, count):
         kb = tl.load(q_index + row + e * stride_ik)
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kb, offs_t, offs_d, N,
                                   qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                                   masks, 0, stride_mu, stride_mr, stride_mw,
-                                  BLOCK, False, DOT_PRECISION)
+                                  BLOCK, False, DOT_PRECISION, DOT_UPCAST)
 
     # Rows with no allowed key (l = 0): divide by 1 so acc = 0 gives output 0, not 0/0 = NaN.
     has_key = l_i > 0.0
@@ -210,14 +228,15 @@ def _attn_bwd_preprocess_kernel(
 def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
              stride_kn, stride_kd, stride_vn, stride_vd,
              masks, mask_id, stride_mu, stride_mr, stride_mw,
-             BLOCK: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             BLOCK: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              DOT_UPCAST: tl.constexpr):
     """dQ contribution of key tile ``kb`` (shapes in :func:`_attn_bwd_dq_kernel`)."""
     offs_n = kb * BLOCK + offs_t
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=offs_n[:, None] < N, other=0.0)  # [BLOCK, HEAD_DIM]
     v_t = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
                   mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, BLOCK] = V^T
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
     valid = offs_n[None, :] < N
     if PARTIAL:
         valid = valid & _tile_bits(masks, mask_id, offs_t[:, None], offs_t[None, :],
@@ -225,9 +244,9 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb, offs_t, offs_d, N, qk_s
     # Recompute P from the saved base-2 LSE. tl.where *selects*, so an overflowing exp2 of a
     # masked-out score never reaches the sums.
     p = tl.where(valid, tl.math.exp2(qk - lse2[:, None]), 0.0)
-    dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+    dp = _dot(do, v_t, DOT_PRECISION, DOT_UPCAST)
     ds = p * (dp - delta[:, None])
-    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
     return dq
 
 
@@ -247,7 +266,7 @@ def _attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     DQ,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_WORDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """dQ = sm_scale * sum_j dS_ij K_j with dS = P * (dO V^T - Delta), over the query-major lists.
 
@@ -292,12 +311,14 @@ def _attn_bwd_dq_kernel(
         mid = tl.load(q_mask_id + row + e * stride_ik)
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
                       stride_kn, stride_kd, stride_vn, stride_vd,
-                      masks, mid, stride_mu, stride_mr, stride_mw, BLOCK, True, DOT_PRECISION)
+                      masks, mid, stride_mu, stride_mr, stride_mw,
+                      BLOCK, True, DOT_PRECISION, DOT_UPCAST)
     for e in range(n_partial, count):
         kb = tl.load(q_index + row + e * stride_ik)
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
                       stride_kn, stride_kd, stride_vn, stride_vd,
-                      masks, 0, stride_mu, stride_mr, stride_mw, BLOCK, False, DOT_PRECISION)
+                      masks, 0, stride_mu, stride_mr, stride_mw,
+                      BLOCK, False, DOT_PRECISION, DOT_UPCAST)
     # dS is the gradient w.r.t. the *natural* scaled scores, hence sm_scale (not qk_scale).
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h64 * stride_dqh + offs_m[:, None] * stride_dqn
@@ -308,7 +329,8 @@ def _attn_bwd_dq_kernel(
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, offs_t, offs_d, N,
                qk_scale, stride_qn, stride_qd, stride_don, stride_dod, stride_ln,
                masks, mask_id, stride_mu, stride_mr, stride_mw,
-               BLOCK: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               BLOCK: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              DOT_UPCAST: tl.constexpr):
     """dK/dV contribution of query tile ``qb`` (shapes in :func:`_attn_bwd_dkdv_kernel`).
 
     Works on transposed scores S^T [BLOCK keys, BLOCK queries] so that the accumulators keep
@@ -324,7 +346,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, offs_t, 
     delta = tl.load(delta_base + offs_m * stride_ln, mask=col_ok, other=0.0)
     # As in the dQ kernel: -inf LSE (row with no key, or padding) -> +inf so P^T is 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_keys, BLOCK_q]
+    qk_t = _dot(k, q_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_keys, BLOCK_q]
     offs_n_tile = tl.arange(0, BLOCK)  # key rows inside the tile (bounded by the caller's N)
     valid = col_ok[None, :]
     if PARTIAL:
@@ -332,10 +354,10 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, offs_t, 
         valid = valid & _tile_bits(masks, mask_id, offs_t[None, :], offs_n_tile[:, None],
                                    stride_mu, stride_mr, stride_mw)
     p_t = tl.where(valid, tl.math.exp2(qk_t - lse2[None, :]), 0.0)
-    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    dv += _dot(p_t.to(do.dtype), do, DOT_PRECISION, DOT_UPCAST)
+    dp_t = _dot(v, tl.trans(do), DOT_PRECISION, DOT_UPCAST)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+    dk += _dot(ds_t.to(q_t.dtype), tl.trans(q_t), DOT_PRECISION, DOT_UPCAST)
     return dk, dv
 
 
@@ -356,7 +378,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     DK, DV,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_WORDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """dV = sum_i P_i^T dO_i and dK = sm_scale * sum_i dS_i^T Q_i over the key-major lists.
 
@@ -403,13 +425,13 @@ def _attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, offs_t,
                             offs_d, N, qk_scale, stride_qn, stride_qd, stride_don, stride_dod,
                             stride_ln, masks, mid, stride_mu, stride_mr, stride_mw,
-                            BLOCK, True, DOT_PRECISION)
+                            BLOCK, True, DOT_PRECISION, DOT_UPCAST)
     for e in range(n_partial, count):
         qb = tl.load(k_index + row + e * stride_ik)
         dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, offs_t,
                             offs_d, N, qk_scale, stride_qn, stride_qd, stride_don, stride_dod,
                             stride_ln, masks, 0, stride_mu, stride_mr, stride_mw,
-                            BLOCK, False, DOT_PRECISION)
+                            BLOCK, False, DOT_PRECISION, DOT_UPCAST)
     dk = dk * sm_scale  # gradient w.r.t. natural scaled scores, as in dQ
     tl.store(DK + off_b * stride_dkb + off_h64 * stride_dkh + offs_n[:, None] * stride_dkn
              + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])

@@ -66,7 +66,8 @@ from sparsetp.kernels import attention as _k
 __all__ = [
     "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES", "DEVICE_KINDS",
     "KERNEL_NAMES", "TileConfig", "OutputSpec", "KernelCall", "tile_config", "check_head_dim",
-    "check_dtype", "stats_dtype", "dot_precision", "mask_words", "grid", "contiguous_strides",
+    "check_dtype", "stats_dtype", "dot_precision", "dot_upcast", "mask_words", "grid",
+    "contiguous_strides",
     "fwd_call", "bwd_preprocess_call", "bwd_dq_call", "bwd_dkdv_call", "kernel",
 ]
 
@@ -273,9 +274,16 @@ def _common(q, block_size, dtype, device_kind, kernel_name):
     return b, h, n, d, dtype, cfg
 
 
-def _constexprs(block_size, d, dtype):
+def dot_upcast(dtype: str, device_kind: str) -> bool:
+    """Whether kernels upcast tl.dot operands to fp32: bf16 in the interpreter only (Triton
+    3.9's interpreter multiplies the raw uint16 storage of bf16; see ``attention._dot``)."""
+    return device_kind == "interpreter" and check_dtype(dtype) == "bfloat16"
+
+
+def _constexprs(block_size, d, dtype, device_kind):
     return {"BLOCK": block_size, "HEAD_DIM": d, "MASK_WORDS": mask_words(block_size),
-            "DOT_PRECISION": dot_precision(dtype)}
+            "DOT_PRECISION": dot_precision(dtype),
+            "DOT_UPCAST": dot_upcast(dtype, device_kind)}
 
 
 def _block_size(meta) -> int:
@@ -297,7 +305,7 @@ def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, devi
     return KernelCall("fwd", _KERNELS["fwd"], grid(b, h, n, bs), args,
                       (OutputSpec("out", shape, dtype),
                        OutputSpec("lse", lse_shape, stats_dtype(dtype))),
-                      _constexprs(bs, d, dtype), cfg.num_warps, cfg.num_stages)
+                      _constexprs(bs, d, dtype, device_kind), cfg.num_warps, cfg.num_stages)
 
 
 def bwd_preprocess_call(out, d_out, *, block_size: int, dtype: str, device_kind: str,
@@ -328,7 +336,7 @@ def bwd_dq_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: f
             *_strides(strides, "dq", shape))
     return KernelCall("bwd_dq", _KERNELS["bwd_dq"], grid(b, h, n, bs), args,
                       (OutputSpec("dq", shape, dtype),),
-                      _constexprs(bs, d, dtype), cfg.num_warps, cfg.num_stages)
+                      _constexprs(bs, d, dtype, device_kind), cfg.num_warps, cfg.num_stages)
 
 
 def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
@@ -347,4 +355,4 @@ def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale:
             *_strides(strides, "dk", shape), *_strides(strides, "dv", shape))
     return KernelCall("bwd_dkdv", _KERNELS["bwd_dkdv"], grid(b, h, n, bs), args,
                       (OutputSpec("dk", shape, dtype), OutputSpec("dv", shape, dtype)),
-                      _constexprs(bs, d, dtype), cfg.num_warps, cfg.num_stages)
+                      _constexprs(bs, d, dtype, device_kind), cfg.num_warps, cfg.num_stages)
