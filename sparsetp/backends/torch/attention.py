@@ -120,6 +120,11 @@ def _launch(call: L.KernelCall, outputs, device_kind: str):
              num_stages=call.num_stages)
 
 
+def _new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Every kernel output buffer comes from here (tests patch it to pre-fill with NaN)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -128,8 +133,8 @@ def _forward(q, k, v, layout, scale):
     kind = _device_kind(q)
     dtype = str(q.dtype).replace("torch.", "")
     b, h, n, d = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((b, h, n), device=q.device, dtype=_stats_dtype(q.dtype))
+    out = _new_output(q.shape, q.dtype, q.device)
+    lse = _new_output((b, h, n), _stats_dtype(q.dtype), q.device)
     call = L.fwd_call(q, k, v, _metadata(layout, q.device), scale=scale, dtype=dtype,
                       device_kind=kind,
                       strides={"q": q.stride(), "k": k.stride(), "v": v.stride(),
@@ -143,7 +148,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
     dtype = str(q.dtype).replace("torch.", "")
     b, h, n, d = q.shape
     meta = _metadata(layout, q.device)
-    delta = torch.empty((b, h, n), device=q.device, dtype=lse.dtype)
+    delta = _new_output((b, h, n), lse.dtype, q.device)
     call = L.bwd_preprocess_call(out, d_out, block_size=layout.block_size, dtype=dtype,
                                  device_kind=kind,
                                  strides={"out": out.stride(), "d_out": d_out.stride(),
@@ -156,9 +161,9 @@ def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
         delta = delta - torch.where(torch.isfinite(lse), d_lse.to(delta.dtype), 0.0)
     strides = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
                "lse": lse.stride()}
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dq = _new_output(q.shape, q.dtype, q.device)
+    dk = _new_output(k.shape, k.dtype, k.device)
+    dv = _new_output(v.shape, v.dtype, v.device)
     call = L.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
                          device_kind=kind, strides={**strides, "dq": dq.stride()})
     _launch(call, (dq,), kind)

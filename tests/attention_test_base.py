@@ -1,0 +1,201 @@
+"""One framework-agnostic test base for block-sparse attention; subclassed per backend.
+
+A backend test file subclasses :class:`AttentionTestBase` (import the *module*, not the class,
+so pytest does not collect the base itself) and implements the hooks below on numpy arrays:
+
+* ``dtypes``: the dtype names the backend runs (e.g. ``("float32", "bfloat16")``).
+* ``forward(q, k, v, layout, scale, dtype) -> (out, lse)``: inputs are float32 numpy arrays
+  (float64 for ``dtype="float64"``) whose values are exact in ``dtype``, of shape
+  ``[B, H, N, D]`` and possibly non-contiguous strides (keep them if the backend can). Cast to
+  ``dtype``, run, and return numpy arrays (any float dtype; they are compared in float64).
+* ``backward(q, k, v, layout, scale, dtype, d_out) -> (dq, dk, dv)``: gradients of ``out`` for
+  the cotangent ``d_out`` (same conventions).
+* ``poison_outputs()``: a context manager during which every output buffer the backend
+  allocates (out, lse, delta, dq, dk, dv) is pre-filled with NaN, so unwritten elements fail.
+* ``call_raw(q, k, v, layout, **kwargs)``: call the op on numpy arrays converted to the
+  backend's arrays *keeping their numpy dtype* (float16, float32, int32, ...), for the
+  bad-input tests. Errors must be ``ValueError`` naming the offending argument.
+
+Every numeric test compares against the float64 oracle :mod:`sparsetp.core.reference` with the
+tolerance table of :mod:`testing_utils` (rtol = atol / 10, gradients at 2 * atol).
+
+CI cost: the interpreter costs ~10-30 ms per computed tile per pass on 2 cores, so the matrix
+is sparse: every example pattern at one small ragged shape, and dtypes / block sizes / head
+dims on a few patterns each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import testing_utils as tu
+from absl.testing import parameterized
+
+from sparsetp.core import make_layout, reference
+from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
+
+# (pattern, seq_len, block_size, batch, heads, head_dim, dtype, scale): seq_len is mostly not a
+# multiple of the block size (ragged last tile).
+SHAPE_CASES = (
+    ("causal", 80, 16, 1, 2, 16, "bfloat16", None),
+    ("bigbird", 256, 64, 1, 2, 64, "bfloat16", None),
+    ("strided_causal", 200, 64, 2, 2, 64, "float32", 0.3),
+    ("per_head_mix", 130, 32, 1, 3, 32, "bfloat16", None),
+    ("local", 70, 16, 1, 2, 64, "float32", None),
+    ("masked_rows", 100, 64, 1, 2, 16, "bfloat16", 1.7),
+    ("dense", 96, 32, 2, 1, 32, "float32", None),
+    ("longformer", 200, 128, 1, 2, 16, "float32", None),
+)
+
+PATTERN_SHAPE = dict(seq_len=150, block_size=32, batch=1, heads=3, head_dim=32)
+
+
+class AttentionTestBase(parameterized.TestCase):
+    """Shared correctness tests; see the module docstring for the hooks to implement."""
+
+    dtypes: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ hooks
+    def forward(self, q, k, v, layout, scale, dtype):
+        raise NotImplementedError
+
+    def backward(self, q, k, v, layout, scale, dtype, d_out):
+        raise NotImplementedError
+
+    def poison_outputs(self) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+    def call_raw(self, q, k, v, layout, **kwargs):
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+    def _case(self, name, n, bs, b, h, d, dtype, seed=0):
+        layout = make_layout(example_pattern(name, n, bs), n, h, bs)
+        q, k, v, d_out = tu.random_inputs(seed, (b, h, n, d), dtype)
+        return layout, q, k, v, d_out
+
+    def _check_forward(self, layout, q, k, v, scale, dtype, tag):
+        out, lse = self.forward(q, k, v, layout, scale, dtype)
+        ref_out, ref_lse = reference.attention(q, k, v, layout, scale)
+        tu.assert_close(out, ref_out, dtype, what=f"{tag} out")
+        tu.assert_close(lse, ref_lse, dtype, what=f"{tag} lse")
+        return out, lse
+
+    def _check_backward(self, layout, q, k, v, scale, dtype, d_out, tag):
+        grads = self.backward(q, k, v, layout, scale, dtype, d_out)
+        refs = reference.attention_grad(q, k, v, layout, d_out, scale)
+        for g_name, g, r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
+            tu.assert_close(g, r, dtype, grad=True, what=f"{tag} {g_name}")
+        return grads
+
+    def _check_all(self, name, n, bs, b, h, d, dtype, scale=None, seed=0):
+        layout, q, k, v, d_out = self._case(name, n, bs, b, h, d, dtype, seed)
+        tag = f"{name} N={n} bs={bs} B={b} H={h} D={d}"
+        self._check_forward(layout, q, k, v, scale, dtype, tag)
+        self._check_backward(layout, q, k, v, scale, dtype, d_out, tag)
+
+    # ------------------------------------------------------------------ tests
+    @parameterized.named_parameters((name, name) for name in sorted(EXAMPLE_PATTERNS))
+    def test_example_pattern(self, name):
+        """Every example pattern: out, LSE, dq, dk, dv vs the oracle (float32, ragged N)."""
+        s = PATTERN_SHAPE
+        self._check_all(name, s["seq_len"], s["block_size"], s["batch"], s["heads"],
+                        s["head_dim"], "float32")
+
+    @parameterized.named_parameters(
+        (f"{c[0]}_n{c[1]}_bs{c[2]}_b{c[3]}_h{c[4]}_d{c[5]}_{c[6]}", *c) for c in SHAPE_CASES)
+    def test_shapes_and_dtypes(self, name, n, bs, b, h, d, dtype, scale):
+        self._check_all(name, n, bs, b, h, d, dtype, scale=scale, seed=n + bs + d)
+
+    def test_fully_masked_rows(self):
+        """Rows with no allowed key: output exactly 0, LSE -inf, zero gradients, no NaN."""
+        for dtype in self.dtypes:
+            with self.subTest(dtype=dtype):
+                n, bs = 90, 32
+                layout, q, k, v, d_out = self._case("masked_rows", n, bs, 1, 2, 32, dtype)
+                dead = ~layout.dense_mask().any(-1)  # [H, N]
+                self.assertTrue(dead.any() and not dead.all())
+                out, lse = self.forward(q, k, v, layout, None, dtype)
+                dq, dk, dv = self.backward(q, k, v, layout, None, dtype, d_out)
+                for arr in (out, lse, dq, dk, dv):
+                    self.assertFalse(np.isnan(np.asarray(arr, np.float64)).any())
+                np.testing.assert_array_equal(np.asarray(out, np.float64)[:, dead], 0.0)
+                np.testing.assert_array_equal(np.asarray(lse, np.float64)[:, dead], -np.inf)
+                np.testing.assert_array_equal(np.asarray(dq, np.float64)[:, dead], 0.0)
+                # Keys nobody may attend to get zero dk, dv.
+                unseen = ~layout.dense_mask().any(-2)
+                np.testing.assert_array_equal(np.asarray(dk, np.float64)[:, unseen], 0.0)
+                np.testing.assert_array_equal(np.asarray(dv, np.float64)[:, unseen], 0.0)
+                self._check_forward(layout, q, k, v, None, dtype, "masked_rows")
+                self._check_backward(layout, q, k, v, None, dtype, d_out, "masked_rows")
+
+    def test_poisoned_outputs(self):
+        """Outputs pre-filled with NaN: every element must be written (ragged N, sparse rows)."""
+        for name in ("causal", "bigbird", "masked_rows"):
+            with self.subTest(pattern=name):
+                layout, q, k, v, d_out = self._case(name, 75, 32, 2, 2, 16, "float32", seed=5)
+                with self.poison_outputs():
+                    self._check_forward(layout, q, k, v, None, "float32", f"poisoned {name}")
+                    self._check_backward(layout, q, k, v, None, "float32", d_out,
+                                         f"poisoned {name}")
+
+    def test_deterministic(self):
+        """Two runs give bitwise-equal outputs and gradients (no atomics)."""
+        for dtype in self.dtypes:
+            with self.subTest(dtype=dtype):
+                layout, q, k, v, d_out = self._case("per_head_mix", 100, 32, 1, 3, 32, dtype, 9)
+                first = (*self.forward(q, k, v, layout, None, dtype),
+                         *self.backward(q, k, v, layout, None, dtype, d_out))
+                second = (*self.forward(q, k, v, layout, None, dtype),
+                          *self.backward(q, k, v, layout, None, dtype, d_out))
+                for a, b in zip(first, second, strict=True):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def test_strided_inputs(self):
+        """[B, H, N, D] views of [B, N, H, D] buffers (non-contiguous strides) are honoured."""
+        b, h, n, d = 2, 2, 70, 32
+        layout = make_layout(example_pattern("local", n, 32), n, h, 32)
+        rng = np.random.default_rng(11)
+        q, k, v, d_out = (np.swapaxes(rng.standard_normal((b, n, h, d)).astype(np.float32), 1, 2)
+                          for _ in range(4))
+        self.assertFalse(q.flags.c_contiguous)
+        self._check_forward(layout, q, k, v, None, "float32", "strided")
+        self._check_backward(layout, q, k, v, None, "float32", d_out, "strided")
+
+    def test_new_pattern_same_shapes(self):
+        """Two patterns with the same shapes in one process: both right (metadata as tensors)."""
+        n, bs = 64, 32
+        for name in ("causal", "local"):
+            layout, q, k, v, _ = self._case(name, n, bs, 1, 1, 16, "float32", seed=3)
+            self._check_forward(layout, q, k, v, None, "float32", name)
+
+    @parameterized.named_parameters(
+        ("k_shape", dict(k_shape=(1, 2, 64, 32)), r"\bk\b"),
+        ("v_shape", dict(v_shape=(1, 2, 48, 16)), r"\bv\b"),
+        ("k_dtype", dict(k_dtype=np.float16), r"\bk\b"),
+        ("v_dtype", dict(v_dtype=np.float16), r"\bv\b"),
+        ("q_not_float", dict(q_dtype=np.int32, k_dtype=np.int32, v_dtype=np.int32), r"\bq\b"),
+        ("q_not_4d", dict(q_shape=(2, 64, 16), k_shape=(2, 64, 16), v_shape=(2, 64, 16)),
+         r"\bq\b"),
+        ("head_dim_24", dict(q_shape=(1, 2, 64, 24), k_shape=(1, 2, 64, 24),
+                             v_shape=(1, 2, 64, 24)), r"head dim"),
+        ("head_dim_8", dict(q_shape=(1, 2, 64, 8), k_shape=(1, 2, 64, 8),
+                            v_shape=(1, 2, 64, 8)), r"head dim"),
+        ("layout_seq_len", dict(layout_n=96), r"layout.*seq_len"),
+        ("layout_heads", dict(layout_h=3), r"layout.*num_heads"),
+        ("layout_type", dict(layout_obj="causal"), r"layout"),
+    )
+    def test_bad_inputs(self, spec, regex):
+        shape = (1, 2, 64, 16)
+        layout = make_layout(example_pattern("causal", spec.get("layout_n", 64), 32),
+                             spec.get("layout_n", 64), spec.get("layout_h", 2), 32)
+        if "layout_obj" in spec:
+            layout = spec["layout_obj"]
+        rng = np.random.default_rng(0)
+        arrays = {}
+        for name in ("q", "k", "v"):
+            arr = rng.standard_normal(spec.get(f"{name}_shape", shape))
+            arrays[name] = arr.astype(spec.get(f"{name}_dtype", np.float32))
+        with self.assertRaisesRegex(ValueError, regex):
+            self.call_raw(arrays["q"], arrays["k"], arrays["v"], layout)

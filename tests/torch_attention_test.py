@@ -1,0 +1,176 @@
+"""Torch frontend of block-sparse attention: the shared AttentionTestBase plus torch-only tests.
+
+On a CPU machine the kernels run in Triton's interpreter (sparsetp._runtime); on a GPU machine
+the same tests run the compiled kernels on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import attention_test_base as base
+import numpy as np
+import testing_utils as tu
+import torch
+from absl.testing import absltest, parameterized
+
+from sparsetp import _runtime
+from sparsetp.backends.torch import attention as tattn
+from sparsetp.core import make_layout, reference
+from sparsetp.core import patterns as P
+from sparsetp.core.examples import example_pattern
+
+DEVICE = "cpu" if _runtime.interpret_mode() else "cuda"
+
+
+def _to(x: np.ndarray, dtype: str, requires_grad: bool = False) -> torch.Tensor:
+    # from_numpy keeps the numpy strides; .to() preserves them for dense views.
+    t = torch.from_numpy(x).to(device=DEVICE, dtype=getattr(torch, dtype))
+    return t.requires_grad_(requires_grad)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
+
+
+class TorchSparseAttentionTest(base.AttentionTestBase):
+    dtypes = ("float32", "bfloat16")
+
+    def forward(self, q, k, v, layout, scale, dtype):
+        out, lse = tattn.sparse_attention(_to(q, dtype), _to(k, dtype), _to(v, dtype), layout,
+                                          scale=scale, return_lse=True)
+        self.assertEqual(out.dtype, getattr(torch, dtype))
+        return _np(out), _np(lse)
+
+    def backward(self, q, k, v, layout, scale, dtype, d_out):
+        tq, tk, tv = (_to(x, dtype, requires_grad=True) for x in (q, k, v))
+        out = tattn.sparse_attention(tq, tk, tv, layout, scale=scale)
+        out.backward(_to(d_out, dtype))
+        return _np(tq.grad), _np(tk.grad), _np(tv.grad)
+
+    def poison_outputs(self):
+        def nan_output(shape, dtype, device):
+            return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+
+        return mock.patch.object(tattn, "_new_output", nan_output)
+
+    def call_raw(self, q, k, v, layout, **kwargs):
+        return tattn.sparse_attention(*(torch.from_numpy(x).to(DEVICE) for x in (q, k, v)),
+                                      layout, **kwargs)
+
+
+class TorchAttentionExtrasTest(parameterized.TestCase):
+    """Torch-only behaviour: baselines, gradcheck, LSE gradient, module, devices, caching."""
+
+    @parameterized.named_parameters(
+        ("naive_bigbird", "naive", "bigbird", "float32"),
+        ("naive_masked_rows", "naive", "masked_rows", "float32"),
+        ("naive_per_head_mix_bf16", "naive", "per_head_mix", "bfloat16"),
+        ("dense_strided_causal", "dense", "strided_causal", "float32"),
+        ("dense_masked_rows", "dense", "masked_rows", "float32"),
+        ("dense_local_bf16", "dense", "local", "bfloat16"),
+    )
+    def test_baseline_matches_oracle(self, which, name, dtype):
+        fn = tattn.naive_sparse_attention if which == "naive" else tattn.dense_attention
+        n, bs, h = 100, 32, 3
+        layout = make_layout(example_pattern(name, n, bs), n, h, bs)
+        q, k, v, d_out = tu.random_inputs(4, (2, h, n, 32), dtype)
+        tq, tk, tv = (_to(x, dtype, requires_grad=True) for x in (q, k, v))
+        out = fn(tq, tk, tv, layout, scale=0.2)
+        out.backward(_to(d_out, dtype))
+        tu.assert_close(_np(out), reference.attention(q, k, v, layout, 0.2)[0], dtype,
+                        what=f"{which} out")
+        refs = reference.attention_grad(q, k, v, layout, d_out, 0.2)
+        for g_name, t, r in zip(("dq", "dk", "dv"), (tq, tk, tv), refs, strict=True):
+            tu.assert_close(_np(t.grad), r, dtype, grad=True, what=f"{which} {g_name}")
+
+    def test_gradcheck_float64(self):
+        """torch.autograd.gradcheck in float64 (the interpreter runs fp64 dots), out and LSE."""
+        layout = make_layout(P.local(20, 3), seq_len=40, num_heads=1, block_size=16)
+        rng = np.random.default_rng(1)
+        q, k, v = (_to(rng.standard_normal((1, 1, 40, 16)), "float64", requires_grad=True)
+                   for _ in range(3))
+        fn = lambda q, k, v: tattn.sparse_attention(q, k, v, layout, scale=0.5, return_lse=True)
+        self.assertTrue(torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True))
+
+    def test_gradcheck_float64_masked_rows(self):
+        """gradcheck of the output where some rows attend to nothing (their LSE is -inf, so
+        it is left out: finite differences of -inf are NaN)."""
+        n = 36
+        layout = make_layout(example_pattern("masked_rows", n, 16), n, 1, 16)
+        rng = np.random.default_rng(2)
+        q, k, v = (_to(rng.standard_normal((1, 1, n, 16)), "float64", requires_grad=True)
+                   for _ in range(3))
+        fn = lambda q, k, v: tattn.sparse_attention(q, k, v, layout)
+        self.assertTrue(torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True))
+
+    def test_lse_gradient_float32(self):
+        """A cotangent on LSE flows into q and k (d lse / d s = P) and matches float64 autograd
+        of the naive baseline."""
+        n, h = 70, 2
+        layout = make_layout(example_pattern("bigbird", n, 16), n, h, 16)
+        q, k, v, d_out = tu.random_inputs(8, (1, h, n, 16), "float32")
+        d_lse = np.random.default_rng(9).standard_normal((1, h, n)).astype(np.float32)
+        tq, tk, tv = (_to(x, "float32", requires_grad=True) for x in (q, k, v))
+        out, lse = tattn.sparse_attention(tq, tk, tv, layout, return_lse=True)
+        torch.autograd.backward((out, lse), (_to(d_out, "float32"), _to(d_lse, "float32")))
+        rq, rk, rv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
+        mask = torch.from_numpy(layout.dense_mask())[None]
+        s = (rq @ rk.transpose(-1, -2) * 16 ** -0.5).masked_fill(~mask, float("-inf"))
+        r_lse = torch.logsumexp(s, -1)
+        r_out = torch.softmax(s, -1) @ rv
+        torch.autograd.backward((r_out, r_lse), (torch.from_numpy(d_out).double(),
+                                                 torch.from_numpy(d_lse).double()))
+        for name, t, r in (("dq", tq, rq), ("dk", tk, rk), ("dv", tv, rv)):
+            tu.assert_close(_np(t.grad), r.grad.numpy(), "float32", grad=True, what=name)
+
+    def test_module_caches_layouts_and_matches_function(self):
+        attn = tattn.SparseAttention(P.causal(), block_size=32, scale=0.4)
+        q, k, v = (torch.from_numpy(x).to(DEVICE)
+                   for x in tu.random_inputs(2, (1, 2, 50, 16), "float32", count=3))
+        out = attn(q, k, v)
+        self.assertIs(attn.layout(50, 2), attn.layout(50, 2))
+        expected = tattn.sparse_attention(q, k, v, attn.layout(50, 2), scale=0.4)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        out2, lse = attn(q, k, v, return_lse=True)
+        self.assertEqual(tuple(lse.shape), (1, 2, 50))
+        with self.assertRaisesRegex(ValueError, r"block_size"):
+            tattn.SparseAttention(P.causal(), block_size=48)
+        with self.assertRaisesRegex(ValueError, r"pattern"):
+            tattn.SparseAttention("causal")
+
+    def test_metadata_cached_per_layout_and_device(self):
+        layout = make_layout(P.causal(), 64, 1, 32)
+        a = tattn._metadata(layout, torch.device(DEVICE))
+        b = tattn._metadata(layout, torch.device(DEVICE))
+        self.assertIs(a["q_index"], b["q_index"])
+        self.assertEqual(a["q_index"].dtype, torch.int32)
+
+    def test_device_mismatch_names_argument(self):
+        q = torch.randn(1, 1, 32, 16, device=DEVICE)
+        k = torch.randn(1, 1, 32, 16, device="meta")
+        layout = make_layout(P.causal(), 32, 1, 16)
+        with self.assertRaisesRegex(ValueError, r"\bk\b is on meta"):
+            tattn.sparse_attention(q, k, q, layout)
+
+    def test_scale_type_checked(self):
+        q = torch.randn(1, 1, 32, 16, device=DEVICE)
+        layout = make_layout(P.causal(), 32, 1, 16)
+        with self.assertRaisesRegex(ValueError, r"scale"):
+            tattn.sparse_attention(q, q, q, layout, scale="0.5")
+
+    def test_dense_attention_masked_rows_finite_grads(self):
+        """SDPA alone gives NaN on fully masked rows; dense_attention gives 0 and 0 grads."""
+        n = 48
+        layout = make_layout(example_pattern("masked_rows", n, 16), n, 1, 16)
+        q = torch.randn(1, 1, n, 16, device=DEVICE, requires_grad=True)
+        out = tattn.dense_attention(q, q, q, layout)
+        out.backward(torch.randn_like(out))
+        self.assertFalse(torch.isnan(out).any() or torch.isnan(q.grad).any())
+        dead = torch.from_numpy(~layout.dense_mask().any(-1))[None].to(DEVICE)
+        self.assertTrue(bool((out[dead] == 0).all()))
+
+
+if __name__ == "__main__":
+    absltest.main()
