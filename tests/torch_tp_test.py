@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from absl.testing import absltest, parameterized
 
+from sparsetp.backends.torch.block import HybridBlock
 from sparsetp.backends.torch.comm import (
     copy_to_region,
     gather_from_region,
@@ -36,7 +37,7 @@ from sparsetp.backends.torch.layers import (
     ParallelSparseAttention,
     RowParallelLinear,
 )
-from sparsetp.core import HybridConfig, init_params, reference, shard_param
+from sparsetp.core import HybridConfig, init_params, param_shapes, reference, shard_param
 from sparsetp.core import patterns as P
 
 try:  # pytest puts tests/ on sys.path (no package); a package layout reaches it as tests.*
@@ -195,6 +196,10 @@ def _check_bad_sizes(rank, world):
         ParallelMLP(16, 5)
     with tc.assertRaisesRegex(ValueError, f"num_heads=3 is not divisible .* {world}"):
         ParallelSparseAttention(48, 3, P.causal(), block_size=32)
+    with tc.assertRaisesRegex(ValueError, f"num_heads=3 is not divisible .* {world}"):
+        HybridBlock(HybridConfig(48, 3, 64, P.causal(), block_size=32))
+    with tc.assertRaisesRegex(ValueError, f"d_ff=5 is not divisible .* {world}"):
+        HybridBlock(HybridConfig(64, 4, 5, P.causal(), block_size=32))
     return True
 
 
@@ -207,6 +212,49 @@ def _check_layers(rank, world):
     if world > 1:
         _check_bad_sizes(rank, world)
     return _check_mlp(rank, world, "float32", bias=True)
+
+
+def _block_config(bias=True, dtype="float32"):
+    # N=128 with 32-token tiles and a 16-token BigBird: full, partial and empty tiles (density
+    # ~0.9 with ~0.6 partial); small enough for the interpreter (~4 s of fwd+bwd on 2 cores).
+    return HybridConfig(d_model=64, num_heads=4, d_ff=128, pattern=P.bigbird(16, 3, 1, 1, seed=3),
+                        block_size=32, bias=bias, dtype=dtype)
+
+
+def _block_problem(cfg):
+    params = init_params(cfg, 11)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 128, cfg.d_model))
+    dy = rng.standard_normal((2, 128, cfg.d_model))
+    return params, x, dy
+
+
+def _check_block(rank, world, bias):
+    cfg = _block_config(bias)
+    params, x, dy = _block_problem(cfg)
+    y_ref = reference.hybrid_block(params, x, cfg)
+    dx_ref, dparams_ref = reference.hybrid_block_grad(params, x, cfg, dy)
+
+    block = HybridBlock.from_params(cfg, params)
+    exported = block.export_params()  # gathered back bitwise (a collective: every rank calls)
+    assert list(exported) == list(params)
+    for name in params:
+        assert exported[name].dtype == np.float32 and np.array_equal(exported[name], params[name])
+
+    xt = _t(x, "float32", grad=True)
+    y = block(xt)
+    _close(y, y_ref, "float32", msg="block y")
+    y.backward(_t(dy, "float32"))
+    _close(xt.grad, dx_ref, "float32", grad=True, msg="block dx")
+    local = dict(block.named_parameters())
+    assert set(local) == set(param_shapes(cfg))
+    for name, p in local.items():
+        want = shard_param(name, dparams_ref[name], cfg, rank, world)
+        assert tuple(p.shape) == want.shape, (name, p.shape, want.shape)
+        _close(p.grad, want, "float32", grad=True, msg=f"block d{name} shard")
+    with torch.no_grad():  # determinism: bitwise the same output again
+        assert torch.equal(block(xt), y)
+    return y.detach().numpy(), xt.grad.numpy()
 
 
 def _fail_on_rank_one(rank, world):
@@ -250,6 +298,44 @@ class SingleProcessTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "d_model=18 must be a positive multiple"):
             ParallelSparseAttention(18, 4, P.causal())
 
+    def test_block_params_round_trip_and_dtypes(self):
+        cfg = _block_config()
+        params = init_params(cfg, 5)
+        exported = HybridBlock.from_params(cfg, params).export_params()
+        for name in params:
+            np.testing.assert_array_equal(exported[name], params[name])
+            self.assertEqual(exported[name].dtype, np.float32)
+        # HybridBlock(cfg, seed=s) is from_params(cfg, init_params(cfg, s)).
+        seeded = HybridBlock(cfg, seed=5).export_params()
+        for name in params:
+            np.testing.assert_array_equal(seeded[name], params[name])
+        for dtype, np_dtype in (("float64", np.float64), ("float16", np.float16),
+                                ("bfloat16", np.float32)):
+            cfg_d = _block_config(dtype=dtype)
+            block = HybridBlock.from_params(cfg_d, params)
+            self.assertTrue(all(p.dtype == getattr(torch, dtype) for p in block.parameters()))
+            once = block.export_params()
+            twice = HybridBlock.from_params(cfg_d, once).export_params()
+            for name in params:
+                self.assertEqual(once[name].dtype, np_dtype)
+                np.testing.assert_array_equal(twice[name], once[name])
+                rounded = torch.from_numpy(params[name]).to(getattr(torch, dtype)).float()
+                np.testing.assert_array_equal(once[name].astype(np.float32), rounded.numpy())
+
+    def test_block_bad_params(self):
+        cfg = _block_config()
+        params = init_params(cfg, 0)
+        with self.assertRaisesRegex(ValueError, r"missing \['ln1.bias'\]"):
+            HybridBlock.from_params(cfg, {k: v for k, v in params.items() if k != "ln1.bias"})
+        with self.assertRaisesRegex(ValueError, r"unexpected \['extra'\]"):
+            HybridBlock.from_params(cfg, dict(params, extra=params["ln1.bias"]))
+        with self.assertRaisesRegex(ValueError, r"ln2.weight must have shape \(64,\)"):
+            HybridBlock.from_params(cfg, dict(params, **{"ln2.weight": params["mlp.fc1.bias"]}))
+        with self.assertRaisesRegex(ValueError, "config must be a HybridConfig"):
+            HybridBlock({"d_model": 64})
+        with self.assertRaisesRegex(ValueError, r"x must be \[B, N, d_model=64\]"):
+            HybridBlock(cfg)(torch.zeros(2, 128, 32))
+
     def test_same_seed_same_function(self):
         a, b = ParallelMLP(8, 16, seed=3), ParallelMLP(8, 16, seed=3)
         x = torch.randn(2, 8)
@@ -264,6 +350,29 @@ class DistributedLayersTest(parameterized.TestCase):
         results = dist_utils.run_distributed(_check_layers, world)
         for mlp_out in results[1:]:  # every rank holds the same (replicated) output, bitwise
             np.testing.assert_array_equal(mlp_out, results[0])
+
+
+class DistributedBlockTest(parameterized.TestCase):
+    def test_block_matches_oracle_and_is_invariant_across_tp(self):
+        """TP 1, 2, 4: every rank checks output, dx and its weight-grad shards against the
+        float64 oracle; then outputs and dx must agree ACROSS TP sizes much more tightly than
+        with the oracle: only float32 summation order differs (K-split matmuls, all-reduce), a
+        few ulp of O(1-10) values, so 1e-5 (2e-5 for dx) is 10x tighter than the oracle check.
+        (One spawn per size serves both checks: the interpreter makes each run ~5-15 s.)"""
+        base = None
+        for world in (1, 2, 4):
+            with self.subTest(tp=world):
+                results = dist_utils.run_distributed(_check_block, world, True, timeout=180)
+                if base is None:
+                    base = results[0]
+                for rank, (y, dx) in enumerate(results):
+                    np.testing.assert_allclose(y, base[0], atol=1e-5, rtol=1e-6,
+                                               err_msg=f"tp{world} rank{rank} y vs tp1")
+                    np.testing.assert_allclose(dx, base[1], atol=2e-5, rtol=2e-6,
+                                               err_msg=f"tp{world} rank{rank} dx vs tp1")
+
+    def test_block_without_bias(self):
+        dist_utils.run_distributed(_check_block, 2, False, timeout=180)
 
 
 class HarnessTest(absltest.TestCase):

@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 import torch
 import torch.nn.functional as F
-from torch import nn
-
+from sparsetp.backends.torch.attention import sparse_attention
 from sparsetp.backends.torch.comm import (
     all_gather_dim,
     copy_to_region,
@@ -41,6 +41,7 @@ from sparsetp.backends.torch.comm import (
 )
 from sparsetp.core.layout import BlockLayout, make_layout
 from sparsetp.core.patterns import Pattern
+from torch import nn
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention"]
 
@@ -269,8 +270,6 @@ class ParallelSparseAttention(nn.Module):
         return lay
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from sparsetp.backends.torch.attention import sparse_attention
-
         b, n, _ = x.shape
         qkv_local = self.qkv(x)  # [B, N, Hl * 3 * hd]
         qkv_local = qkv_local.view(b, n, self.local_heads, 3, self.head_dim)

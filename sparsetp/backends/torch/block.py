@@ -1,0 +1,130 @@
+"""The pre-norm hybrid block (block-sparse attention + MLP) with Megatron tensor parallelism.
+
+``y1 = x + Attn(LN1(x)); y = y1 + MLP(LN2(y1))``: attention heads and the MLP hidden width are
+split over the tensor-parallel ``group`` (two all-reduces forward, two backward); layer norms
+and the row-parallel output biases are replicated. Parameter names are the canonical names of
+:mod:`sparsetp.core.config` (``block.named_parameters()`` yields ``attn.qkv.weight`` ...), each
+holding this rank's shard as described by ``sparsetp.core.partition_dim``.
+
+>>> from sparsetp.core import HybridConfig, init_params, patterns as P
+>>> cfg = HybridConfig(d_model=32, num_heads=2, d_ff=64, pattern=P.causal(), block_size=32)
+>>> block = HybridBlock.from_params(cfg, init_params(cfg, seed=0))   # single process
+>>> sorted(block.export_params()) == sorted(init_params(cfg, seed=0))
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+import torch
+from sparsetp.backends.torch.comm import all_gather_dim, group_size
+from sparsetp.backends.torch.layers import ParallelMLP, ParallelSparseAttention, _as_tensor
+from sparsetp.core.config import (
+    HybridConfig,
+    check_tp_size,
+    init_params,
+    param_shapes,
+    partition_dim,
+)
+from torch import nn
+
+__all__ = ["HybridBlock", "TORCH_DTYPES"]
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "float64": torch.float64}
+
+
+class HybridBlock(nn.Module):
+    """Pre-norm transformer block with block-sparse attention, tensor-parallel over ``group``.
+
+    Args:
+      config: sizes, pattern and dtype (parameters are created in ``config.dtype``).
+      group: process group (None: the default group if torch.distributed is initialised, else
+        a single process).
+      seed: parameters are ``init_params(config, seed)`` (the canonical draw, so every TP size
+        and the JAX frontend start from the same weights); None leaves them uninitialised.
+      device: where the parameters live.
+
+    Raises ValueError when ``num_heads`` or ``d_ff`` is not divisible by the group size.
+    Input ``x [B, N, d_model]`` (the same on every rank), output ``[B, N, d_model]``.
+    """
+
+    def __init__(self, config: HybridConfig, group=None, *, seed: int | None = 0,
+                 device=None):
+        super().__init__()
+        if not isinstance(config, HybridConfig):
+            raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
+        self.config, self.group = config, group
+        self.world_size = group_size(group)
+        check_tp_size(config, self.world_size)
+        dtype = TORCH_DTYPES[config.dtype]
+        d = config.d_model
+        kw = dict(group=group, dtype=dtype, device=device, seed=None)
+        self.ln1 = nn.LayerNorm(d, eps=config.norm_eps, dtype=dtype, device=device)
+        self.attn = ParallelSparseAttention(d, config.num_heads, config.pattern,
+                                            config.block_size, config.bias, **kw)
+        self.ln2 = nn.LayerNorm(d, eps=config.norm_eps, dtype=dtype, device=device)
+        self.mlp = ParallelMLP(d, config.d_ff, config.bias, **kw)
+        if seed is not None:
+            self.load_params(init_params(config, seed))
+
+    @classmethod
+    def from_params(cls, config: HybridConfig, params: Mapping[str, object], group=None, *,
+                    device=None) -> HybridBlock:
+        """A block holding this rank's shards of the canonical UNSHARDED ``params``."""
+        block = cls(config, group, seed=None, device=device)
+        block.load_params(params)
+        return block
+
+    @torch.no_grad()
+    def load_params(self, params: Mapping[str, object]) -> None:
+        """Load canonical unsharded parameters (numpy or torch), keeping this rank's shards."""
+        shapes = param_shapes(self.config)
+        if set(params) != set(shapes):
+            raise ValueError(
+                f"params must hold exactly {sorted(shapes)}; missing "
+                f"{sorted(set(shapes) - set(params))}, unexpected "
+                f"{sorted(set(params) - set(shapes))}")
+        full = {}
+        for name, shape in shapes.items():
+            t = _as_tensor(params[name], name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+            full[name] = t
+        for ln in ("ln1", "ln2"):
+            getattr(self, ln).weight.copy_(full[f"{ln}.weight"])
+            getattr(self, ln).bias.copy_(full[f"{ln}.bias"])
+        for name, lin in (("attn.qkv", self.attn.qkv), ("attn.out", self.attn.out),
+                          ("mlp.fc1", self.mlp.fc1), ("mlp.fc2", self.mlp.fc2)):
+            lin.load_unsharded(full[f"{name}.weight"], full.get(f"{name}.bias"))
+
+    @torch.no_grad()
+    def export_params(self) -> dict[str, np.ndarray]:
+        """The canonical UNSHARDED parameters as numpy arrays, gathered from every rank.
+
+        A collective: every rank of the group must call it. float32/float16/float64 parameters
+        come back in their dtype; bfloat16 (no numpy dtype) as float32, which is exact. So
+        ``from_params(cfg, p).export_params()`` returns ``p`` bitwise when ``p`` is already
+        representable in ``config.dtype``.
+        """
+        own = dict(self.named_parameters())
+        out = {}
+        for name in param_shapes(self.config):
+            p = own[name].detach()
+            dim = partition_dim(name)
+            if dim is not None:
+                p = all_gather_dim(p, dim, self.group)
+            if p.dtype == torch.bfloat16:
+                p = p.float()
+            out[name] = p.cpu().numpy().copy()
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.config.d_model:
+            raise ValueError(f"x must be [B, N, d_model={self.config.d_model}], got "
+                             f"{tuple(x.shape)}")
+        y1 = x + self.attn(self.ln1(x))
+        return y1 + self.mlp(self.ln2(y1))
