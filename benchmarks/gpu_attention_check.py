@@ -1,0 +1,366 @@
+"""GPU correctness check and first timings of the sparsetp attention kernels (torch frontend).
+
+Believe these numbers only if ``tests/torch_attention_test.py`` passes (it runs the same kernels
+in Triton's interpreter on CPU against the float64 oracle).
+
+Sections, in order (a wall-clock budget skips what does not fit, and says so in the JSON):
+1. small shapes vs the float64 numpy oracle (fp32, bf16, fp16; several patterns, ragged N);
+2. GPU shapes (N = 8192, D = 64 / 128, bf16 / fp16) vs a float32 torch reference on the GPU,
+   plus NaN-poisoned outputs and a bitwise determinism check;
+3. timings (triton.testing.do_bench median, ms), bf16, B=1, H=16, D=128, N = 8192 and 32768:
+   sparsetp fwd and fwd+bwd vs FlexAttention (torch.compile'd, BlockMask built from the same
+   layout: partial/full kv block lists + a mask_mod reading the layout's bitmask table) and SDPA
+   (dense, and causal for the causal layout).
+
+Usage (repo root on PYTHONPATH)::
+
+    python benchmarks/gpu_attention_check.py --out=/tmp/attn.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from unittest import mock
+
+import numpy as np
+import torch
+from absl import app, flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import testing_utils as tu  # noqa: E402
+
+from sparsetp.backends.torch import attention as tattn  # noqa: E402
+from sparsetp.core import make_layout, reference  # noqa: E402
+from sparsetp.core import patterns as P  # noqa: E402
+from sparsetp.core.examples import example_pattern  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "attn.json", "where to write the JSON results")
+flags.DEFINE_float("budget_s", 400.0, "wall-clock budget; later items are skipped past it")
+flags.DEFINE_list("timing_n", ["32768", "8192"], "sequence lengths for the timings")
+flags.DEFINE_bool("flex", True, "time FlexAttention too")
+
+T0 = time.time()
+RESULTS: dict = {"correctness": [], "timing": [], "skipped": [], "errors": []}
+
+
+def log(msg):
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+def over_budget(what) -> bool:
+    if time.time() - T0 > FLAGS.budget_s:
+        RESULTS["skipped"].append(what)
+        log(f"SKIP (budget) {what}")
+        return True
+    return False
+
+
+def save():
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def anchor_pattern(name: str) -> P.Pattern:
+    if name == "causal":
+        return P.causal()
+    if name == "window":  # |i - j| < 512
+        return P.local(511, 511)
+    if name == "bigbird":  # 3-block window, 1 global block, 2 random blocks per row
+        return P.bigbird(128, 3, 1, 2, seed=0)
+    if name == "strided_causal":  # 4 local blocks causal + vertical stride 16, per-head offset
+        return (P.block_local(128, 3, 0) | P.strided(16, 128, per_head_offset=True)) & P.causal()
+    raise ValueError(name)
+
+
+# --------------------------------------------------------------------------- correctness
+def ratio(actual: torch.Tensor, expected: torch.Tensor, dtype: str, grad: bool) -> float:
+    """max |a - e| / (atol + rtol |e|) (<= 1 passes); inf on NaN or mismatched infinities."""
+    a, e = actual.double(), expected.double()
+    if torch.isnan(a).any():
+        return float("inf")
+    inf = torch.isinf(e)
+    if not torch.equal(torch.isinf(a), inf) or not torch.equal(a[inf], e[inf]):
+        return float("inf")
+    atol, rtol = tu.tolerance(dtype, grad)
+    a, e = a[~inf], e[~inf]
+    return float(((a - e).abs() / (atol + rtol * e.abs())).max()) if a.numel() else 0.0
+
+
+def run_sparse(q, k, v, layout, d_out, scale=None):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = tattn.sparse_attention(q, k, v, layout, scale=scale, return_lse=True)
+    out.backward(d_out)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def check_oracle(name, n, bs, h, d, dtype):
+    layout = make_layout(example_pattern(name, n, bs), n, h, bs)
+    q, k, v, d_out = tu.random_inputs(n + d, (1, h, n, d), dtype)
+    tdt = getattr(torch, dtype)
+    dev = [torch.from_numpy(x).to("cuda", tdt) for x in (q, k, v, d_out)]
+    got = run_sparse(*dev[:3], layout, dev[3])
+    ref_out, ref_lse = reference.attention(q, k, v, layout)
+    refs = (ref_out, ref_lse, *reference.attention_grad(q, k, v, layout, d_out))
+    names = ("out", "lse", "dq", "dk", "dv")
+    r = {nm: ratio(g.cpu(), torch.from_numpy(np.asarray(x)), dtype, nm not in ("out", "lse"))
+         for nm, g, x in zip(names, got, refs, strict=True)}
+    return r
+
+
+def ref_fp32(q, k, v, mask, scale, d_out):
+    """Dense float32 reference on the GPU (rows with no key: 0 output, -inf lse, 0 grads)."""
+    q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    has = mask.any(-1, keepdim=True)
+    s_safe = torch.where(has, s, 0.0)
+    lse = torch.where(has[..., 0], torch.logsumexp(s_safe, -1), float("-inf"))
+    p = torch.where(has, torch.softmax(s_safe, -1), 0.0)
+    out = p @ v
+    out.backward(d_out.float())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def check_gpu_size(name, pattern, n, bs, h, d, dtype, poison=False):
+    layout = make_layout(pattern, n, h, bs)
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v, d_out = (torch.randn(1, h, n, d, device="cuda", generator=g).to(tdt)
+                      for _ in range(4))
+    ctx = mock.patch.object(
+        tattn, "_new_output",
+        lambda shape, dt, dev: torch.full(tuple(shape), float("nan"), dtype=dt, device=dev)
+    ) if poison else mock.patch.object(tattn, "_new_output", tattn._new_output)
+    with ctx:
+        got = run_sparse(q, k, v, layout, d_out)
+    mask = torch.from_numpy(layout.dense_mask()).to("cuda")[None]
+    refs = ref_fp32(q, k, v, mask, d ** -0.5, d_out)
+    del mask
+    names = ("out", "lse", "dq", "dk", "dv")
+    r = {nm: ratio(a, b, dtype, nm not in ("out", "lse"))
+         for nm, a, b in zip(names, got, refs, strict=True)}
+    return r, (q, k, v, d_out, layout)
+
+
+def correctness():
+    small = [
+        ("causal", 200, 64, 2, 64, "float32"), ("bigbird", 200, 64, 2, 64, "bfloat16"),
+        ("masked_rows", 150, 64, 2, 64, "float16"), ("per_head_mix", 300, 64, 3, 128, "bfloat16"),
+        ("strided_causal", 333, 128, 2, 128, "bfloat16"), ("local", 250, 32, 2, 32, "float16"),
+        ("random", 180, 16, 2, 16, "float32"), ("dense", 256, 128, 1, 64, "bfloat16"),
+    ]
+    for case in small:
+        tag = f"oracle {case}"
+        if over_budget(tag):
+            continue
+        try:
+            r = check_oracle(*case)
+            ok = all(x <= 1.0 for x in r.values())
+            RESULTS["correctness"].append({"kind": "float64 oracle", "case": case,
+                                           "ratio": r, "pass": ok})
+            log(f"{'PASS' if ok else 'FAIL'} {tag} {r}")
+        except Exception as e:  # record and go on: one failing shape must not hide the rest
+            RESULTS["errors"].append({"case": tag, "error": traceback.format_exc()})
+            log(f"ERROR {tag}: {e!r}")
+        save()
+    big = [
+        ("causal", anchor_pattern("causal"), 8192, 128, 2, 128, "bfloat16", True),
+        ("window", anchor_pattern("window"), 8192, 128, 2, 128, "bfloat16", False),
+        ("bigbird", anchor_pattern("bigbird"), 8192, 128, 2, 64, "float16", False),
+        ("strided_causal", anchor_pattern("strided_causal"), 8192, 128, 2, 128, "float16", False),
+        ("masked_rows", example_pattern("masked_rows", 8192, 64), 8192, 64, 2, 64, "bfloat16",
+         False),
+    ]
+    det_done = False
+    for name, pat, n, bs, h, d, dtype, poison in big:
+        tag = f"gpu-size {name} N={n} bs={bs} H={h} D={d} {dtype} poison={poison}"
+        if over_budget(tag):
+            continue
+        try:
+            r, inputs = check_gpu_size(name, pat, n, bs, h, d, dtype, poison)
+            ok = all(x <= 1.0 for x in r.values())
+            entry = {"kind": "float32 torch reference", "case": tag, "ratio": r, "pass": ok}
+            if not det_done:
+                q, k, v, d_out, layout = inputs
+                a = run_sparse(q, k, v, layout, d_out)
+                b = run_sparse(q, k, v, layout, d_out)
+                entry["bitwise_deterministic"] = all(
+                    torch.equal(x, y) for x, y in zip(a, b, strict=True))
+                det_done = True
+            RESULTS["correctness"].append(entry)
+            log(f"{'PASS' if ok else 'FAIL'} {tag} {r} "
+                f"det={entry.get('bitwise_deterministic', '-')}")
+            del inputs
+        except Exception as e:
+            RESULTS["errors"].append({"case": tag, "error": traceback.format_exc()})
+            log(f"ERROR {tag}: {e!r}")
+        torch.cuda.empty_cache()
+        save()
+
+
+# --------------------------------------------------------------------------- timing
+def flex_block_mask(layout, n):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    h, nb, _ = layout.q_index.shape
+    kv_num = np.zeros((1, h, nb), np.int32)
+    kv_idx = np.zeros((1, h, nb, nb), np.int32)
+    full_num = np.zeros((1, h, nb), np.int32)
+    full_idx = np.zeros((1, h, nb, nb), np.int32)
+    mask_id = np.full((h, nb, nb), -1, np.int32)
+    for hh in range(h):
+        for i in range(nb):
+            c, p = int(layout.q_count[hh, i]), int(layout.q_partial[hh, i])
+            kv_num[0, hh, i] = p
+            kv_idx[0, hh, i, :p] = layout.q_index[hh, i, :p]
+            full_num[0, hh, i] = c - p
+            full_idx[0, hh, i, :c - p] = layout.q_index[hh, i, p:c]
+            mask_id[hh, i, layout.q_index[hh, i, :p]] = layout.q_mask_id[hh, i, :p]
+            mask_id[hh, i, layout.q_index[hh, i, p:c]] = -2  # full tile
+    bs = layout.block_size
+    masks = torch.from_numpy(layout.masks).cuda()
+    mid = torch.from_numpy(mask_id).cuda()
+
+    def mask_mod(b, hd, q_idx, kv_idx_):
+        # The exact token mask of the layout (-1 empty tile, -2 full tile, >= 0 a row of the
+        # bitmask table). Compiled flex skips mask_mod on full blocks; eager flex does not.
+        m = mid[hd, q_idx // bs, kv_idx_ // bs]
+        word = masks[m.clamp(min=0), q_idx % bs, (kv_idx_ % bs) // 32]
+        return (m == -2) | ((m >= 0) & (((word >> (kv_idx_ % 32)) & 1) == 1))
+
+    t = lambda x: torch.from_numpy(x).cuda()
+    return BlockMask.from_kv_blocks(t(kv_num), t(kv_idx), t(full_num), t(full_idx),
+                                    BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(n, n))
+
+
+def bench(fn, grads=None):
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median"))
+
+
+def timing():
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 64
+    flex = None
+    if FLAGS.flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention)
+    for n in (int(x) for x in FLAGS.timing_n):
+        time_n(n, flex)
+        torch.cuda.empty_cache()
+
+
+def time_n(n, flex):
+    b, h, d = 1, 16, 128
+    if True:  # one indentation level kept from the per-N loop body
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, d_out = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
+                                      generator=g) for _ in range(4))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        # SDPA dense reference points.
+        for label, causal in (("sdpa_dense", False), ("sdpa_causal", True)):
+            tag = f"{label} N={n}"
+            if over_budget(tag):
+                continue
+            try:
+                f = lambda c=causal: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=c)
+                fb = lambda c=causal: torch.nn.functional.scaled_dot_product_attention(
+                    qg, kg, vg, is_causal=c).backward(d_out)
+                e = {"impl": label, "N": n, "fwd_ms": bench(f),
+                     "fwd_bwd_ms": bench(fb, [qg, kg, vg])}
+                e["fwd_tflops"] = 4 * b * h * n * n * d / (2 if causal else 1) / e["fwd_ms"] / 1e9
+                RESULTS["timing"].append(e)
+                log(f"{e}")
+            except Exception as ex:
+                RESULTS["errors"].append({"case": tag, "error": traceback.format_exc()})
+                log(f"ERROR {tag}: {ex!r}")
+            save()
+        for name in ("causal", "window", "bigbird", "strided_causal"):
+            tag = f"{name} N={n}"
+            if over_budget(f"sparsetp {tag}"):
+                continue
+            t0 = time.time()
+            layout = make_layout(anchor_pattern(name), n, h, 128)
+            flops = 4 * b * layout.nnz_blocks * 128 * 128 * d
+            log(f"layout {tag}: {time.time() - t0:.2f}s density={layout.density:.4f}")
+            try:
+                f = lambda lay=layout: tattn.sparse_attention(q, k, v, lay)
+                fb = lambda lay=layout: tattn.sparse_attention(qg, kg, vg, lay).backward(d_out)
+                e = {"impl": "sparsetp", "pattern": name, "N": n, "density": layout.density,
+                     "fwd_ms": bench(f), "fwd_bwd_ms": bench(fb, [qg, kg, vg])}
+                e["fwd_tflops"] = flops / e["fwd_ms"] / 1e9
+                RESULTS["timing"].append(e)
+                log(f"{e}")
+            except Exception as ex:
+                RESULTS["errors"].append({"case": f"sparsetp {tag}",
+                                          "error": traceback.format_exc()})
+                log(f"ERROR sparsetp {tag}: {ex!r}")
+            save()
+            if flex is None or over_budget(f"flex {tag}"):
+                continue
+            try:
+                t0 = time.time()
+                bm = flex_block_mask(layout, n)
+                f = lambda bm=bm: flex(q, k, v, block_mask=bm)
+                fb = lambda bm=bm: flex(qg, kg, vg, block_mask=bm).backward(d_out)
+                f()
+                fb()
+                torch.cuda.synchronize()
+                compile_s = time.time() - t0
+                e = {"impl": "flex", "pattern": name, "N": n, "compile_s": compile_s,
+                     "fwd_ms": bench(f), "fwd_bwd_ms": bench(fb, [qg, kg, vg])}
+                e["fwd_tflops"] = flops / e["fwd_ms"] / 1e9
+                # Flex vs sparsetp outputs on this input (bf16; both are approximations).
+                with torch.no_grad():
+                    diff = (f().float() - tattn.sparse_attention(q, k, v, layout).float())
+                e["max_abs_diff_vs_sparsetp"] = float(diff.abs().max())
+                RESULTS["timing"].append(e)
+                log(f"{e}")
+            except Exception as ex:
+                RESULTS["errors"].append({"case": f"flex {tag}", "error": traceback.format_exc()})
+                log(f"ERROR flex {tag}: {ex!r}")
+            save()
+
+
+def table():
+    rows = [f"{'impl':10s} {'pattern':15s} {'N':>6s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} "
+            f"{'fwd TFLOP/s':>11s}"]
+    for e in RESULTS["timing"]:
+        rows.append(f"{e['impl']:10s} {e.get('pattern', '-'):15s} {e['N']:6d} "
+                    f"{e['fwd_ms']:9.3f} {e['fwd_bwd_ms']:11.3f} {e['fwd_tflops']:11.1f}")
+    return "\n".join(rows)
+
+
+def main(argv):
+    del argv
+    import triton
+
+    RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__,
+                      "device": torch.cuda.get_device_name(0), "python": sys.version.split()[0],
+                      "command": " ".join(sys.argv)}
+    log(f"env {RESULTS['env']}")
+    save()
+    correctness()
+    timing()
+    RESULTS["wall_s"] = time.time() - T0
+    save()
+    n_fail = sum(not c["pass"] for c in RESULTS["correctness"])
+    log(f"correctness: {len(RESULTS['correctness'])} cases, {n_fail} failing; "
+        f"errors: {len(RESULTS['errors'])}; skipped: {RESULTS['skipped']}")
+    print(table(), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
