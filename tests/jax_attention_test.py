@@ -1,0 +1,247 @@
+"""JAX frontend of block-sparse attention: the shared AttentionTestBase plus JAX-only tests.
+
+Every numeric hook runs under ``jax.jit`` (layout metadata as operands). On CPU the kernels run
+in Triton's interpreter through ``jax.pure_callback``; the JAX-only tests cover ``shard_map``
+with heads split over 2 and 4 host devices (both ways of giving each shard its heads' metadata),
+the no-retrace property, the LSE cotangent and ``jit(grad(...))``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from jax_test_utils import ensure_cpu_devices  # noqa: E402
+
+ensure_cpu_devices()
+
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import attention_test_base as base  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import testing_utils as tu  # noqa: E402
+from absl.testing import absltest, parameterized  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from sparsetp.backends.jax import attention as jattn  # noqa: E402
+from sparsetp.backends.jax import launch as jlaunch  # noqa: E402
+from sparsetp.backends.jax.block import make_mesh  # noqa: E402
+from sparsetp.core import make_layout, reference  # noqa: E402
+from sparsetp.core import patterns as PT  # noqa: E402
+from sparsetp.core.examples import example_pattern  # noqa: E402
+
+
+def _to(x: np.ndarray, dtype: str) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.dtype(dtype))
+
+
+def _np(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.astype(np.float32) if a.dtype.name in ("bfloat16", "float16") else a
+
+
+@functools.cache
+def _jitted(scale, return_lse=True):
+    return jax.jit(functools.partial(jattn.sparse_attention, scale=scale, return_lse=return_lse))
+
+
+class JaxSparseAttentionTest(base.AttentionTestBase):
+    dtypes = ("float32", "bfloat16")
+
+    def forward(self, q, k, v, layout, scale, dtype):
+        out, lse = _jitted(scale)(_to(q, dtype), _to(k, dtype), _to(v, dtype),
+                                  jattn.layout_arrays(layout))
+        self.assertEqual(out.dtype, jnp.dtype(dtype))
+        return _np(out), _np(lse)
+
+    def backward(self, q, k, v, layout, scale, dtype, d_out):
+        lay = jattn.layout_arrays(layout)
+        fn = _jitted(scale, return_lse=False)
+        _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), _to(q, dtype), _to(k, dtype),
+                         _to(v, dtype))
+        dq, dk, dv = vjp(_to(d_out, dtype))
+        for g in (dq, dk, dv):
+            self.assertEqual(g.dtype, jnp.dtype(dtype))
+        return _np(dq), _np(dk), _np(dv)
+
+    @contextlib.contextmanager
+    def poison_outputs(self):
+        # The interpreter path allocates every kernel output NaN-filled (ints: -2**31) always;
+        # check that every launch in the block really went through that allocation.
+        self.assertTrue(jlaunch.is_interpreted(jattn._kl.kernel("fwd")),
+                        "poisoned outputs are a property of the interpreter path")
+        calls = []
+        real = jlaunch._poisoned
+
+        def spy(shape_dtype):
+            out = real(shape_dtype)
+            if out.dtype.is_floating_point:
+                self.assertTrue(bool(out.isnan().all()))
+            calls.append(tuple(shape_dtype.shape))
+            return out
+
+        with mock.patch.object(jlaunch, "_poisoned", spy):
+            yield
+        self.assertGreaterEqual(len(calls), 6)  # out, lse, delta, dq, dk, dv at least
+
+    def call_raw(self, q, k, v, layout, **kwargs):
+        return jattn.sparse_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), layout,
+                                      **kwargs)
+
+
+def _per_head_case(n=96, bs=32, b=2, h=4, d=16, seed=0, name="per_head_mix"):
+    layout = make_layout(example_pattern(name, n, bs), n, h, bs)
+    q, k, v, d_out = tu.random_inputs(seed, (b, h, n, d), "float32")
+    return layout, q, k, v, d_out
+
+
+class JaxAttentionExtrasTest(parameterized.TestCase):
+    """JAX-only behaviour: shard_map over heads, no retrace, LSE cotangent, jit(grad)."""
+
+    def _check(self, layout, q, k, v, d_out, out, lse, grads, scale=None, tag=""):
+        ref_out, ref_lse = reference.attention(q, k, v, layout, scale)
+        tu.assert_close(out, ref_out, "float32", what=f"{tag} out")
+        tu.assert_close(lse, ref_lse, "float32", what=f"{tag} lse")
+        for name, g, r in zip(("dq", "dk", "dv"), grads,
+                              reference.attention_grad(q, k, v, layout, d_out, scale),
+                              strict=True):
+            tu.assert_close(g, r, "float32", grad=True, what=f"{tag} {name}")
+
+    @parameterized.product(tp=(2, 4), how=("sharded_metadata", "local_heads"))
+    def test_shard_map_over_heads(self, tp, how):
+        """Heads split over a mesh axis (check_vma on): every shard runs its heads' metadata.
+
+        per_head_mix gives each head a different pattern, so a shard using another shard's
+        metadata (or the whole layout's first heads) fails the comparison."""
+        layout, q, k, v, d_out = _per_head_case(seed=tp)
+        lay = jattn.layout_arrays(layout)
+        mesh = make_mesh(tp)
+        spec = P(None, "tp")
+        if how == "sharded_metadata":
+            lay_spec = lay.partition_specs("tp")
+            body = functools.partial(jattn.sparse_attention, return_lse=True)
+        else:
+            lay_spec = jax.tree_util.tree_map(lambda _: P(), lay)
+
+            def body(q, k, v, lay):
+                return jattn.sparse_attention(q, k, v, lay.local_heads("tp"), return_lse=True)
+
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, lay_spec),
+                                   out_specs=(spec, spec), check_vma=True))
+        (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), q, k, v)
+        grads = vjp((jnp.asarray(d_out), jnp.zeros(lse.shape, lse.dtype)))
+        self.assertEqual(out.sharding.spec, spec)
+        self._check(layout, q, k, v, d_out, out, lse, grads, tag=f"tp={tp} {how}")
+
+    def test_layout_heads_slices(self):
+        """The spec-layer way: each head group run with its static ``BlockLayout.heads(...)``
+        slice (what one tensor-parallel rank holds) equals the whole layout's result."""
+        layout, q, k, v, d_out = _per_head_case(h=4, seed=7)
+        outs, grads = [], []
+        for start in (0, 2):
+            sub = layout.heads(start, start + 2)
+            sl = slice(start, start + 2)
+            (o, _), vjp = jax.vjp(lambda q, k, v, sub=sub: jattn.sparse_attention(
+                q, k, v, sub, return_lse=True), q[:, sl], k[:, sl], v[:, sl])
+            outs.append(o)
+            grads.append(vjp((jnp.asarray(d_out[:, sl]), jnp.zeros(o.shape[:3]))))
+        out = np.concatenate(outs, 1)
+        g = [np.concatenate([gr[i] for gr in grads], 1) for i in range(3)]
+        ref_out, ref_lse = reference.attention(q, k, v, layout)
+        tu.assert_close(out, ref_out, "float32", what="heads() out")
+        for name, a, r in zip(("dq", "dk", "dv"), g,
+                              reference.attention_grad(q, k, v, layout, d_out), strict=True):
+            tu.assert_close(a, r, "float32", grad=True, what=f"heads() {name}")
+
+    def test_no_retrace_for_same_metadata_shapes(self):
+        """Patterns whose metadata arrays have equal shapes share one trace and one compiled
+        executable (forward and backward); a pattern with other shapes retraces."""
+        n, bs, h = 128, 32, 2
+        layouts = [make_layout(example_pattern(nm, n, bs), n, h, bs)
+                   for nm in ("causal", "bigbird")]
+        layouts.append(make_layout(PT.local(40, 10), n, h, bs))
+        layouts.append(make_layout(PT.local(10, 40), n, h, bs))  # its mirror image
+        shapes = [{k: a.shape for k, a in lay.metadata().items()} for lay in layouts]
+        # Preconditions of the test (not skips): pairs of equal shapes, different blocks/masks.
+        self.assertEqual(shapes[0], shapes[1])
+        self.assertEqual(shapes[2], shapes[3])
+        self.assertFalse(np.array_equal(layouts[0].block_mask, layouts[1].block_mask))
+        self.assertFalse(np.array_equal(layouts[2].masks, layouts[3].masks))
+        traces = []
+
+        def loss(q, k, v, lay, d_out):
+            traces.append(1)
+            return jnp.vdot(jattn.sparse_attention(q, k, v, lay), d_out)
+
+        fwd = jax.jit(lambda q, k, v, lay: jattn.sparse_attention(q, k, v, lay))
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        q, k, v, d_out = tu.random_inputs(1, (1, h, n, 16), "float32")
+        for lay in layouts:
+            la = jattn.layout_arrays(lay)
+            tu.assert_close(fwd(q, k, v, la), reference.attention(q, k, v, lay)[0], "float32",
+                            what="out")
+            for name, g, r in zip(("dq", "dk", "dv"), grad(q, k, v, la, d_out),
+                                  reference.attention_grad(q, k, v, lay, d_out), strict=True):
+                tu.assert_close(g, r, "float32", grad=True, what=name)
+        self.assertLen(traces, 2)  # one per distinct set of metadata shapes
+        self.assertEqual(fwd._cache_size(), 2)
+        self.assertEqual(grad._cache_size(), 2)
+        other = make_layout(example_pattern("random", n, bs), n, h, bs)
+        self.assertNotEqual(other.q_index.shape, layouts[0].q_index.shape)
+        grad(q, k, v, jattn.layout_arrays(other), d_out)
+        self.assertLen(traces, 3)
+
+    def test_lse_cotangent(self):
+        """A cotangent on LSE flows into q and k (d lse_i / d s_ij = p_ij), float64 by hand."""
+        layout, q, k, v, d_out = _per_head_case(n=70, bs=16, b=1, h=2, seed=8, name="bigbird")
+        d_lse = np.random.default_rng(9).standard_normal((1, 2, 70)).astype(np.float32)
+        _, vjp = jax.vjp(lambda q, k, v: jax.jit(functools.partial(
+            jattn.sparse_attention, return_lse=True))(q, k, v, jattn.layout_arrays(layout)),
+            q, k, v)
+        dq, dk, dv = vjp((jnp.asarray(d_out), jnp.asarray(d_lse)))
+        scale = 16 ** -0.5
+        mask = layout.dense_mask()[None]
+        s = np.where(mask, np.einsum("bhnd,bhmd->bhnm", q.astype(np.float64), k) * scale, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        ds_lse = p * d_lse[..., None] * scale
+        rq, rk, rv = reference.attention_grad(q, k, v, layout, d_out)
+        tu.assert_close(dq, rq + np.einsum("bhnm,bhmd->bhnd", ds_lse, k), "float32", grad=True,
+                        what="dq")
+        tu.assert_close(dk, rk + np.einsum("bhnm,bhnd->bhmd", ds_lse, q), "float32", grad=True,
+                        what="dk")
+        tu.assert_close(dv, rv, "float32", grad=True, what="dv")
+
+    def test_jit_of_grad_and_blocklayout_static(self):
+        """jit(grad) with a BlockLayout as a static argument (the README's spelling)."""
+        layout, q, k, v, d_out = _per_head_case(n=64, bs=32, b=1, h=2, seed=10, name="causal")
+        fn = jax.jit(jattn.sparse_attention, static_argnames="layout")
+        tu.assert_close(fn(q, k, v, layout=layout), reference.attention(q, k, v, layout)[0],
+                        "float32", what="out")
+        grad = jax.jit(jax.grad(lambda q, k, v: jnp.vdot(
+            jattn.sparse_attention(q, k, v, layout), d_out), argnums=(0, 1, 2)))
+        for name, g, r in zip(("dq", "dk", "dv"), grad(q, k, v),
+                              reference.attention_grad(q, k, v, layout, d_out), strict=True):
+            tu.assert_close(g, r, "float32", grad=True, what=name)
+
+    def test_layout_arrays_errors(self):
+        layout, q, k, v, _ = _per_head_case(n=64, bs=32, b=1, h=4, seed=11)
+        lay = jattn.layout_arrays(layout)
+        self.assertEqual((lay.num_heads, lay.block_size, lay.seq_len), (4, 32, 64))
+        with self.assertRaisesRegex(ValueError, r"layout is for num_heads=2 but q has H=4"):
+            jattn.sparse_attention(q, k, v, lay.heads(0, 2))
+        with self.assertRaisesRegex(ValueError, r"0 <= start < stop <= num_heads=4"):
+            lay.heads(2, 6)
+        with self.assertRaisesRegex(ValueError, "scale must be a Python float"):
+            jattn.sparse_attention(q, k, v, lay, scale="0.5")
+        with self.assertRaisesRegex(ValueError, "BlockLayout"):
+            jattn.layout_arrays(layout.metadata())
+
+
+if __name__ == "__main__":
+    absltest.main()
