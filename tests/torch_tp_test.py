@@ -16,6 +16,7 @@ stays ~1e-6, covered by rtol. float64 runs use atol 1e-10.
 
 from __future__ import annotations
 
+import multiprocessing
 import unittest
 
 import numpy as np
@@ -383,10 +384,12 @@ class HarnessTest(absltest.TestCase):
                                     "(?s)rank 1 of 2 failed.*deliberate failure on rank 1"):
             dist_utils.run_distributed(_fail_on_rank_one, 2, timeout=60)
         self.assertLess(time.monotonic() - start, 30)  # not the 60 s timeout
+        self.assertEqual(multiprocessing.active_children(), [])  # every rank reaped
 
     def test_timeout(self):
         with self.assertRaisesRegex(dist_utils.RankTimeoutError, "did not finish in 4 s"):
             dist_utils.run_distributed(_sleep_forever, 2, timeout=4)
+        self.assertEqual(multiprocessing.active_children(), [])
 
 
 if __name__ == "__main__":
