@@ -258,5 +258,16 @@ class HybridBlockTest(parameterized.TestCase):
             B.make_mesh(64)
 
 
+class DemoTest(absltest.TestCase):
+    def test_small_demo_passes(self):
+        """The --backend jax main job on 2 host devices (small sizes) checks out vs the oracle."""
+        from sparsetp.backends.jax import demo  # noqa: PLC0415
+        from sparsetp.demo import DemoArgs  # noqa: PLC0415
+
+        args = DemoArgs(backend="jax", tp=2, steps=1, batch=1, seq_len=64, d_model=32,
+                        num_heads=2, d_ff=64, block_size=16)
+        self.assertEqual(demo.main(args), 0)
+
+
 if __name__ == "__main__":
     absltest.main()
