@@ -1,0 +1,120 @@
+"""One process, both frameworks: after JAX has launched the kernels, torch still launches them
+correctly, and the two frontends give the same numbers (the same kernel objects run both).
+
+Also checks the jax-triton import side effect fix: jax-triton 0.3.1 sets
+``TRITON_CACHE_DIR=""`` for the whole process at import, after which torch's compiled launches
+fail; :func:`sparsetp.backends.jax.compat.jax_triton` restores the variable. jax-triton cannot be
+imported on a CPU-only JAX, so that test imports a stand-in package with 0.3.1's side effect.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import textwrap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from jax_test_utils import ensure_cpu_devices  # noqa: E402
+
+ensure_cpu_devices()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import testing_utils as tu  # noqa: E402
+import torch  # noqa: E402
+from absl.testing import absltest  # noqa: E402
+
+from sparsetp import _runtime  # noqa: E402
+from sparsetp.backends.jax import attention as jattn  # noqa: E402
+from sparsetp.backends.jax import compat  # noqa: E402
+from sparsetp.backends.torch import attention as tattn  # noqa: E402
+from sparsetp.core import make_layout, reference  # noqa: E402
+from sparsetp.core.examples import example_pattern  # noqa: E402
+
+DEVICE = "cpu" if _runtime.interpret_mode() else "cuda"
+
+
+def _case(seed=0):
+    n, bs, h = 100, 32, 3
+    layout = make_layout(example_pattern("per_head_mix", n, bs), n, h, bs)
+    q, k, v, d_out = tu.random_inputs(seed, (2, h, n, 32), "float32")
+    return layout, q, k, v, d_out
+
+
+def _jax_run(layout, q, k, v, d_out):
+    (out, lse), vjp = jax.vjp(lambda q, k, v: jattn.sparse_attention(
+        q, k, v, layout, return_lse=True), q, k, v)
+    grads = vjp((jax.numpy.asarray(d_out), jax.numpy.zeros(lse.shape, lse.dtype)))
+    return [np.asarray(a) for a in (out, lse, *grads)]
+
+
+def _torch_run(layout, q, k, v, d_out):
+    tq, tk, tv = (torch.from_numpy(x).to(DEVICE).requires_grad_(True) for x in (q, k, v))
+    out, lse = tattn.sparse_attention(tq, tk, tv, layout, return_lse=True)
+    out.backward(torch.from_numpy(d_out).to(DEVICE))
+    return [t.detach().cpu().numpy() for t in (out, lse, tq.grad, tk.grad, tv.grad)]
+
+
+class InteropTest(absltest.TestCase):
+    def test_torch_after_jax_same_numbers(self):
+        layout, q, k, v, d_out = _case()
+        cache_dir = os.environ.get("TRITON_CACHE_DIR")
+        jax_res = _jax_run(layout, q, k, v, d_out)
+        self.assertEqual(os.environ.get("TRITON_CACHE_DIR"), cache_dir)
+        torch_res = _torch_run(layout, q, k, v, d_out)
+        ref_out, ref_lse = reference.attention(q, k, v, layout)
+        refs = [ref_out, ref_lse, *reference.attention_grad(q, k, v, layout, d_out)]
+        names = ("out", "lse", "dq", "dk", "dv")
+        for name, a, r in zip(names, torch_res, refs, strict=True):
+            tu.assert_close(a, r, "float32", grad=name.startswith("d"), what=f"torch {name}")
+        # Same kernels, same inputs, same (interpreted) arithmetic: bitwise equal.
+        for name, a, b in zip(names, jax_res, torch_res, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"jax vs torch {name}")
+        # And JAX again after torch.
+        for name, a, b in zip(names, _jax_run(layout, q, k, v, d_out), jax_res, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"jax after torch {name}")
+
+    def test_jax_triton_import_restores_triton_cache_dir(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            pkg = os.path.join(tmp, "jax_triton")
+            os.makedirs(pkg)
+            with open(os.path.join(pkg, "__init__.py"), "w") as f:
+                f.write(textwrap.dedent("""\
+                    # Stand-in with jax-triton 0.3.1's import-time side effect.
+                    import os
+                    os.environ["TRITON_CACHE_DIR"] = ""
+                    def triton_call(*args, **kwargs):
+                        raise AssertionError("stand-in: never launched")
+                    """))
+            saved_env = os.environ.get("TRITON_CACHE_DIR")
+            saved_mod = compat._JAX_TRITON
+            sys.path.insert(0, tmp)
+            try:
+                for value in ("/tmp/sparsetp-triton-cache", None):
+                    sys.modules.pop("jax_triton", None)
+                    compat._JAX_TRITON = None
+                    if value is None:
+                        os.environ.pop("TRITON_CACHE_DIR", None)
+                    else:
+                        os.environ["TRITON_CACHE_DIR"] = value
+                    module = compat.jax_triton()
+                    self.assertEqual(module.__file__, os.path.join(pkg, "__init__.py"))
+                    self.assertEqual(os.environ.get("TRITON_CACHE_DIR"), value)
+                # torch still launches (and gets the right numbers) afterwards.
+                layout, q, k, v, d_out = _case(seed=1)
+                out = _torch_run(layout, q, k, v, d_out)[0]
+                tu.assert_close(out, reference.attention(q, k, v, layout)[0], "float32",
+                                what="torch out after the jax_triton import")
+            finally:
+                sys.path.remove(tmp)
+                sys.modules.pop("jax_triton", None)
+                compat._JAX_TRITON = saved_mod
+                if saved_env is None:
+                    os.environ.pop("TRITON_CACHE_DIR", None)
+                else:
+                    os.environ["TRITON_CACHE_DIR"] = saved_env
+
+
+if __name__ == "__main__":
+    absltest.main()
