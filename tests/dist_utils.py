@@ -15,7 +15,8 @@ A rank that succeeded passes a barrier before ``destroy_process_group``: without
 teardown aborted in about 1 of 4 otherwise passing runs.
 
 ``fn`` must be a module-level function (it is pickled by name). Each rank uses one intra-op
-thread (several ranks share few cores).
+thread (several ranks share few cores). With ``backend="nccl"`` rank r uses GPU r, made torch's
+default device.
 
 Example::
 
@@ -60,6 +61,9 @@ def _worker(rank, world_size, port, backend, timeout, fn, args, results):
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if backend == "nccl":  # one GPU per rank; tensors the rank creates land on it
+            torch.cuda.set_device(rank)
+            torch.set_default_device(f"cuda:{rank}")
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout))

@@ -52,7 +52,7 @@ TORCH_DTYPE = {"float32": torch.float32, "float64": torch.float64}
 
 def _close(actual, expected, dtype, grad=False, msg=""):
     atol = ATOL[dtype] * (2 if grad else 1)
-    a = actual.detach().double().numpy() if isinstance(actual, torch.Tensor) else actual
+    a = actual.detach().double().cpu().numpy() if isinstance(actual, torch.Tensor) else actual
     np.testing.assert_allclose(a, expected, atol=atol, rtol=atol / 10, err_msg=msg)
 
 
@@ -66,7 +66,9 @@ def _narrow(a, dim, rank, world):
 
 
 # ---------------------------------------------------------------------------------------------
-# Rank functions (module level: pickled by name into the spawned processes).
+# Rank functions (module level: pickled by name into the spawned processes). They create
+# tensors on torch's default device, so benchmarks/gpu_tp_check.py runs the same checks on GPUs
+# (the harness makes cuda:<rank> the default device under NCCL).
 
 
 def _check_linears(rank, world, dtype):
@@ -152,13 +154,13 @@ def _check_mlp(rank, world, dtype, bias):
     # Determinism: the same input twice gives bitwise the same output.
     with torch.no_grad():
         assert torch.equal(mlp(xt), mlp(xt))
-    return y.detach().double().numpy()
+    return y.detach().double().cpu().numpy()
 
 
 def _check_collectives(rank, world):
     x = torch.arange(6.0).reshape(2, 3) + 10 * rank
     x.requires_grad_(True)
-    g = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
+    g = _t(np.random.default_rng(rank).standard_normal((2, 3)), "float32")
     copy_to_region(x).backward(g)
     summed = g.clone()
     dist.all_reduce(summed)
@@ -173,10 +175,10 @@ def _check_collectives(rank, world):
     full = gather_from_region(x)
     assert full.shape == (2, 3 * world)
     assert torch.equal(full[:, 3 * rank:3 * rank + 3].detach(), x.detach())
-    gf = torch.randn(2, 3 * world, generator=torch.Generator().manual_seed(7))
+    gf = _t(np.random.default_rng(7).standard_normal((2, 3 * world)), "float32")
     full.backward(gf)
     assert torch.equal(x.grad, gf[:, 3 * rank:3 * rank + 3]), "gather backward splits"
-    z = torch.randn(2, 2 * world, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    z = _t(np.random.default_rng(9).standard_normal((2, 2 * world)), "float32", grad=True)
     part = scatter_to_region(z)
     assert torch.equal(part.detach(), z.detach()[:, 2 * rank:2 * rank + 2])
     part.backward(torch.full((2, 2), float(rank + 1)))
@@ -255,7 +257,7 @@ def _check_block(rank, world, bias):
         _close(p.grad, want, "float32", grad=True, msg=f"block d{name} shard")
     with torch.no_grad():  # determinism: bitwise the same output again
         assert torch.equal(block(xt), y)
-    return y.detach().numpy(), xt.grad.numpy()
+    return y.detach().cpu().numpy(), xt.grad.cpu().numpy()
 
 
 def _fail_on_rank_one(rank, world):
