@@ -1,0 +1,31 @@
+"""sparsetp for JAX: the same Triton kernels and the same block, with ``shard_map`` parallelism.
+
+On GPU the kernels launch through jax-triton; on CPU through Triton's interpreter inside
+``jax.pure_callback`` (for correctness, not speed).
+
+>>> import numpy as np
+>>> from sparsetp.core import make_layout, patterns as P
+>>> from sparsetp.jax import sparse_attention
+>>> q = k = v = np.random.default_rng(0).standard_normal((1, 2, 64, 32)).astype("float32")
+>>> sparse_attention(q, k, v, make_layout(P.causal(), 64, 2, 32)).shape
+(1, 2, 64, 32)
+"""
+
+from sparsetp.backends.jax.attention import LayoutArrays, layout_arrays, sparse_attention
+from sparsetp.backends.jax.block import (
+    export_params,
+    hybrid_block,
+    load_params,
+    make_mesh,
+    param_specs,
+    shard_params,
+)
+from sparsetp.backends.jax.layers import column_parallel_linear, parallel_mlp, row_parallel_linear
+from sparsetp.core import HybridConfig, init_params, make_layout
+
+__all__ = [
+    "sparse_attention", "LayoutArrays", "layout_arrays",
+    "column_parallel_linear", "row_parallel_linear", "parallel_mlp",
+    "hybrid_block", "shard_params", "param_specs", "load_params", "export_params", "make_mesh",
+    "HybridConfig", "init_params", "make_layout",
+]

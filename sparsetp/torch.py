@@ -1,0 +1,37 @@
+"""sparsetp for PyTorch: block-sparse attention and tensor-parallel layers.
+
+>>> import torch
+>>> from sparsetp.core import make_layout, patterns as P
+>>> from sparsetp.torch import sparse_attention
+>>> q = k = v = torch.randn(1, 2, 64, 32)
+>>> sparse_attention(q, k, v, make_layout(P.causal(), 64, 2, 32)).shape
+torch.Size([1, 2, 64, 32])
+"""
+
+from sparsetp.backends.torch.attention import (
+    SparseAttention,
+    dense_attention,
+    naive_sparse_attention,
+    sparse_attention,
+)
+from sparsetp.backends.torch.block import HybridBlock
+from sparsetp.backends.torch.comm import (
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    scatter_to_region,
+)
+from sparsetp.backends.torch.layers import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    ParallelSparseAttention,
+    RowParallelLinear,
+)
+from sparsetp.core import HybridConfig, init_params, make_layout
+
+__all__ = [
+    "sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention",
+    "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
+    "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention",
+    "HybridBlock", "HybridConfig", "init_params", "make_layout",
+]
