@@ -76,6 +76,11 @@ class BlockGradTest(parameterized.TestCase):
         dy = rng.standard_normal((2, 40, 32))
         dx, dparams = reference.hybrid_block_grad(params, x, cfg, dy)
         self.assertEqual(set(dparams), set(params))
+        y, dx2, dparams2 = reference.hybrid_block_value_and_grad(params, x, cfg, dy)
+        np.testing.assert_array_equal(y, reference.hybrid_block(params, x, cfg))
+        np.testing.assert_array_equal(dx2, dx)
+        for name in params:
+            np.testing.assert_array_equal(dparams2[name], dparams[name])
         eps = 1e-5
 
         def loss(pp, xx):

@@ -81,7 +81,7 @@ def attention_grad(q, k, v, layout: BlockLayout, d_out, scale: float | None = No
 # hand-written backward (checked against finite differences in tests/reference_test.py).
 
 __all__ += ["layer_norm", "layer_norm_grad", "gelu_tanh", "gelu_tanh_grad", "mlp", "mlp_grad",
-            "hybrid_block", "hybrid_block_grad"]
+            "hybrid_block", "hybrid_block_grad", "hybrid_block_value_and_grad"]
 
 _GELU_C = np.sqrt(2.0 / np.pi)  # GELU tanh approximation: 0.5 x (1 + tanh(c (x + a x^3)))
 _GELU_A = 0.044715
@@ -225,7 +225,13 @@ def hybrid_block_grad(params, x, config, dy):
 
     ``dparams`` has the canonical names and unsharded shapes of ``params``.
     """
-    _, c = _block_forward(params, x, config)
+    return hybrid_block_value_and_grad(params, x, config, dy)[1:]
+
+
+def hybrid_block_value_and_grad(params, x, config, dy):
+    """``(y, dx, dparams)``: :func:`hybrid_block` and :func:`hybrid_block_grad` sharing one
+    forward pass."""
+    y, c = _block_forward(params, x, config)
     p, eps = c["p"], config.norm_eps
     (dy,) = _f64(dy)
     has_b = config.bias
@@ -253,4 +259,4 @@ def hybrid_block_grad(params, x, config, dy):
         g["attn.qkv.bias"] = db
     dx_ln, g["ln1.weight"], g["ln1.bias"] = layer_norm_grad(c["x"], p["ln1.weight"], eps, dh1)
     dx = dy1 + dx_ln
-    return dx, {name: g[name] for name in params}
+    return y, dx, {name: g[name] for name in params}
