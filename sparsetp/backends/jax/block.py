@@ -124,8 +124,11 @@ def shard_params(params: Mapping[str, Any], config: HybridConfig, mesh: jax.shar
 
 
 def export_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Canonical unsharded numpy arrays (gathers sharded arrays), bitwise, names unchanged."""
-    return {n: np.asarray(jax.device_get(a)) for n, a in params.items()}
+    """Canonical unsharded numpy arrays (gathers sharded arrays), bitwise, names unchanged.
+
+    The arrays are fresh, writable copies (``jax.device_get`` hands out read-only views, which
+    ``torch.from_numpy`` warns about when the torch frontend loads them)."""
+    return {n: np.array(jax.device_get(a)) for n, a in params.items()}
 
 
 @functools.lru_cache(maxsize=64)
