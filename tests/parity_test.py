@@ -96,8 +96,9 @@ def _write_report():
 atexit.register(_write_report)
 
 
-def _compare(actual, expected, *, dtype, grad, case, tensor, against):
-    """Record and check one tensor; the message says which backend/pattern/shape/tensor."""
+def _compare(actual, expected, *, dtype, grad, case, tensor, against, failures):
+    """Record and check one tensor; a failure (appended to ``failures``, so every comparison
+    of a case still runs) says which backend/pattern/shape/tensor and how far off."""
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
     atol, rtol = tolerance(dtype, grad)
@@ -129,8 +130,8 @@ def _compare(actual, expected, *, dtype, grad, case, tensor, against):
     row["passed"] = not problems
     _REPORT.append(row)
     if problems:
-        raise AssertionError(f"[{case}] {tensor} vs {against}: " + "; ".join(problems) +
-                             f" (atol={atol:g}, rtol={rtol:g})")
+        failures.append(f"[{case}] {tensor} vs {against}: " + "; ".join(problems) +
+                        f" (atol={atol:g}, rtol={rtol:g})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +265,8 @@ class ParityTest(absltest.TestCase):
                 for b in self.backends:
                     for nm, val, ref in zip(names, got[b], refs, strict=True):
                         _compare(val, ref, dtype=dtype, grad=nm.startswith("d"),
-                                 case=dict(case, backend=b), tensor=nm, against="float64 oracle")
+                                 case=dict(case, backend=b), tensor=nm,
+                                 against="float64 oracle", failures=failures)
                     for nm, arr in layout.metadata().items():
                         if not np.array_equal(meta[b][nm], arr) or meta[b][nm].dtype != np.int32:
                             raise AssertionError(f"[{case}] {b} kernel metadata {nm} differs "
@@ -272,7 +274,8 @@ class ParityTest(absltest.TestCase):
                 for a, b in itertools.combinations(self.backends, 2):
                     for nm, va, vb in zip(names, got[a], got[b], strict=True):
                         _compare(va, vb, dtype=dtype, grad=nm.startswith("d"),
-                                 case=dict(case, backend=a), tensor=nm, against=b)
+                                 case=dict(case, backend=a), tensor=nm, against=b,
+                                 failures=failures)
                     for nm in meta[a]:
                         np.testing.assert_array_equal(meta[a][nm], meta[b][nm], err_msg=nm)
             except AssertionError as e:
@@ -303,12 +306,12 @@ class ParityTest(absltest.TestCase):
                     y, dx, dp, exported = got[b]
                     c = dict(case, backend=b)
                     _compare(y, y_ref, dtype=dtype, grad=False, case=c, tensor="y",
-                             against="float64 oracle")
+                             against="float64 oracle", failures=failures)
                     _compare(dx, dx_ref, dtype=dtype, grad=True, case=c, tensor="dx",
-                             against="float64 oracle")
+                             against="float64 oracle", failures=failures)
                     for pn in params:
                         _compare(dp[pn], dp_ref[pn], dtype=dtype, grad=True, case=c,
-                                 tensor=f"d[{pn}]", against="float64 oracle")
+                                 tensor=f"d[{pn}]", against="float64 oracle", failures=failures)
                         if not np.array_equal(exported[pn].astype(np.float32), params[pn]):
                             raise AssertionError(f"[{c}] exported {pn} is not bitwise the "
                                                  f"loaded weight")
@@ -316,10 +319,10 @@ class ParityTest(absltest.TestCase):
                     c = dict(case, backend=a)
                     for i, nm in enumerate(("y", "dx")):
                         _compare(got[a][i], got[b][i], dtype=dtype, grad=i > 0, case=c,
-                                 tensor=nm, against=b)
+                                 tensor=nm, against=b, failures=failures)
                     for pn in params:
                         _compare(got[a][2][pn], got[b][2][pn], dtype=dtype, grad=True, case=c,
-                                 tensor=f"d[{pn}]", against=b)
+                                 tensor=f"d[{pn}]", against=b, failures=failures)
             except AssertionError as e:
                 failures.append(str(e))
         self.assertEmpty(failures, "\n".join(failures))
