@@ -95,11 +95,13 @@ def main(args: DemoArgs) -> int:
         jax.config.update("jax_enable_x64", True)
     devices = jax.devices("gpu" if on_gpu else "cpu")[:tp]
     mesh = B.make_mesh(tp, "tp", devices=devices)
-    params = init_params(cfg, args.seed)
-    sharded = B.shard_params(params, cfg, mesh, "tp")
+    params = init_params(cfg, args.seed)  # float32; the oracle gets these
     layout = make_layout(cfg.pattern, args.seq_len, cfg.num_heads, cfg.block_size)
     shape = (args.batch, args.seq_len, cfg.d_model)
     dtype = jnp.dtype(cfg.dtype)
+    # Held in the compute dtype, like the torch block's parameters.
+    sharded = B.shard_params({n: jnp.asarray(a, dtype) for n, a in params.items()}, cfg, mesh,
+                             "tp")
 
     @jax.jit
     def step(p, x, dy):
