@@ -13,6 +13,8 @@ import os
 import sys
 import tempfile
 import textwrap
+import warnings
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(__file__))
 from jax_test_utils import ensure_cpu_devices  # noqa: E402
@@ -84,6 +86,7 @@ class InteropTest(absltest.TestCase):
                     # Stand-in with jax-triton 0.3.1's import-time side effect.
                     import os
                     os.environ["TRITON_CACHE_DIR"] = ""
+                    __version__ = "0.3.1"
                     def triton_call(*args, **kwargs):
                         raise AssertionError("stand-in: never launched")
                     """))
@@ -98,9 +101,17 @@ class InteropTest(absltest.TestCase):
                         os.environ.pop("TRITON_CACHE_DIR", None)
                     else:
                         os.environ["TRITON_CACHE_DIR"] = value
-                    module = compat.jax_triton()
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("error")  # the tested version: no warning
+                        module = compat.jax_triton()
                     self.assertEqual(module.__file__, os.path.join(pkg, "__init__.py"))
                     self.assertEqual(os.environ.get("TRITON_CACHE_DIR"), value)
+                # Another version: imported, with a warning that it is untested.
+                sys.modules.pop("jax_triton", None)
+                compat._JAX_TRITON = None
+                with mock.patch.object(compat, "TESTED_JAX_TRITON", ("9.9.9",)):
+                    with self.assertWarnsRegex(UserWarning, "jax_triton 0.3.1 is untested"):
+                        compat.jax_triton()
                 # torch still launches (and gets the right numbers) afterwards.
                 layout, q, k, v, d_out = _case(seed=1)
                 out = _torch_run(layout, q, k, v, d_out)[0]

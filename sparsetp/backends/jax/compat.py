@@ -25,11 +25,16 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Iterable
 
 import jax
 
-__all__ = ["jax_triton", "varying_axes", "mark_varying", "auto_mesh"]
+__all__ = ["jax_triton", "varying_axes", "mark_varying", "auto_mesh", "TESTED_JAX_TRITON"]
+
+# jax-triton versions the GPU path was run with (benchmarks/results/gpu_jax_check_h200*.json).
+# 0.4.x needs Python >= 3.12 and triton >= 3.7 and breaks on jax 0.12 (GPU.md).
+TESTED_JAX_TRITON = ("0.3.1",)
 
 _IMPORT_LOCK = threading.Lock()
 _JAX_TRITON = None
@@ -48,6 +53,11 @@ def jax_triton():
                     os.environ.pop("TRITON_CACHE_DIR", None)
                 else:
                     os.environ["TRITON_CACHE_DIR"] = saved
+            version = getattr(jt, "__version__", "unknown")
+            if version not in TESTED_JAX_TRITON:
+                warnings.warn(f"jax_triton {version} is untested with sparsetp (tested: "
+                              f"{', '.join(TESTED_JAX_TRITON)}); see sparsetp.backends.jax.compat",
+                              stacklevel=2)
             _JAX_TRITON = jt
     return _JAX_TRITON
 
