@@ -37,10 +37,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+
 from sparsetp.backends.jax import launch as _launch
 from sparsetp.core.layout import BlockLayout
 from sparsetp.kernels import launch as _kl

@@ -32,12 +32,12 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
 from sparsetp.backends.jax import compat
 from sparsetp.backends.jax.attention import LayoutArrays, layout_arrays, sparse_attention
 from sparsetp.backends.jax.layers import (

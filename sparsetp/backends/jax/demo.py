@@ -83,9 +83,9 @@ def main(args: DemoArgs) -> int:
     if args.backend != "jax":
         raise ValueError(f"sparsetp.backends.jax.demo runs --backend jax, got {args.backend!r}")
     jax, on_gpu, tp = _setup_jax(args)
+    import jax.numpy as jnp  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
-    import jax.numpy as jnp  # noqa: PLC0415
     from sparsetp.backends.jax import block as B  # noqa: PLC0415
 
     args = dataclasses.replace(args, tp=tp).with_defaults(on_gpu)

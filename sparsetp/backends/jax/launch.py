@@ -33,9 +33,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
-import jax
 from sparsetp.backends.jax import compat
 
 __all__ = ["call_kernel", "is_interpreted", "INTERPRETER_LOCK"]

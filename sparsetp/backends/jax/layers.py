@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from sparsetp.backends.jax import compat
 
 __all__ = ["column_parallel_linear", "row_parallel_linear", "parallel_mlp", "gelu_tanh", "linear"]

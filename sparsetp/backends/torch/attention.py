@@ -28,8 +28,8 @@ import threading
 import weakref
 
 import numpy as np
-
 import torch
+
 from sparsetp import _runtime
 from sparsetp.core.layout import BlockLayout, make_layout
 from sparsetp.core.patterns import Pattern

@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-
 import torch
+from torch import nn
+
 from sparsetp.backends.torch.comm import all_gather_dim, group_size
 from sparsetp.backends.torch.layers import ParallelMLP, ParallelSparseAttention, _as_tensor
 from sparsetp.core.config import (
@@ -29,7 +30,6 @@ from sparsetp.core.config import (
     param_shapes,
     partition_dim,
 )
-from torch import nn
 
 __all__ = ["HybridBlock", "TORCH_DTYPES"]
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from sparsetp.backends.torch.attention import sparse_attention
 from sparsetp.backends.torch.comm import (
     all_gather_dim,
@@ -41,7 +42,6 @@ from sparsetp.backends.torch.comm import (
 )
 from sparsetp.core.layout import BlockLayout, make_layout
 from sparsetp.core.patterns import Pattern
-from torch import nn
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention"]
 

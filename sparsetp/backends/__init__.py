@@ -1,0 +1,1 @@
+"""Framework frontends: ``torch`` and ``jax`` (each imports its framework)."""
