@@ -156,6 +156,30 @@ def check_head_dim(head_dim: int, arg: str = "q") -> int:
     return int(head_dim)
 
 
+def check_attention_shapes(q_shape, k_shape, v_shape, layout, scale) -> float:
+    """The framework-neutral input checks both frontends share (one place, one wording):
+    q/k/v shapes, the layout's sequence length and head count, batch, scale and head dim.
+    ``layout`` is anything with ``seq_len`` and ``num_heads``. Returns the softmax scale."""
+    q_shape = tuple(q_shape)
+    if len(q_shape) != 4:
+        raise ValueError(f"q must have shape [B, H, N, D], got {q_shape}")
+    for name, shape in (("k", tuple(k_shape)), ("v", tuple(v_shape))):
+        if shape != q_shape:
+            raise ValueError(f"{name} has shape {shape} but q has {q_shape}; "
+                             "q, k and v must share one [B, H, N, D] shape")
+    b, h, n, d = q_shape
+    if layout.seq_len != n:
+        raise ValueError(f"layout is for seq_len={layout.seq_len} but q has N={n}")
+    if layout.num_heads != h:
+        raise ValueError(f"layout is for num_heads={layout.num_heads} but q has H={h}")
+    if b == 0:
+        raise ValueError("q has batch size 0")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    check_head_dim(d, "q")
+    return (d ** -0.5) if scale is None else float(scale)
+
+
 def check_dtype(dtype: str, arg: str = "q") -> str:
     name = str(dtype).replace("torch.", "")
     if name not in SUPPORTED_DTYPES:

@@ -144,38 +144,23 @@ def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not hasattr(t, "shape") or not hasattr(t, "dtype") or isinstance(t, (int, float)):
             raise ValueError(f"{name} must be a JAX or NumPy array, got {type(t).__name__}")
-    if len(q.shape) != 4:
-        raise ValueError(f"q must have shape [B, H, N, D], got {tuple(q.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != tuple(q.shape):
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but q has {tuple(q.shape)}; "
-                             "q, k and v must share one [B, H, N, D] shape")
+    if not isinstance(layout, (BlockLayout, LayoutArrays)):
+        raise ValueError(f"layout must be a BlockLayout (or LayoutArrays), got "
+                         f"{type(layout).__name__}")
     dtype = jnp.dtype(q.dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if len(q.shape) == 4 and not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"q must be a floating-point array, got dtype {dtype}")
+    scale = _kl.check_attention_shapes(q.shape, k.shape, v.shape, layout, scale)
     if dtype.name not in _DTYPES:
         raise ValueError(f"q has dtype {dtype}; supported: {_DTYPES}")
     for name, t in (("k", k), ("v", v)):
         if jnp.dtype(t.dtype) != dtype:
             raise ValueError(f"{name} has dtype {jnp.dtype(t.dtype)} but q has {dtype}")
-    if not isinstance(layout, (BlockLayout, LayoutArrays)):
-        raise ValueError(f"layout must be a BlockLayout (or LayoutArrays), got "
-                         f"{type(layout).__name__}")
-    b, h, n, _ = q.shape
-    if layout.seq_len != n:
-        raise ValueError(f"layout is for seq_len={layout.seq_len} but q has N={n}")
-    if layout.num_heads != h:
-        raise ValueError(f"layout is for num_heads={layout.num_heads} but q has H={h}")
-    if b == 0:
-        raise ValueError("q has batch size 0")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
-    _kl.check_head_dim(q.shape[-1], "q")
     lay = layout_arrays(layout)
     for name, a in lay.metadata().items():
         if jnp.dtype(a.dtype) != jnp.int32:
             raise ValueError(f"layout metadata {name!r} must be int32, got {a.dtype}")
-    return lay, (q.shape[-1] ** -0.5 if scale is None else float(scale))
+    return lay, scale
 
 
 def _device_kind() -> str:

@@ -47,17 +47,15 @@ _NAIVE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # ----------------------------------------------------------------------------- validation
 def _check_inputs(q, k, v, layout, scale):
+    """torch-specific checks (types, dtypes, devices); the shared ones live in launch."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, H, N, D], got {tuple(q.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but q has {tuple(q.shape)}; "
-                             "q, k and v must share one [B, H, N, D] shape")
-    if not q.dtype.is_floating_point:
+    if not isinstance(layout, BlockLayout):
+        raise ValueError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    if q.dim() == 4 and not q.dtype.is_floating_point:
         raise ValueError(f"q must be a floating-point tensor, got dtype {q.dtype}")
+    scale = L.check_attention_shapes(q.shape, k.shape, v.shape, layout, scale)
     if q.dtype not in _DTYPES:
         raise ValueError(f"q has dtype {q.dtype}; supported: {_DTYPES}")
     for name, t in (("k", k), ("v", v)):
@@ -65,18 +63,7 @@ def _check_inputs(q, k, v, layout, scale):
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if not isinstance(layout, BlockLayout):
-        raise ValueError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    b, h, n, d = q.shape
-    if layout.seq_len != n:
-        raise ValueError(f"layout is for seq_len={layout.seq_len} but q has N={n}")
-    if layout.num_heads != h:
-        raise ValueError(f"layout is for num_heads={layout.num_heads} but q has H={h}")
-    if b == 0:
-        raise ValueError("q has batch size 0")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
-    return (d ** -0.5) if scale is None else float(scale)
+    return scale
 
 
 def _device_kind(t: torch.Tensor) -> str:
@@ -217,7 +204,6 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     (torch.Size([1, 1, 40, 32]), torch.Size([1, 1, 40]))
     """
     scale = _check_inputs(q, k, v, layout, scale)
-    L.check_head_dim(q.shape[-1], "q")
     out, lse = _SparseAttentionFn.apply(q, k, v, layout, scale)
     return (out, lse) if return_lse else out
 
