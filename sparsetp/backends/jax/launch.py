@@ -110,6 +110,11 @@ def call_kernel(kernel, args: Sequence[Any], *, out_shapes: Sequence[jax.ShapeDt
 
 
 def _call_interpreted(kernel, args, out_shapes, grid, constexprs):
+    # Import torch here, at trace time on the calling thread, never first inside ``host``: XLA runs
+    # the callbacks of a sharded computation on several threads at once, and a first
+    # ``import torch`` racing in four of them deadlocked (seen in CI with a 4-device mesh).
+    import torch  # noqa: F401, PLC0415
+
     positions = [i for i, a in enumerate(args) if not _is_scalar(a)]
     arrays = [args[i] for i in positions]
 
