@@ -1,0 +1,71 @@
+"""What the benchmark commands share: output flags, versions, JSON, progress and timing.
+
+Flags defined here (shared by every command, so the command modules must not redefine them):
+``--out_dir`` (where JSON and plots go), ``--device`` (auto|cpu|cuda), ``--plots``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+
+from absl import flags
+
+flags.DEFINE_string("out_dir", "bench_results", "Directory for the JSON results and the plots.")
+flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where to run (auto: GPU if any).")
+flags.DEFINE_bool("plots", True, "Draw plots (matplotlib) next to the JSON.")
+
+FLAGS = flags.FLAGS
+
+
+def versions() -> dict:
+    """Versions and device of this process, for every JSON result (frameworks only if imported
+    or importable; nothing is initialised on their behalf except torch's CUDA query)."""
+    out = {"python": platform.python_version(), "platform": platform.platform(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "argv": sys.argv}
+    for name in ("numpy", "triton", "torch", "jax", "jax_triton"):
+        try:
+            mod = __import__(name)
+        except Exception:  # noqa: BLE001  (jax_triton raises more than ImportError on CPU jax)
+            continue
+        out[name] = getattr(mod, "__version__", "?")
+    if "torch" in sys.modules:
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_available():
+            out["device"] = torch.cuda.get_device_name()
+            out["device_count"] = torch.cuda.device_count()
+        else:
+            out["device"] = f"cpu ({os.cpu_count()} cores)"
+    return out
+
+
+def write_json(path: str, obj) -> str:
+    """Write ``obj`` as indented JSON (creating directories); returns the path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=_json_default)
+    os.replace(tmp, path)  # a reader never sees half a file, even if the run is killed
+    return path
+
+
+def _json_default(o):
+    import numpy as np  # noqa: PLC0415
+
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON-serialisable: {type(o)}")
+
+
+def progress(iterable, desc: str, total: int | None = None):
+    """A tqdm progress bar on stderr (benchmarks run for minutes)."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, dynamic_ncols=True)
