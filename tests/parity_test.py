@@ -96,14 +96,16 @@ def _write_report():
 atexit.register(_write_report)
 
 
-def _compare(actual, expected, *, dtype, grad, case, tensor, against, failures):
+def _compare(actual, expected, *, dtype, grad, case, tensor, against, failures, reduced=1):
     """Record and check one tensor; a failure (appended to ``failures``, so every comparison
-    of a case still runs) says which backend/pattern/shape/tensor and how far off."""
+    of a case still runs) says which backend/pattern/shape/tensor and how far off.
+    ``reduced``: how many tokens the tensor sums over (parameter gradients: batch * seq_len),
+    see ``testing_utils.tolerance``."""
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
-    atol, rtol = tolerance(dtype, grad)
+    atol, rtol = tolerance(dtype, grad, reduced)
     atol, rtol = atol * _flags().atol_scale, rtol * _flags().atol_scale
-    row = dict(case, tensor=tensor, against=against, shape=list(a.shape))
+    row = dict(case, tensor=tensor, against=against, shape=list(a.shape), reduced=reduced)
     problems = []
     if a.shape != e.shape:
         problems.append(f"shape {a.shape} != {e.shape}")
@@ -301,6 +303,7 @@ class ParityTest(absltest.TestCase):
             y_ref = reference.hybrid_block(params, x, config)
             dx_ref, dp_ref = reference.hybrid_block_grad(params, x, config, dy)
             got = {b: BLOCK[b](config, params, x, dy, tp) for b in self.backends}
+            tokens = f.batch * n  # every parameter gradient sums over all tokens
             try:
                 for b in self.backends:
                     y, dx, dp, exported = got[b]
@@ -311,7 +314,8 @@ class ParityTest(absltest.TestCase):
                              against="float64 oracle", failures=failures)
                     for pn in params:
                         _compare(dp[pn], dp_ref[pn], dtype=dtype, grad=True, case=c,
-                                 tensor=f"d[{pn}]", against="float64 oracle", failures=failures)
+                                 tensor=f"d[{pn}]", against="float64 oracle", failures=failures,
+                                 reduced=tokens)
                         if not np.array_equal(exported[pn].astype(np.float32), params[pn]):
                             raise AssertionError(f"[{c}] exported {pn} is not bitwise the "
                                                  f"loaded weight")
@@ -322,7 +326,8 @@ class ParityTest(absltest.TestCase):
                                  tensor=nm, against=b, failures=failures)
                     for pn in params:
                         _compare(got[a][2][pn], got[b][2][pn], dtype=dtype, grad=True, case=c,
-                                 tensor=f"d[{pn}]", against=b, failures=failures)
+                                 tensor=f"d[{pn}]", against=b, failures=failures,
+                                 reduced=tokens)
             except AssertionError as e:
                 failures.append(str(e))
         self.assertEmpty(failures, "\n".join(failures))

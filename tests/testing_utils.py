@@ -4,6 +4,20 @@ Tolerance table (absolute); rtol = atol / 10; gradients are compared at 2 * atol
 2 * rtol). An element passes when ``|x - ref| <= atol + rtol * |ref|``. Outputs of low-precision
 kernels are stored in their dtype, so the table covers one storage rounding (bf16: 2^-9
 relative) plus the accumulated compute error of fp32 softmax on rounded P.
+
+Reductions over tokens (``reduced=T``): a parameter gradient such as ``d[fc1.weight] = X^T dY``
+or ``d[ln1.bias] = sum_t dY_t`` sums ``T = batch * seq_len`` per-token contributions, each of
+which carries the per-element error the table allows (the same error the input gradient ``dx``
+is held to, per token). Independent rounding errors of T terms add like a random walk, so the
+*absolute* error of the sum grows like ``sqrt(T)`` while the sum itself (of O(1) terms of mixed
+sign) is only ``O(sqrt(T))`` large: with rtol alone, a 2000-token float32 bias gradient of
+magnitude 70 failed at 1.1e-4 absolute (1.6e-6 relative, i.e. ~13 float32 ulps) on the GPU.
+``tolerance(..., reduced=T)`` therefore scales atol (not rtol) by ``sqrt(T)``. In that run the
+input gradients were off by at most 5.4e-6 (atol/7) per element, and 5.4e-6 * sqrt(2000) = 2.4e-4
+bounds the 1.1e-4 seen in the bias gradient: the random-walk model explains the failure, and the
+scaled bound (1.8e-3 there) still sits 16x above what was seen. What it still
+catches is pinned down in ``testing_utils_test.py``: a dropped token, a 1% error in one token's
+contribution, and a 1e-4 relative error in every token's contribution all fail.
 """
 
 from __future__ import annotations
@@ -20,10 +34,13 @@ ATOL = {
 }
 
 
-def tolerance(dtype: str, grad: bool = False) -> tuple[float, float]:
-    """(atol, rtol) for ``dtype``; gradients get twice both."""
-    atol = ATOL[dtype] * (2 if grad else 1)
-    return atol, atol / 10
+def tolerance(dtype: str, grad: bool = False, reduced: int = 1) -> tuple[float, float]:
+    """(atol, rtol) for ``dtype``; gradients get twice both; a sum over ``reduced`` tokens gets
+    ``sqrt(reduced)`` times the atol (see the module docstring), the same rtol."""
+    if reduced < 1:
+        raise ValueError(f"reduced must be >= 1, got {reduced}")
+    base = ATOL[dtype] * (2 if grad else 1)
+    return base * float(np.sqrt(reduced)), base / 10
 
 
 def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -52,7 +69,8 @@ def random_inputs(seed: int, shape, dtype: str, count: int = 4) -> list[np.ndarr
     return out
 
 
-def assert_close(actual, expected, dtype: str, *, grad: bool = False, what: str = ""):
+def assert_close(actual, expected, dtype: str, *, grad: bool = False, reduced: int = 1,
+                 what: str = ""):
     """Elementwise ``|a - e| <= atol + rtol |e|`` with infinities required to match exactly."""
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
@@ -63,7 +81,7 @@ def assert_close(actual, expected, dtype: str, *, grad: bool = False, what: str 
     inf = np.isinf(e)
     if not np.array_equal(np.isinf(a), inf) or not np.array_equal(a[inf], e[inf]):
         raise AssertionError(f"{what}: infinities differ from the reference")
-    atol, rtol = tolerance(dtype, grad)
+    atol, rtol = tolerance(dtype, grad, reduced)
     a, e = a[~inf], e[~inf]
     err = np.abs(a - e)
     bad = err > atol + rtol * np.abs(e)
