@@ -13,6 +13,12 @@ Rules, in order:
    ``cuDeviceGetCount``) with ctypes, which costs milliseconds and initialises no framework.
    No driver or no device -> ``TRITON_INTERPRET=1``.
 
+Triton bakes the choice into its *own* ``@triton.jit`` library functions (``tl.sum``, ``tl.max``,
+...) when ``triton.language`` is first imported. A process that imported Triton before sparsetp
+chose the interpreter therefore cannot interpret our kernels (Triton's error would be "Cannot call
+@triton.jit'd outside of the scope of a kernel"); :func:`configure` detects this and raises a
+``RuntimeError`` that says what to do instead.
+
 The decision is made once per process (Triton's choice is baked into the kernel objects), and
 :func:`interpret_mode` reports it. Frontends pick the launch path per tensor device: CUDA tensors
 need compiled kernels, CPU tensors need the interpreter.
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 __all__ = ["configure", "interpret_mode", "cuda_available"]
 
@@ -83,9 +90,25 @@ def configure() -> bool:
         if triton_flag is not None and triton_flag.strip() != "":
             forced = triton_flag.strip() not in ("0", "")
     interpret = (not cuda_available()) if forced is None else forced
+    if interpret:
+        _check_triton_not_compiled_mode()
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     _DECIDED = interpret
     return interpret
+
+
+def _check_triton_not_compiled_mode() -> None:
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None:  # Triton's language not imported yet: the env var will take effect
+        return
+    kind = type(getattr(standard, "sum", None)).__name__
+    if kind != "InterpretedFunction":
+        raise RuntimeError(
+            "sparsetp needs Triton's interpreter here (no CUDA GPU found, or "
+            "SPARSETP_INTERPRET=1), but Triton was imported before sparsetp and built its "
+            "library functions for compiled kernels. Import sparsetp (or sparsetp.torch / "
+            "sparsetp.jax) before triton, or set TRITON_INTERPRET=1 in the environment before "
+            "the process starts.")
 
 
 def interpret_mode() -> bool:
