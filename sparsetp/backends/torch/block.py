@@ -47,13 +47,15 @@ class HybridBlock(nn.Module):
       seed: parameters are ``init_params(config, seed)`` (the canonical draw, so every TP size
         and the JAX frontend start from the same weights); None leaves them uninitialised.
       device: where the parameters live.
+      overlap_comm: overlap each column-parallel layer's backward all-reduce with its
+        weight-gradient GEMM (bitwise the same numbers; see ``layers.ColumnParallelLinear``).
 
     Raises ValueError when ``num_heads`` or ``d_ff`` is not divisible by the group size.
     Input ``x [B, N, d_model]`` (the same on every rank), output ``[B, N, d_model]``.
     """
 
     def __init__(self, config: HybridConfig, group=None, *, seed: int | None = 0,
-                 device=None):
+                 device=None, overlap_comm: bool = True):
         super().__init__()
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
@@ -62,7 +64,7 @@ class HybridBlock(nn.Module):
         check_tp_size(config, self.world_size)
         dtype = TORCH_DTYPES[config.dtype]
         d = config.d_model
-        kw = dict(group=group, dtype=dtype, device=device, seed=None)
+        kw = dict(group=group, dtype=dtype, device=device, seed=None, overlap_comm=overlap_comm)
         self.ln1 = nn.LayerNorm(d, eps=config.norm_eps, dtype=dtype, device=device)
         self.attn = ParallelSparseAttention(d, config.num_heads, config.pattern,
                                             config.block_size, config.bias, **kw)
@@ -73,9 +75,9 @@ class HybridBlock(nn.Module):
 
     @classmethod
     def from_params(cls, config: HybridConfig, params: Mapping[str, object], group=None, *,
-                    device=None) -> HybridBlock:
+                    device=None, overlap_comm: bool = True) -> HybridBlock:
         """A block holding this rank's shards of the canonical UNSHARDED ``params``."""
-        block = cls(config, group, seed=None, device=device)
+        block = cls(config, group, seed=None, device=device, overlap_comm=overlap_comm)
         block.load_params(params)
         return block
 

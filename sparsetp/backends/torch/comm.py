@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 __all__ = [
     "group_size", "group_rank", "copy_to_region", "reduce_from_region", "gather_from_region",
-    "scatter_to_region", "all_gather_dim",
+    "scatter_to_region", "all_gather_dim", "all_reduce_async",
 ]
 
 
@@ -54,6 +54,17 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous().clone()  # never reduce into a tensor autograd (or the caller) still holds
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
+
+
+def all_reduce_async(x: torch.Tensor, group=None):
+    """Start an in-place sum all-reduce of ``x`` (no autograd); returns the work handle to
+    ``wait()`` on, or None on a group of size 1. ``x`` must be contiguous and owned by the
+    caller: it is overwritten with the sum once the handle completes."""
+    if group_size(group) == 1:
+        return None
+    if not x.is_contiguous():
+        raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
+    return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:

@@ -5,10 +5,15 @@ Weights are stored ``[in, out]`` like the canonical parameters of :mod:`sparsetp
 
 * :class:`ColumnParallelLinear` splits the output features: ``weight_shard [in, out / tp]``.
   Forward ``copy_to_region`` (its backward all-reduces the input gradient), optional
-  ``gather_from_region`` of the output.
+  ``gather_from_region`` of the output. With ``overlap_comm`` (the default) forward and backward
+  are one autograd Function that starts the input-gradient all-reduce asynchronously and
+  computes the weight gradient while it runs (Megatron's
+  ``LinearWithGradAccumulationAndAsyncCommunication``); the numbers are bitwise those of the
+  plain path (``tests/torch_overlap_test.py``).
 * :class:`RowParallelLinear` splits the input features: ``weight_shard [in / tp, out]``; partial
   products are summed by ``reduce_from_region`` and the (replicated) bias is added once, after it.
-* :class:`ParallelMLP` = column fc1 -> GELU(tanh) -> row fc2: one all-reduce forward, one backward.
+* :class:`ParallelMLP` = column fc1 -> GELU(tanh) -> row fc2: one all-reduce forward, one backward
+  (overlapped with fc1's weight-gradient GEMM unless ``overlap_comm=False``).
 * :class:`ParallelSparseAttention` = column qkv (whole heads per rank) -> block-sparse attention
   of the local heads -> row out projection.
 
@@ -33,6 +38,7 @@ from torch import nn
 from sparsetp.backends.torch.attention import sparse_attention
 from sparsetp.backends.torch.comm import (
     all_gather_dim,
+    all_reduce_async,
     copy_to_region,
     gather_from_region,
     group_rank,
@@ -58,6 +64,54 @@ def _as_tensor(a, name: str) -> torch.Tensor:
     if isinstance(a, torch.Tensor):
         return a.detach()
     raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(a).__name__}")
+
+
+class _ColumnLinearAsyncGrad(torch.autograd.Function):
+    """``y = x @ W + b`` whose backward overlaps the all-reduce of d(x) with d(W), d(b).
+
+    ============================  =====================================================
+    forward                       ``x @ W + b`` (no collective; ``x`` is replicated)
+    backward                      ``dx = dy @ W^T``; start ``all_reduce(dx)`` (async);
+                                  ``dW = x^T dy``, ``db = sum(dy)`` meanwhile; wait
+    ============================  =====================================================
+
+    The plain path (``copy_to_region`` then ``matmul``) lets autograd finish BOTH matmul
+    gradients before ``copy_to_region``'s backward all-reduces d(x), so the link idles during the
+    d(W) GEMM and the GEMM units idle during the all-reduce. Here d(x) is computed first and its
+    reduction runs while the weight-gradient GEMM (as large as the d(x) one) executes.
+
+    Numerics: the same GEMM calls on the same operands as autograd's matmul backward (2-D
+    ``mm`` on the flattened token dim, ``x^T @ dy`` for d(W)), the bias gradient summed over the
+    same leading dims as autograd's ``sum_to_size``, and the all-reduce of the same tensor, so
+    the results are bitwise those of the plain path — only the order in time differs.
+
+    On CUDA, Megatron runs this with ``CUDA_DEVICE_MAX_CONNECTIONS=1``: with one hardware work
+    queue, the NCCL kernel launched before the d(W) GEMM is also *scheduled* before it and gets
+    its SMs, instead of queueing behind the GEMM (``sparsetp.bench.tp`` sets it in its workers).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        y = torch.matmul(x, weight)
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = handle = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.matmul(dy, weight.t())
+            handle = all_reduce_async(dx, ctx.group)  # in place: dx is ours alone
+        dw = db = None
+        if ctx.needs_input_grad[1]:
+            dw = x.reshape(-1, x.shape[-1]).t().mm(dy.reshape(-1, dy.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(dim=tuple(range(dy.dim() - 1)))
+        if handle is not None:
+            handle.wait()
+        return dx, dw, db, None
 
 
 class _ParallelLinear(nn.Module):
@@ -145,6 +199,8 @@ class ColumnParallelLinear(_ParallelLinear):
       dtype, device: of the parameters.
       seed: :meth:`reset_parameters` seed; None leaves the parameters uninitialised (for a caller
         that will :meth:`load_unsharded`).
+      overlap_comm: overlap the backward all-reduce of the input gradient with the weight-gradient
+        GEMM (:class:`_ColumnLinearAsyncGrad`); bitwise the same numbers as False.
 
     Example (under torch.distributed with 2 ranks, each rank keeps 8 output columns)::
 
@@ -157,15 +213,18 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, group=None, *, dtype: torch.dtype | None = None,
-                 device=None, seed: int | None = 0):
-        self.gather_output = gather_output
+                 device=None, seed: int | None = 0, overlap_comm: bool = True):
+        self.gather_output, self.overlap_comm = gather_output, bool(overlap_comm)
         super().__init__(in_features, out_features, bias, group, dtype, device, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_local = copy_to_region(x, self.group)
-        y_local = torch.matmul(x_local, self.weight)
-        if self.bias is not None:
-            y_local = y_local + self.bias
+        if self.overlap_comm and self.world_size > 1:
+            y_local = _ColumnLinearAsyncGrad.apply(x, self.weight, self.bias, self.group)
+        else:
+            x_local = copy_to_region(x, self.group)
+            y_local = torch.matmul(x_local, self.weight)
+            if self.bias is not None:
+                y_local = y_local + self.bias
         return gather_from_region(y_local, self.group) if self.gather_output else y_local
 
 
@@ -206,11 +265,13 @@ class ParallelMLP(nn.Module):
     """
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, group=None, *,
-                 dtype: torch.dtype | None = None, device=None, seed: int | None = 0):
+                 dtype: torch.dtype | None = None, device=None, seed: int | None = 0,
+                 overlap_comm: bool = True):
         super().__init__()
         kw = dict(group=group, dtype=dtype, device=device)
         self.fc1 = ColumnParallelLinear(d_model, d_ff, bias, gather_output=False,
-                                        seed=None if seed is None else seed, **kw)
+                                        seed=None if seed is None else seed,
+                                        overlap_comm=overlap_comm, **kw)
         self.fc2 = RowParallelLinear(d_ff, d_model, bias, input_is_parallel=True,
                                      seed=None if seed is None else seed + 1, **kw)
 
@@ -235,13 +296,14 @@ class ParallelSparseAttention(nn.Module):
       d_model, num_heads: unsharded sizes (``num_heads`` divisible by the TP size).
       pattern: attention pattern, laid out per sequence length with ``block_size`` tiles.
       block_size, bias, group, dtype, device, seed: as above.
+      overlap_comm: passed to the qkv :class:`ColumnParallelLinear`.
 
     Input ``x [B, N, d_model]`` (replicated), output ``[B, N, d_model]`` (replicated).
     """
 
     def __init__(self, d_model: int, num_heads: int, pattern: Pattern, block_size: int = 64,
                  bias: bool = True, group=None, *, dtype: torch.dtype | None = None,
-                 device=None, seed: int | None = 0):
+                 device=None, seed: int | None = 0, overlap_comm: bool = True):
         super().__init__()
         if not isinstance(pattern, Pattern):
             raise ValueError(f"pattern must be a sparsetp Pattern, got {pattern!r}")
@@ -255,7 +317,7 @@ class ParallelSparseAttention(nn.Module):
         self.head_start = group_rank(group) * self.local_heads
         kw = dict(group=group, dtype=dtype, device=device)
         self.qkv = ColumnParallelLinear(d_model, 3 * d_model, bias, gather_output=False,
-                                        seed=seed, **kw)
+                                        seed=seed, overlap_comm=overlap_comm, **kw)
         self.out = RowParallelLinear(d_model, d_model, bias, input_is_parallel=True,
                                      seed=None if seed is None else seed + 1, **kw)
         self._layouts: dict[int, BlockLayout] = {}
