@@ -8,13 +8,17 @@ Sections, in order (a wall-clock budget skips what does not fit, and says so in 
 2. GPU shapes (N = 8192, D = 64 / 128, bf16 / fp16) vs a float32 torch reference on the GPU,
    plus NaN-poisoned outputs and a bitwise determinism check;
 3. timings (triton.testing.do_bench median, ms), bf16, B=1, H=16, D=128, N = 8192 and 32768:
-   sparsetp fwd and fwd+bwd vs FlexAttention (torch.compile'd, BlockMask built from the same
-   layout: partial/full kv block lists + a mask_mod reading the layout's bitmask table) and SDPA
-   (dense, and causal for the causal layout).
+   sparsetp fwd and fwd+bwd with the default launch config on causal, window, bigbird,
+   strided_causal (optionally SDPA and FlexAttention, off by default: the comparison belongs to
+   the benchmark tool);
+4. sweeps at N = 32768 (each config first correctness-checked at N = 2048 against the float32
+   reference): the three work orders (``launch.WORK_ORDERS``), backward sub-tile / warps /
+   stages configs, forward sub-tile configs. Each entry names its config, so the JSON says
+   which heuristic choice won.
 
-Usage (repo root on PYTHONPATH)::
+Usage (repo root on PYTHONPATH; about 150 s on an H200 including Triton compiles)::
 
-    python benchmarks/gpu_attention_check.py --out=/tmp/attn.json
+    python benchmarks/gpu_attention_check.py --out=$OUT/attn.json --budget_s=150
 """
 
 from __future__ import annotations
@@ -37,12 +41,16 @@ from sparsetp.backends.torch import attention as tattn  # noqa: E402
 from sparsetp.core import make_layout, reference  # noqa: E402
 from sparsetp.core import patterns as P  # noqa: E402
 from sparsetp.core.examples import example_pattern  # noqa: E402
+from sparsetp.kernels import launch as L  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "attn.json", "where to write the JSON results")
-flags.DEFINE_float("budget_s", 400.0, "wall-clock budget; later items are skipped past it")
+flags.DEFINE_float("budget_s", 150.0, "wall-clock budget; later items are skipped past it")
 flags.DEFINE_list("timing_n", ["32768", "8192"], "sequence lengths for the timings")
-flags.DEFINE_bool("flex", True, "time FlexAttention too")
+flags.DEFINE_bool("flex", False, "time FlexAttention too (slow to compile)")
+flags.DEFINE_bool("sdpa", False, "time SDPA dense / causal too")
+flags.DEFINE_bool("sweep", True, "run the work-order and tile-config sweeps")
+flags.DEFINE_float("rep_ms", 60.0, "do_bench rep (ms) per measurement")
 flags.DEFINE_bool("correctness", True, "run the correctness sections")
 
 T0 = time.time()
@@ -150,12 +158,15 @@ def check_gpu_size(name, pattern, n, bs, h, d, dtype, poison=False):
 
 
 def correctness():
+    # Under a tight budget (the default) only cases that share compiled kernels with the
+    # timings (bf16, D=128, block 128) plus one case per other block size: every new
+    # (dtype, D, block) costs ~4 Triton compiles.
     small = [
-        ("causal", 200, 64, 2, 64, "float32"), ("bigbird", 200, 64, 2, 64, "bfloat16"),
-        ("masked_rows", 150, 64, 2, 64, "float16"), ("per_head_mix", 300, 64, 3, 128, "bfloat16"),
-        ("strided_causal", 333, 128, 2, 128, "bfloat16"), ("local", 250, 32, 2, 32, "float16"),
-        ("random", 180, 16, 2, 16, "float32"), ("dense", 256, 128, 1, 64, "bfloat16"),
-    ]
+        ("strided_causal", 333, 128, 2, 128, "bfloat16"), ("causal", 200, 64, 2, 64, "float32"),
+        ("local", 250, 32, 2, 32, "float16"), ("random", 180, 16, 2, 16, "float32"),
+        ("bigbird", 200, 64, 2, 64, "bfloat16"), ("masked_rows", 150, 64, 2, 64, "float16"),
+        ("per_head_mix", 300, 64, 3, 128, "bfloat16"), ("dense", 256, 128, 1, 64, "bfloat16"),
+    ][:8 if FLAGS.budget_s > 300 else 4]
     for case in small:
         tag = f"oracle {case}"
         if over_budget(tag):
@@ -173,11 +184,12 @@ def correctness():
     big = [
         ("causal", anchor_pattern("causal"), 8192, 128, 2, 128, "bfloat16", True),
         ("window", anchor_pattern("window"), 8192, 128, 2, 128, "bfloat16", False),
-        ("bigbird", anchor_pattern("bigbird"), 8192, 128, 2, 64, "float16", False),
-        ("strided_causal", anchor_pattern("strided_causal"), 8192, 128, 2, 128, "float16", False),
+        ("bigbird", anchor_pattern("bigbird"), 8192, 128, 2, 128, "bfloat16", False),
         ("masked_rows", example_pattern("masked_rows", 8192, 64), 8192, 64, 2, 64, "bfloat16",
          False),
-    ]
+        ("bigbird", anchor_pattern("bigbird"), 8192, 128, 2, 64, "float16", False),
+        ("strided_causal", anchor_pattern("strided_causal"), 8192, 128, 2, 128, "float16", False),
+    ][:6 if FLAGS.budget_s > 300 else 4]
     det_done = False
     for name, pat, n, bs, h, d, dtype, poison in big:
         tag = f"gpu-size {name} N={n} bs={bs} H={h} D={d} {dtype} poison={poison}"
@@ -245,7 +257,8 @@ def bench(fn, grads=None):
 
     fn()
     torch.cuda.synchronize()
-    return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median"))
+    return float(do_bench(fn, warmup=10, rep=FLAGS.rep_ms, grad_to_none=grads,
+                          return_mode="median"))
 
 
 def timing():
@@ -270,7 +283,7 @@ def time_n(n, flex):
                                       generator=g) for _ in range(4))
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         # SDPA dense reference points.
-        for label, causal in (("sdpa_dense", False), ("sdpa_causal", True)):
+        for label, causal in (("sdpa_dense", False), ("sdpa_causal", True))[:2 * FLAGS.sdpa]:
             tag = f"{label} N={n}"
             if over_budget(tag):
                 continue
@@ -302,6 +315,9 @@ def time_n(n, flex):
                 e = {"impl": "sparsetp", "pattern": name, "N": n, "density": layout.density,
                      "fwd_ms": bench(f), "fwd_bwd_ms": bench(fb, [qg, kg, vg])}
                 e["fwd_tflops"] = flops / e["fwd_ms"] / 1e9
+                e["bwd_ms"] = e["fwd_bwd_ms"] - e["fwd_ms"]
+                # backward = 5 matmuls of the forward's 2 (dV, dP, dQ, dK + recomputed S).
+                e["bwd_tflops"] = 2.5 * flops / e["bwd_ms"] / 1e9
                 RESULTS["timing"].append(e)
                 log(f"{e}")
             except Exception as ex:
@@ -348,12 +364,82 @@ def time_n(n, flex):
             save()
 
 
+# --------------------------------------------------------------------------- sweeps
+def _bwd_cfgs(sub, warps, stages):
+    c = L.TileConfig(128, 128, warps, stages, sub=sub)
+    return {"bwd_dq": c, "bwd_dkdv": c}
+
+
+# (label, work_order, tile-config overrides). Defaults: see launch.tile_config (bs 128, D 128
+# bf16: fwd sub 64 / 8 warps / 3 stages; dQ and dK/dV sub 32 / 8 warps / 3 stages).
+SWEEP = [
+    ("order=natural", "natural", {}),
+    ("order=longest_first_bh", "longest_first_bh", {}),
+    ("bwd sub16 w8 s3", None, _bwd_cfgs(16, 8, 3)),
+    ("bwd sub64 w8 s2", None, _bwd_cfgs(64, 8, 2)),
+    ("bwd sub32 w4 s5 (tutorial)", None, _bwd_cfgs(32, 4, 5)),
+    ("bwd sub128 w8 s1 (old)", None, _bwd_cfgs(128, 8, 1)),
+    ("fwd sub128 w8 s2", None, {"fwd": L.TileConfig(128, 128, 8, 2, sub=128)}),
+    ("fwd sub32 w4 s4", None, {"fwd": L.TileConfig(128, 128, 4, 4, sub=32)}),
+]
+
+
+def sweep():
+    n, b, h, d = 32768, 1, 16, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, d_out = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                      for _ in range(4))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    layouts = {nm: make_layout(anchor_pattern(nm), n, h, 128)
+               for nm in ("causal", "window", "bigbird", "strided_causal")}
+    for label, order, cfgs in SWEEP:
+        is_fwd = "fwd" in cfgs
+        with L._override(work_order=order, **cfgs):
+            tag = f"sweep {label}"
+            if over_budget(tag):
+                continue
+            try:  # correctness first, at a size whose dense fp32 reference is cheap
+                ok = True
+                for nm in ("bigbird", "causal"):
+                    r, _ = check_gpu_size(nm, anchor_pattern(nm), 2048, 128, 2, 128, "bfloat16")
+                    ok &= all(x <= 1.0 for x in r.values())
+                    RESULTS["correctness"].append({"kind": "float32 torch reference",
+                                                   "case": f"{tag} {nm} N=2048", "ratio": r,
+                                                   "pass": all(x <= 1.0 for x in r.values())})
+                if not ok:
+                    log(f"FAIL {tag}: not timed")
+                    continue
+                for nm, layout in layouts.items():
+                    if over_budget(f"{tag} {nm}"):
+                        break
+                    flops = 4 * b * layout.nnz_blocks * 128 * 128 * d
+                    f = lambda lay=layout: tattn.sparse_attention(q, k, v, lay)
+                    fb = lambda lay=layout: tattn.sparse_attention(qg, kg, vg, lay).backward(
+                        d_out)
+                    e = {"impl": "sparsetp", "sweep": label, "pattern": nm, "N": n,
+                         "fwd_ms": bench(f)}
+                    e["fwd_tflops"] = flops / e["fwd_ms"] / 1e9
+                    if not is_fwd:
+                        e["fwd_bwd_ms"] = bench(fb, [qg, kg, vg])
+                        e["bwd_ms"] = e["fwd_bwd_ms"] - e["fwd_ms"]
+                        e["bwd_tflops"] = 2.5 * flops / e["bwd_ms"] / 1e9
+                    RESULTS["timing"].append(e)
+                    log(f"{e}")
+                    save()
+            except Exception as ex:
+                RESULTS["errors"].append({"case": tag, "error": traceback.format_exc()})
+                log(f"ERROR {tag}: {ex!r}")
+            save()
+
+
 def table():
-    rows = [f"{'impl':10s} {'pattern':15s} {'N':>6s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} "
-            f"{'fwd TFLOP/s':>11s}"]
+    rows = [f"{'impl':10s} {'config':28s} {'pattern':15s} {'N':>6s} {'fwd ms':>9s} "
+            f"{'fwd+bwd ms':>11s} {'fwd TFLOP/s':>11s} {'bwd TFLOP/s':>11s}"]
     for e in RESULTS["timing"]:
-        rows.append(f"{e['impl']:10s} {e.get('pattern', '-'):15s} {e['N']:6d} "
-                    f"{e['fwd_ms']:9.3f} {e['fwd_bwd_ms']:11.3f} {e['fwd_tflops']:11.1f}")
+        rows.append(f"{e['impl']:10s} {e.get('sweep', 'default'):28s} "
+                    f"{e.get('pattern', '-'):15s} {e['N']:6d} {e['fwd_ms']:9.3f} "
+                    f"{e.get('fwd_bwd_ms', float('nan')):11.3f} {e['fwd_tflops']:11.1f} "
+                    f"{e.get('bwd_tflops', float('nan')):11.1f}")
     return "\n".join(rows)
 
 
@@ -366,9 +452,15 @@ def main(argv):
                       "command": " ".join(sys.argv)}
     log(f"env {RESULTS['env']}")
     save()
+    RESULTS["default_configs"] = {
+        kn: str(L.tile_config(kn, head_dim=128, dtype="bfloat16", block_size=128,
+                              device_kind="cuda")) for kn in L.KERNEL_NAMES}
+    RESULTS["default_work_order"] = L._OPTIONS["work_order"]
     if FLAGS.correctness:
         correctness()
     timing()
+    if FLAGS.sweep:
+        sweep()
     RESULTS["wall_s"] = time.time() - T0
     save()
     n_fail = sum(not c["pass"] for c in RESULTS["correctness"])

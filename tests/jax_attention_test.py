@@ -112,6 +112,23 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
                               strict=True):
             tu.assert_close(g, r, "float32", grad=True, what=f"{tag} {name}")
 
+    def test_sub_tiles_and_work_order(self):
+        """A non-default sub-tile config and the heads-fastest longest-first grid through the
+        JAX launch (the same launch description as torch's), under jit, vs the oracle; the
+        layout's work orders travel as LayoutArrays leaves."""
+        from sparsetp.kernels import launch as kl  # noqa: PLC0415
+
+        layout, q, k, v, d_out = _per_head_case(n=100, bs=32, b=1, h=2, seed=7)
+        lay = jattn.layout_arrays(layout)
+        np.testing.assert_array_equal(np.asarray(lay.q_order), layout.q_order)
+        np.testing.assert_array_equal(np.asarray(lay.k_order), layout.k_order)
+        cfg = kl.TileConfig(32, 32, 4, 2, sub=16)
+        with kl._override(work_order="longest_first_bh", fwd=cfg, bwd_dq=cfg, bwd_dkdv=cfg):
+            fn = jax.jit(functools.partial(jattn.sparse_attention, return_lse=True))
+            (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), q, k, v)
+            grads = vjp((jnp.asarray(d_out), jnp.zeros(lse.shape, lse.dtype)))
+        self._check(layout, q, k, v, d_out, out, lse, grads, tag="sub16 longest_first_bh")
+
     @parameterized.product(tp=(2, 4), how=("sharded_metadata", "local_heads"))
     def test_shard_map_over_heads(self, tp, how):
         """Heads split over a mesh axis (check_vma on): every shard runs its heads' metadata.

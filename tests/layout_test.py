@@ -10,6 +10,7 @@ from absl.testing import absltest, parameterized
 from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
+from sparsetp.core.layout import work_order
 
 
 def _random_spec(per_row, block, seed):
@@ -98,6 +99,23 @@ def _check_layout(test, lay, truth):
             slot = np.nonzero(lay.q_index[h, qi, : lay.q_partial[h, qi]] == r)[0]
             test.assertLen(slot, 1)
             test.assertEqual(lay.k_mask_id[h, r, t], lay.q_mask_id[h, qi, slot[0]])
+    _check_work_order(test, lay)
+
+
+def _check_work_order(test, lay):
+    """q_order / k_order: per head a permutation of the tiles, longest list first, ties in
+    tile order (stable), int32 and read-only like the rest of the metadata."""
+    for major in ("q", "k"):
+        order, count = getattr(lay, f"{major}_order"), getattr(lay, f"{major}_count")
+        test.assertEqual(order.dtype, np.int32)
+        test.assertEqual(order.shape, count.shape)
+        test.assertFalse(order.flags.writeable)
+        for h in range(lay.num_heads):
+            np.testing.assert_array_equal(np.sort(order[h]), np.arange(lay.num_blocks))
+            c = count[h, order[h]]
+            test.assertTrue((np.diff(c) <= 0).all(), f"{major}_order[{h}] not longest first")
+            ties = np.diff(c) == 0
+            test.assertTrue((np.diff(order[h])[ties] > 0).all(), f"{major}_order[{h}] unstable")
 
 
 class PatternTest(parameterized.TestCase):
@@ -187,10 +205,21 @@ class PatternTest(parameterized.TestCase):
                 alone = make_layout(part.pattern, 96, b - a, 16)
                 np.testing.assert_array_equal(alone.dense_mask(), part.dense_mask())
                 np.testing.assert_array_equal(alone.block_mask, part.block_mask)
-                for nm in ("q_count", "q_partial", "k_count", "k_partial"):
+                for nm in ("q_count", "q_partial", "k_count", "k_partial", "q_order", "k_order"):
                     np.testing.assert_array_equal(getattr(alone, nm), getattr(part, nm))
+                _check_work_order(self, part)
         with self.assertRaisesRegex(ValueError, "heads"):
             full.heads(4, 2)
+
+    def test_work_order_examples(self):
+        """Causal: last (longest) row first; BigBird: the global rows lead; the metadata the
+        kernels get carries both orders."""
+        lay = make_layout(P.causal(), 256, 2, 64)
+        self.assertEqual(lay.q_order.tolist(), [[3, 2, 1, 0]] * 2)
+        self.assertEqual(lay.k_order.tolist(), [[0, 1, 2, 3]] * 2)
+        self.assertIn("q_order", lay.metadata())
+        self.assertIn("k_order", lay.metadata())
+        self.assertEqual(work_order(np.array([[2, 5, 2, 5, 1]])).tolist(), [[1, 3, 0, 2, 4]])
 
     def test_density_and_metadata_dtypes(self):
         lay = make_layout(P.causal(), 256, 2, 64)

@@ -19,6 +19,7 @@ from sparsetp.backends.torch import attention as tattn
 from sparsetp.core import make_layout, reference
 from sparsetp.core import patterns as P
 from sparsetp.core.examples import example_pattern
+from sparsetp.kernels import launch as L
 
 DEVICE = "cpu" if _runtime.interpret_mode() else "cuda"
 
@@ -170,6 +171,77 @@ class TorchAttentionExtrasTest(parameterized.TestCase):
         self.assertFalse(torch.isnan(out).any() or torch.isnan(q.grad).any())
         dead = torch.from_numpy(~layout.dense_mask().any(-1))[None].to(DEVICE)
         self.assertTrue(bool((out[dead] == 0).all()))
+
+
+def _cfgs(bs, fwd, dq, dkdv):
+    return {"fwd": L.TileConfig(bs, bs, 4, 2, sub=fwd),
+            "bwd_dq": L.TileConfig(bs, bs, 4, 2, sub=dq),
+            "bwd_dkdv": L.TileConfig(bs, bs, 4, 2, sub=dkdv)}
+
+
+class TorchLaunchConfigTest(parameterized.TestCase):
+    """Non-default sub-tiles and work orders (the interpreter's default walks whole tiles in
+    tile order): every mask-slice path of ``_mask_bits`` (one word with and without a bit offset,
+    several words via reshape, transposed for dK/dV) and every grid mapping vs the oracle."""
+
+    @parameterized.named_parameters(
+        # sub 16 of 64: one-word slices at bit offsets 0/16/32/48; heads-fastest grid.
+        ("strided_causal_bs64_sub16_bh", "strided_causal", 200, 64, 32, "float32",
+         (16, 16, 16), "longest_first_bh"),
+        # block 128: fwd two-word slices at word 2, dQ one-word slices, dK/dV 16-query sub-tiles
+        # against the 4-word transposed expansion; N % 16 == 0, so ALIGNED is on.
+        ("bigbird_bs128_mixed_natural", "bigbird", 256, 128, 16, "bfloat16",
+         (64, 32, 16), "natural"),
+        # sub 16 of 32 at bit offset 16, rows with no key, per-head longest-first order.
+        ("masked_rows_bs32_sub16", "masked_rows", 100, 32, 16, "float32", (16, 16, 16),
+         "longest_first"),
+        ("per_head_mix_bs64_sub32", "per_head_mix", 130, 64, 32, "bfloat16", (32, 32, 32),
+         "longest_first_bh"),
+    )
+    def test_sub_tiles_and_work_order(self, name, n, bs, d, dtype, subs, order):
+        layout = make_layout(example_pattern(name, n, bs), n, 2, bs)
+        q, k, v, d_out = tu.random_inputs(n + bs, (1, 2, n, d), dtype)
+        tq, tk, tv = (_to(x, dtype, requires_grad=True) for x in (q, k, v))
+        with L._override(work_order=order, **_cfgs(bs, *subs)):
+            out, lse = tattn.sparse_attention(tq, tk, tv, layout, return_lse=True)
+            out.backward(_to(d_out, dtype))
+        ref_out, ref_lse = reference.attention(q, k, v, layout, None)
+        tu.assert_close(_np(out), ref_out, dtype, what=f"{name} out")
+        tu.assert_close(_np(lse), ref_lse, dtype, what=f"{name} lse")
+        refs = reference.attention_grad(q, k, v, layout, d_out, None)
+        for g_name, t, r in zip(("dq", "dk", "dv"), (tq, tk, tv), refs, strict=True):
+            tu.assert_close(_np(t.grad), r, dtype, grad=True, what=f"{name} {g_name}")
+
+    def test_override_restores_and_validates(self):
+        before = L.tile_config("bwd_dkdv", head_dim=64, dtype="bfloat16", block_size=128,
+                               device_kind="cuda")
+        with L._override(work_order="natural", bwd_dkdv=L.TileConfig(128, 128, 8, 2, sub=64)):
+            self.assertEqual(L._OPTIONS["work_order"], "natural")
+            self.assertEqual(L.tile_config("bwd_dkdv", head_dim=64, dtype="bfloat16",
+                                           block_size=128, device_kind="cuda").sub, 64)
+            with self.assertRaisesRegex(ValueError, "layout block"):
+                L.tile_config("bwd_dkdv", head_dim=64, dtype="bfloat16", block_size=64,
+                              device_kind="cuda")
+        self.assertEqual(L.tile_config("bwd_dkdv", head_dim=64, dtype="bfloat16",
+                                       block_size=128, device_kind="cuda"), before)
+        self.assertEqual(L._OPTIONS["work_order"], "longest_first")
+        with self.assertRaisesRegex(ValueError, "work_order"):
+            with L._override(work_order="random"):
+                pass
+        for bad in (8, 24, 256):
+            with self.assertRaisesRegex(ValueError, "sub"):
+                L.TileConfig(128, 128, 4, 2, sub=bad)
+        self.assertEqual(L.TileConfig(64, 64, 4, 2).sub, 64)
+
+    def test_aligned_decision(self):
+        """ALIGNED only when N % 16 == 0, last strides are 1 and the others multiples of 16."""
+        c4, c3 = L.contiguous_strides((1, 2, 64, 32)), L.contiguous_strides((1, 2, 64))
+        self.assertTrue(L.aligned(64, {"q": c4, "lse": c3}))
+        self.assertFalse(L.aligned(72, {"q": L.contiguous_strides((1, 2, 72, 32))}))
+        self.assertTrue(L.aligned(64, {"q": (4096, 32, 64, 1)}))  # [B, N, H, D] view
+        self.assertFalse(L.aligned(64, {"q": (5120, 2560, 40, 1)}))  # rows padded to 40
+        self.assertFalse(L.aligned(64, {"q": (4096, 2048, 1, 64)}))  # transposed: d-stride 64
+        self.assertFalse(L.aligned(64, {"q": c4, "lse": (136, 68, 1)}))
 
 
 if __name__ == "__main__":

@@ -18,15 +18,21 @@ Key-major lists (dK/dV): ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id`` 
 query and key tiles swapped (``k_index`` lists query tiles; ``k_mask_id`` still names the mask of
 the tile as seen query-major, i.e. rows are queries).
 
+Work order (both views): ``q_order[h, r]`` / ``k_order[h, r]`` (int32) is the tile that rank
+``r`` of head ``h`` processes: tiles sorted by list length, longest first (stable, so equal
+lengths keep tile order). Launching long rows first keeps them from forming the tail of the
+launch (causal's last rows, BigBird's global rows). A permutation of ``range(num_blocks)``.
+
 ``masks[u, r, w]`` (int32)
     The element mask of partial tiles as a compact bitmask: bit ``c % 32`` of word ``c // 32`` of
     row ``r`` says whether query ``I*bs + r`` may attend to key ``J*bs + c``. Identical masks are
     stored once (causal has one diagonal mask for every tile and head), so the table stays tiny.
     *Why a bitmask rather than per-pattern parameters:* unions, intersections and per-head mixes
     of arbitrary patterns reach the kernel through one mechanism, the kernel has one code path,
-    and its cost (one gathered int32 load and a shift per element of a *partial* tile only) is
-    paid only where a mask is needed. Bits of tokens past ``seq_len`` are 0; kernels must still
-    bound their loads by ``seq_len``: full tiles of the ragged last row/column carry no mask.
+    and its cost (one int32 load per 32 columns of a tile row, expanded to bits in registers,
+    for *partial* tiles only) is paid only where a mask is needed. Bits of tokens past
+    ``seq_len`` are 0; kernels must still bound their loads by ``seq_len``: full tiles of the
+    ragged last row/column carry no mask.
 
 All metadata arrays have shapes that depend only on (heads, tiles, widest row, distinct masks),
 never on values, so a frontend can pass them to a kernel as tensors: a new pattern with the same
@@ -53,7 +59,17 @@ from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
 
-__all__ = ["BlockLayout", "make_layout", "SUPPORTED_BLOCK_SIZES"]
+__all__ = ["BlockLayout", "make_layout", "work_order", "SUPPORTED_BLOCK_SIZES"]
+
+
+def work_order(count: np.ndarray) -> np.ndarray:
+    """int32[H, T]: per head, the tiles sorted by ``count`` descending (stable).
+
+    >>> work_order(np.array([[1, 3, 2, 3]])).tolist()
+    [[1, 3, 2, 0]]
+    """
+    count = np.asarray(count)
+    return np.argsort(-count.astype(np.int64), axis=-1, kind="stable").astype(np.int32)
 
 
 def _words(block_size: int) -> int:
@@ -78,8 +94,14 @@ class BlockLayout:
     k_index: np.ndarray
     k_mask_id: np.ndarray
     masks: np.ndarray
+    # Derived from the counts when not given (see the module docstring).
+    q_order: np.ndarray | None = None
+    k_order: np.ndarray | None = None
 
     def __post_init__(self):
+        for name in ("q_order", "k_order"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, work_order(getattr(self, name[0] + "_count")))
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, np.ndarray):
@@ -101,7 +123,7 @@ class BlockLayout:
     def metadata(self) -> dict[str, np.ndarray]:
         """The arrays a kernel launch needs, by name (all int32)."""
         names = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial",
-                 "k_index", "k_mask_id", "masks")
+                 "k_index", "k_mask_id", "masks", "q_order", "k_order")
         return {n: getattr(self, n) for n in names}
 
     def tile_mask(self, h: int, qi: int, kj: int) -> np.ndarray:
@@ -149,7 +171,7 @@ class BlockLayout:
             num_heads=stop - start,
             **{name: getattr(self, name)[sl] for name in (
                 "block_mask", "q_count", "q_partial", "q_index", "q_mask_id", "k_count",
-                "k_partial", "k_index", "k_mask_id")})
+                "k_partial", "k_index", "k_mask_id", "q_order", "k_order")})
 
     def __repr__(self):
         return (f"BlockLayout(pattern={self.pattern!r}, seq_len={self.seq_len}, "

@@ -10,16 +10,21 @@ Conventions shared by the four kernels
 --------------------------------------
 * Tensors are ``[B, H, N, D]`` with arbitrary strides (passed as ``stride_<tensor><dim>``);
   ``LSE`` and ``Delta`` are ``[B, H, N]`` float32 (float64 for float64 inputs).
-* The grid is ``(num_tiles, B * H)``: program ``(i, b * H + h)`` owns query tile ``i`` (forward,
-  dQ, preprocess) or key tile ``i`` (dK/dV) of batch ``b``, head ``h``.
+* One program per (tile, batch, head): it owns query tile ``i`` (forward, dQ, preprocess) or
+  key tile ``i`` (dK/dV) of batch ``b``, head ``h``. The preprocess grid is
+  ``(num_tiles, B * H)``; the other kernels map their program ids through :func:`_program`
+  (optionally a per-head longest-first work order, optionally head-fastest dispatch).
 * Block-sparse structure reaches the kernels as *tensors* (pointers + strides), never as
   constexprs: a new pattern with the same shapes reuses the compiled kernel. See the docstring of
   :mod:`sparsetp.core.layout`: per (head, tile) an ELL row lists ``count`` tiles, the first
   ``n_partial`` of which are partial (they carry a row of the ``masks`` bitmask table), the rest
   full (no element mask).
-* The only constexprs are tile shape (``BLOCK`` = layout block size, ``HEAD_DIM``), the number of
-  int32 mask words per tile row (``MASK_WORDS``), the tl.dot input precision and
-  ``DOT_UPCAST`` (an interpreter-only bf16 workaround, see :func:`_dot`).
+* The only constexprs are tile shape (``BLOCK`` = layout block size, ``HEAD_DIM``), the
+  sub-tile walked per loop step (``SUB_N`` keys in forward/dQ, ``SUB_M`` queries in dK/dV),
+  the number of int32 mask words per tile row (``MASK_WORDS``), the tl.dot input precision,
+  ``DOT_UPCAST`` (an interpreter-only bf16 workaround, see :func:`_dot`), the work-order
+  switches ``ORDERED``/``BH_FIRST`` (:func:`_program`) and ``ALIGNED`` (:func:`_hint16`). None
+  depends on the pattern's values, so a new pattern never recompiles.
 * Every kernel bounds its loads by ``N``: full tiles of the ragged last tile row/column carry no
   mask bits, so ``offs < N`` is always part of the validity mask.
 * Softmax runs in fp32 (fp64 for fp64 inputs) in base 2: scores are multiplied by
@@ -66,34 +71,99 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _tile_bits(masks, mask_id, offs_r, offs_c, stride_mu, stride_mr, stride_mw):
-    """Element mask of one partial tile, gathered from the bitmask table.
+def _program(order, stride_ch, stride_cm, H, ORDERED: tl.constexpr, BH_FIRST: tl.constexpr):
+    """(tile, b * H + h) of this program.
 
-    ``offs_r`` (query rows inside the tile) and ``offs_c`` (key columns inside the tile) are
-    broadcastable index tensors; the result has their broadcast shape. Bit ``c % 32`` of word
-    ``c // 32`` of row ``r`` of ``masks[mask_id]`` says whether query row ``r`` sees key ``c``.
+    The grid is (ranks, B*H), or (B*H, ranks) when ``BH_FIRST`` (so that rank r of every head is
+    dispatched before rank r + 1 of any head). With ``ORDERED`` the rank is mapped through the
+    layout's per-head work order (``order[h, rank]`` = tile, longest list first, so long rows
+    start early instead of forming the tail of the launch); otherwise rank = tile.
     """
-    words = tl.load(masks + mask_id * stride_mu + offs_r * stride_mr + (offs_c // 32) * stride_mw)
-    # Arithmetic right shift of a signed word: bit 31 drags ones in from the left, but the
-    # "& 1" keeps only the bit we want, so the sign never leaks.
-    return ((words >> (offs_c % 32)) & 1) != 0
+    if BH_FIRST:
+        off_bh = tl.program_id(0)
+        rank = tl.program_id(1)
+    else:
+        rank = tl.program_id(0)
+        off_bh = tl.program_id(1)
+    if ORDERED:
+        tile = tl.load(order + (off_bh % H) * stride_ch + rank * stride_cm)
+    else:
+        tile = rank
+    return tile, off_bh
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
+def _hint16(x, ALIGNED: tl.constexpr):
+    """``x`` with its divisibility by 16 visible to the compiler when ``ALIGNED``.
+
+    Why not ``tl.multiple_of``: on a kernel argument it is a no-op (the attribute is set on the
+    defining op, and a function argument has none). ``(x // 16) * 16`` equals ``x`` whenever the
+    launcher promised x % 16 == 0, and axis analysis derives divisibility 16 from the multiply,
+    so the jax_triton launch (which marks no int argument divisible) vectorises like torch's.
+    """
+    if ALIGNED:
+        x = (x // 16) * 16
+    return x
+
+
+@triton.jit
+def _mask_bits(masks, mask_id, row0, col0, stride_mu, stride_mr, stride_mw,
+               R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
+    """Element mask of rows ``row0 + [0, R)`` x columns ``col0 + [0, C)`` of a partial tile.
+
+    Rows are queries, columns keys: bit ``c % 32`` of word ``c // 32`` of row ``r`` of
+    ``masks[mask_id]``. Returns bool ``[R, C]``, or ``[C, R]`` (keys first) when ``TRANS``.
+    ``col0`` is a multiple of ``C``, and of 32 when ``C > 32``: a slice never straddles words
+    unless it covers them whole.
+
+    The words are loaded once per row ([R, C/32] loads, not one gathered load per element) and
+    the bits expanded in registers: ``(words[:, :, None] >> arange(32)) & 1`` is [R, C/32, 32],
+    whose row-major order is column order, so ``tl.reshape`` (can_reorder=False keeps the
+    logical order) gives [R, C]. Slices of at most 32 columns shift one word instead.
+    Arithmetic right shift of a signed word drags bit 31 in from the left, but ``& 1`` keeps
+    only the wanted bit.
+    """
+    base = masks + mask_id * stride_mu
+    offs_r = row0 + tl.arange(0, R)
+    if TRANS:
+        if C <= 32:
+            word = tl.load(base + offs_r[None, :] * stride_mr + (col0 // 32) * stride_mw)
+            bits = (word >> ((col0 % 32) + tl.arange(0, C))[:, None]) & 1  # [C, R]
+        else:
+            offs_w = col0 // 32 + tl.arange(0, C // 32)
+            words = tl.load(base + offs_r[None, :] * stride_mr
+                            + offs_w[:, None] * stride_mw)  # [C/32, R]
+            bits = (words[:, None, :] >> tl.arange(0, 32)[None, :, None]) & 1  # [C/32, 32, R]
+            bits = tl.reshape(bits, [C, R])
+    else:
+        if C <= 32:
+            word = tl.load(base + offs_r[:, None] * stride_mr + (col0 // 32) * stride_mw)
+            bits = (word >> ((col0 % 32) + tl.arange(0, C))[None, :]) & 1  # [R, C]
+        else:
+            offs_w = col0 // 32 + tl.arange(0, C // 32)
+            words = tl.load(base + offs_r[:, None] * stride_mr
+                            + offs_w[None, :] * stride_mw)  # [R, C/32]
+            bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1  # [R, C/32, 32]
+            bits = tl.reshape(bits, [R, C])
+    return bits != 0
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, sub, offs_d, N, qk_scale,
               stride_kn, stride_kd, stride_vn, stride_vd,
               masks, mask_id, stride_mu, stride_mr, stride_mw,
-              BLOCK: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              DOT_UPCAST: tl.constexpr):
-    """One online-softmax step of the forward pass over key tile ``kb`` (shapes in the caller)."""
-    offs_n = kb * BLOCK + offs_t
+              BLOCK: tl.constexpr, SUB_N: tl.constexpr, PARTIAL: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One online-softmax step over sub-tile ``sub`` (keys ``[sub*SUB_N, +SUB_N)``) of key tile
+    ``kb`` (shapes in :func:`_attn_fwd_kernel`)."""
+    offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
     k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                  mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, BLOCK] = K^T
-    qk = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # base-2 scores
+                  mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, SUB_N] = K^T
+    qk = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # base-2 scores [BLOCK, SUB_N]
     valid = offs_n[None, :] < N
     if PARTIAL:
-        valid = valid & _tile_bits(masks, mask_id, offs_t[:, None], offs_t[None, :],
-                                   stride_mu, stride_mr, stride_mw)
+        valid = valid & _mask_bits(masks, mask_id, 0, sub * SUB_N, stride_mu, stride_mr,
+                                   stride_mw, BLOCK, SUB_N, False)
     qk = tl.where(valid, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # A row that has seen no allowed key yet has m_new = -inf; exp2(-inf - -inf) would be NaN.
@@ -104,7 +174,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
     p = tl.math.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=offs_n[:, None] < N, other=0.0)  # [BLOCK, HEAD_DIM]
+                mask=offs_n[:, None] < N, other=0.0)  # [SUB_N, HEAD_DIM]
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return acc, m_new, l_i
 
@@ -112,7 +182,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V,
-    q_count, q_partial, q_index, q_mask_id, masks,
+    q_count, q_partial, q_index, q_mask_id, masks, q_order,
     sm_scale, N, H,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -123,33 +193,40 @@ def _attn_fwd_kernel(
     stride_ih, stride_im, stride_ik,
     stride_mu, stride_mr, stride_mw,
     Out, LSE,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_WORDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Forward: Out = softmax(Q K^T * sm_scale, masked) V and LSE = logsumexp of the scores.
 
     Q, K, V, Out: [B, H, N, HEAD_DIM]; LSE: [B, H, N] (fp32, or fp64 for fp64 inputs);
-    q_count, q_partial: int32[H, NT]; q_index, q_mask_id: int32[H, NT, W]; masks:
-    int32[U, BLOCK, MASK_WORDS]. Grid (NT, B*H), NT = cdiv(N, BLOCK).
+    q_count, q_partial, q_order: int32[H, NT]; q_index, q_mask_id: int32[H, NT, W]; masks:
+    int32[U, BLOCK, MASK_WORDS]. One program per (query tile, b, h), see :func:`_program`.
+    The program keeps a [BLOCK, HEAD_DIM] query tile and walks each listed key tile in
+    BLOCK // SUB_N sub-tiles of SUB_N keys; (entry, sub-tile) is flattened into one loop so the
+    software pipeliner sees one simple loop (num_stages > 1 prefetches the next sub-tile's K, V).
     """
     tl.static_assert(BLOCK >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, ORDERED, BH_FIRST)
+    N = _hint16(N, ALIGNED)
     # int64 batch/head offsets: B*H*N*D overflows int32 from ~2^31 elements (e.g. B=8, H=32,
     # N=64k, D=128).
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H
-    offs_t = tl.arange(0, BLOCK)
-    offs_m = start_m * BLOCK + offs_t
+    off_h64 = off_h.to(tl.int64)
+    offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    q = tl.load(Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh
-                + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+    q = tl.load(Q + off_b * _hint16(stride_qb, ALIGNED) + off_h64 * _hint16(stride_qh, ALIGNED)
+                + offs_m[:, None] * _hint16(stride_qn, ALIGNED) + offs_d[None, :] * stride_qd,
                 mask=offs_m[:, None] < N, other=0.0)  # [BLOCK, HEAD_DIM]
-    k_base = K + off_b * stride_kb + off_h.to(tl.int64) * stride_kh
-    v_base = V + off_b * stride_vb + off_h.to(tl.int64) * stride_vh
+    k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
+    v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
+    stride_kn = _hint16(stride_kn, ALIGNED)
+    stride_vn = _hint16(stride_vn, ALIGNED)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2 (exp2)
 
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -164,19 +241,21 @@ def _attn_fwd_kernel(
     n_partial = tl.load(q_partial + off_h * stride_ch + start_m * stride_cm)
     row = off_h * stride_ih + start_m * stride_im
     # Partial tiles first (element mask from the bitmask table), then full tiles (no mask).
-    for e in range(0, n_partial):
+    # it = entry * NSUB + sub-tile; NSUB = BLOCK // SUB_N is a power of two (shifts, not divides).
+    for it in range(0, n_partial * (BLOCK // SUB_N)):
+        e = it // (BLOCK // SUB_N)
         kb = tl.load(q_index + row + e * stride_ik)
         mid = tl.load(q_mask_id + row + e * stride_ik)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kb, offs_t, offs_d, N,
-                                  qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
-                                  masks, mid, stride_mu, stride_mr, stride_mw,
-                                  BLOCK, True, DOT_PRECISION, DOT_UPCAST)
-    for e in range(n_partial, count):
-        kb = tl.load(q_index + row + e * stride_ik)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kb, offs_t, offs_d, N,
-                                  qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
-                                  masks, 0, stride_mu, stride_mr, stride_mw,
-                                  BLOCK, False, DOT_PRECISION, DOT_UPCAST)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, it % (BLOCK // SUB_N),
+                                  offs_d, N, qk_scale, stride_kn, stride_kd, stride_vn,
+                                  stride_vd, masks, mid, stride_mu, stride_mr, stride_mw,
+                                  BLOCK, SUB_N, True, DOT_PRECISION, DOT_UPCAST)
+    for it in range(n_partial * (BLOCK // SUB_N), count * (BLOCK // SUB_N)):
+        kb = tl.load(q_index + row + (it // (BLOCK // SUB_N)) * stride_ik)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, it % (BLOCK // SUB_N),
+                                  offs_d, N, qk_scale, stride_kn, stride_kd, stride_vn,
+                                  stride_vd, masks, 0, stride_mu, stride_mr, stride_mw,
+                                  BLOCK, SUB_N, False, DOT_PRECISION, DOT_UPCAST)
 
     # Rows with no allowed key (l = 0): divide by 1 so acc = 0 gives output 0, not 0/0 = NaN.
     has_key = l_i > 0.0
@@ -184,11 +263,11 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]
     # LSE in natural log: (m + log2 l) * ln(2); -inf where the row saw no key.
     lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(Out + off_b * stride_ob + off_h.to(tl.int64) * stride_oh
-             + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+    tl.store(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h64 * _hint16(stride_oh, ALIGNED)
+             + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=offs_m[:, None] < N)
-    tl.store(LSE + off_b * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m * stride_ln,
-             lse.to(LSE.dtype.element_ty), mask=offs_m < N)
+    tl.store(LSE + off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED)
+             + offs_m * stride_ln, lse.to(LSE.dtype.element_ty), mask=offs_m < N)
 
 
 @triton.jit
@@ -199,7 +278,7 @@ def _attn_bwd_preprocess_kernel(
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_lb, stride_lh, stride_ln,
     Delta,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Delta = rowsum(dO * O), the softmax-backward correction term.
 
@@ -209,38 +288,42 @@ def _attn_bwd_preprocess_kernel(
     tl.static_assert(HEAD_DIM >= 16, "head dims below 16 are not supported")
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
+    N = _hint16(N, ALIGNED)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
     offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     in_range = offs_m[:, None] < N
-    o = tl.load(Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on
-                + offs_d[None, :] * stride_od, mask=in_range, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don
-                 + offs_d[None, :] * stride_dod, mask=in_range, other=0.0)
+    o = tl.load(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h * _hint16(stride_oh, ALIGNED)
+                + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
+                mask=in_range, other=0.0)
+    do = tl.load(DO + off_b * _hint16(stride_dob, ALIGNED) + off_h * _hint16(stride_doh, ALIGNED)
+                 + offs_m[:, None] * _hint16(stride_don, ALIGNED) + offs_d[None, :] * stride_dod,
+                 mask=in_range, other=0.0)
     # Accumulate in the Delta dtype (fp32 or fp64), never in fp16/bf16.
     delta = tl.sum(o.to(Delta.dtype.element_ty) * do.to(Delta.dtype.element_ty), 1)
-    tl.store(Delta + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln, delta,
-             mask=offs_m < N)
+    tl.store(Delta + off_b * _hint16(stride_lb, ALIGNED) + off_h * _hint16(stride_lh, ALIGNED)
+             + offs_m * stride_ln, delta, mask=offs_m < N)
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
+def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, N, qk_scale,
              stride_kn, stride_kd, stride_vn, stride_vd,
              masks, mask_id, stride_mu, stride_mr, stride_mw,
-             BLOCK: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              DOT_UPCAST: tl.constexpr):
-    """dQ contribution of key tile ``kb`` (shapes in :func:`_attn_bwd_dq_kernel`)."""
-    offs_n = kb * BLOCK + offs_t
+             BLOCK: tl.constexpr, SUB_N: tl.constexpr, PARTIAL: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """dQ contribution of sub-tile ``sub`` (keys ``[sub*SUB_N, +SUB_N)``) of key tile ``kb``
+    (shapes in :func:`_attn_bwd_dq_kernel`)."""
+    offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=offs_n[:, None] < N, other=0.0)  # [BLOCK, HEAD_DIM]
+                mask=offs_n[:, None] < N, other=0.0)  # [SUB_N, HEAD_DIM]
     v_t = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
-                  mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, BLOCK] = V^T
-    qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+                  mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, SUB_N] = V^T
+    qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK, SUB_N]
     valid = offs_n[None, :] < N
     if PARTIAL:
-        valid = valid & _tile_bits(masks, mask_id, offs_t[:, None], offs_t[None, :],
-                                   stride_mu, stride_mr, stride_mw)
+        valid = valid & _mask_bits(masks, mask_id, 0, sub * SUB_N, stride_mu, stride_mr,
+                                   stride_mw, BLOCK, SUB_N, False)
     # Recompute P from the saved base-2 LSE. tl.where *selects*, so an overflowing exp2 of a
     # masked-out score never reaches the sums.
     p = tl.where(valid, tl.math.exp2(qk - lse2[:, None]), 0.0)
@@ -253,7 +336,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb, offs_t, offs_d, N, qk_s
 @triton.jit
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, Delta,
-    q_count, q_partial, q_index, q_mask_id, masks,
+    q_count, q_partial, q_index, q_mask_id, masks, q_order,
     sm_scale, N, H,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -265,39 +348,47 @@ def _attn_bwd_dq_kernel(
     stride_mu, stride_mr, stride_mw,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     DQ,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_WORDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """dQ = sm_scale * sum_j dS_ij K_j with dS = P * (dO V^T - Delta), over the query-major lists.
 
     Q, K, V, DO, DQ: [B, H, N, HEAD_DIM]; LSE, Delta: [B, H, N] sharing strides stride_l*;
-    q_* lists and masks as in :func:`_attn_fwd_kernel`. Grid (NT, B*H).
+    q_* lists and masks as in :func:`_attn_fwd_kernel`. The program keeps the [BLOCK, HEAD_DIM]
+    tiles q, do and dq and walks each listed key tile in sub-tiles of SUB_N keys (one flattened
+    loop, as in the forward), so only [SUB_N, HEAD_DIM] K and V tiles are live per step.
     """
     tl.static_assert(BLOCK >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, ORDERED, BH_FIRST)
+    N = _hint16(N, ALIGNED)
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H
     off_h64 = off_h.to(tl.int64)
-    offs_t = tl.arange(0, BLOCK)
-    offs_m = start_m * BLOCK + offs_t
+    offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < N
 
-    q = tl.load(Q + off_b * stride_qb + off_h64 * stride_qh + offs_m[:, None] * stride_qn
-                + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h64 * stride_doh + offs_m[:, None] * stride_don
-                 + offs_d[None, :] * stride_dod, mask=row_ok[:, None], other=0.0)
-    l_off = off_b * stride_lb + off_h64 * stride_lh + offs_m * stride_ln
+    q = tl.load(Q + off_b * _hint16(stride_qb, ALIGNED) + off_h64 * _hint16(stride_qh, ALIGNED)
+                + offs_m[:, None] * _hint16(stride_qn, ALIGNED) + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + off_b * _hint16(stride_dob, ALIGNED) + off_h64 * _hint16(stride_doh, ALIGNED)
+                 + offs_m[:, None] * _hint16(stride_don, ALIGNED) + offs_d[None, :] * stride_dod,
+                 mask=row_ok[:, None], other=0.0)
+    l_off = off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED) \
+        + offs_m * stride_ln
     lse = tl.load(LSE + l_off, mask=row_ok, other=float("-inf"))
     delta = tl.load(Delta + l_off, mask=row_ok, other=0.0)
     # Base-2 LSE. Rows with no key (LSE = -inf) get +inf so that P = exp2(s - inf) = 0 and
     # their gradient is exactly 0 (exp2(s + inf) would be inf, and inf * 0 NaN).
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    k_base = K + off_b * stride_kb + off_h64 * stride_kh
-    v_base = V + off_b * stride_vb + off_h64 * stride_vh
+    k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
+    v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
+    stride_kn = _hint16(stride_kn, ALIGNED)
+    stride_vn = _hint16(stride_vn, ALIGNED)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e), as in the forward pass
 
     dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
@@ -306,53 +397,55 @@ def _attn_bwd_dq_kernel(
     count = tl.load(q_count + off_h * stride_ch + start_m * stride_cm)
     n_partial = tl.load(q_partial + off_h * stride_ch + start_m * stride_cm)
     row = off_h * stride_ih + start_m * stride_im
-    for e in range(0, n_partial):
+    for it in range(0, n_partial * (BLOCK // SUB_N)):
+        e = it // (BLOCK // SUB_N)
         kb = tl.load(q_index + row + e * stride_ik)
         mid = tl.load(q_mask_id + row + e * stride_ik)
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
-                      stride_kn, stride_kd, stride_vn, stride_vd,
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, it % (BLOCK // SUB_N), offs_d,
+                      N, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                       masks, mid, stride_mu, stride_mr, stride_mw,
-                      BLOCK, True, DOT_PRECISION, DOT_UPCAST)
-    for e in range(n_partial, count):
-        kb = tl.load(q_index + row + e * stride_ik)
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb, offs_t, offs_d, N, qk_scale,
-                      stride_kn, stride_kd, stride_vn, stride_vd,
+                      BLOCK, SUB_N, True, DOT_PRECISION, DOT_UPCAST)
+    for it in range(n_partial * (BLOCK // SUB_N), count * (BLOCK // SUB_N)):
+        kb = tl.load(q_index + row + (it // (BLOCK // SUB_N)) * stride_ik)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, it % (BLOCK // SUB_N), offs_d,
+                      N, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                       masks, 0, stride_mu, stride_mr, stride_mw,
-                      BLOCK, False, DOT_PRECISION, DOT_UPCAST)
+                      BLOCK, SUB_N, False, DOT_PRECISION, DOT_UPCAST)
     # dS is the gradient w.r.t. the *natural* scaled scores, hence sm_scale (not qk_scale).
     dq = dq * sm_scale
-    tl.store(DQ + off_b * stride_dqb + off_h64 * stride_dqh + offs_m[:, None] * stride_dqn
-             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + off_b * _hint16(stride_dqb, ALIGNED) + off_h64 * _hint16(stride_dqh, ALIGNED)
+             + offs_m[:, None] * _hint16(stride_dqn, ALIGNED) + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, offs_t, offs_d, N,
+def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, offs_d, N,
                qk_scale, stride_qn, stride_qd, stride_don, stride_dod, stride_ln,
                masks, mask_id, stride_mu, stride_mr, stride_mw,
-               BLOCK: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              DOT_UPCAST: tl.constexpr):
-    """dK/dV contribution of query tile ``qb`` (shapes in :func:`_attn_bwd_dkdv_kernel`).
+               BLOCK: tl.constexpr, SUB_M: tl.constexpr, PARTIAL: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """dK/dV contribution of sub-tile ``sub`` (queries ``[sub*SUB_M, +SUB_M)``) of query tile
+    ``qb`` (shapes in :func:`_attn_bwd_dkdv_kernel`).
 
-    Works on transposed scores S^T [BLOCK keys, BLOCK queries] so that the accumulators keep
+    Works on transposed scores S^T [BLOCK keys, SUB_M queries] so that the accumulators keep
     the key tile's row order.
     """
-    offs_m = qb * BLOCK + offs_t  # query tokens (columns of S^T)
+    offs_m = qb * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)  # query tokens (columns of S^T)
     col_ok = offs_m < N
     q_t = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None] * stride_qd,
-                  mask=col_ok[None, :], other=0.0)  # [HEAD_DIM, BLOCK] = Q^T
+                  mask=col_ok[None, :], other=0.0)  # [HEAD_DIM, SUB_M] = Q^T
     do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                 mask=col_ok[:, None], other=0.0)  # [BLOCK, HEAD_DIM]
+                 mask=col_ok[:, None], other=0.0)  # [SUB_M, HEAD_DIM]
     lse = tl.load(lse_base + offs_m * stride_ln, mask=col_ok, other=float("-inf"))
     delta = tl.load(delta_base + offs_m * stride_ln, mask=col_ok, other=0.0)
     # As in the dQ kernel: -inf LSE (row with no key, or padding) -> +inf so P^T is 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    qk_t = _dot(k, q_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_keys, BLOCK_q]
-    offs_n_tile = tl.arange(0, BLOCK)  # key rows inside the tile (bounded by the caller's N)
+    qk_t = _dot(k, q_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK keys, SUB_M queries]
     valid = col_ok[None, :]
     if PARTIAL:
-        # masks rows are queries: row index = query (axis 1 here), bit = key (axis 0 here).
-        valid = valid & _tile_bits(masks, mask_id, offs_t[None, :], offs_n_tile[:, None],
-                                   stride_mu, stride_mr, stride_mw)
+        # Mask rows are queries (axis 1 here), bits keys (axis 0 here): the transposed slice.
+        valid = valid & _mask_bits(masks, mask_id, sub * SUB_M, 0, stride_mu, stride_mr,
+                                   stride_mw, SUB_M, BLOCK, True)
     p_t = tl.where(valid, tl.math.exp2(qk_t - lse2[None, :]), 0.0)
     dv += _dot(p_t.to(do.dtype), do, DOT_PRECISION, DOT_UPCAST)
     dp_t = _dot(v, tl.trans(do), DOT_PRECISION, DOT_UPCAST)
@@ -364,7 +457,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, offs_t, 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, Delta,
-    k_count, k_partial, k_index, k_mask_id, masks,
+    k_count, k_partial, k_index, k_mask_id, masks, k_order,
     sm_scale, N, H,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -377,38 +470,47 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     DK, DV,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_WORDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """dV = sum_i P_i^T dO_i and dK = sm_scale * sum_i dS_i^T Q_i over the key-major lists.
 
     Q, K, V, DO, DK, DV: [B, H, N, HEAD_DIM]; LSE, Delta: [B, H, N] sharing strides stride_l*;
-    k_count, k_partial: int32[H, NT]; k_index, k_mask_id: int32[H, NT, W'] (k_index lists query
-    tiles; k_mask_id names the query-major mask); masks: int32[U, BLOCK, MASK_WORDS].
-    Grid (NT, B*H): one program per key tile, so no atomics and bitwise-deterministic results.
+    k_count, k_partial, k_order: int32[H, NT]; k_index, k_mask_id: int32[H, NT, W'] (k_index
+    lists query tiles; k_mask_id names the query-major mask); masks: int32[U, BLOCK, MASK_WORDS].
+    One program per key tile (no atomics: bitwise-deterministic). It keeps the [BLOCK, HEAD_DIM]
+    k, v, dk, dv tiles and walks each listed query tile in sub-tiles of SUB_M queries (one
+    flattened loop, as FlashAttention-2 / the Triton tutorial do), so only [SUB_M, HEAD_DIM]
+    q and dO tiles are live per step.
     """
     tl.static_assert(BLOCK >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(SUB_M >= 16 and BLOCK % SUB_M == 0, "query sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    start_n = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    start_n, off_bh = _program(k_order, stride_ch, stride_cm, H, ORDERED, BH_FIRST)
+    N = _hint16(N, ALIGNED)
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H
     off_h64 = off_h.to(tl.int64)
-    offs_t = tl.arange(0, BLOCK)
-    offs_n = start_n * BLOCK + offs_t
+    offs_n = start_n * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < N
 
-    k = tl.load(K + off_b * stride_kb + off_h64 * stride_kh + offs_n[:, None] * stride_kn
-                + offs_d[None, :] * stride_kd, mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_h64 * stride_vh + offs_n[:, None] * stride_vn
-                + offs_d[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
+    k = tl.load(K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
+                + offs_n[:, None] * _hint16(stride_kn, ALIGNED) + offs_d[None, :] * stride_kd,
+                mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
+                + offs_n[:, None] * _hint16(stride_vn, ALIGNED) + offs_d[None, :] * stride_vd,
+                mask=key_ok[:, None], other=0.0)
     # Padding keys (>= N) load K = V = 0 and are never stored, so their scores need no mask.
-    q_base = Q + off_b * stride_qb + off_h64 * stride_qh
-    do_base = DO + off_b * stride_dob + off_h64 * stride_doh
-    lse_base = LSE + off_b * stride_lb + off_h64 * stride_lh
-    delta_base = Delta + off_b * stride_lb + off_h64 * stride_lh
+    q_base = Q + off_b * _hint16(stride_qb, ALIGNED) + off_h64 * _hint16(stride_qh, ALIGNED)
+    do_base = DO + off_b * _hint16(stride_dob, ALIGNED) + off_h64 * _hint16(stride_doh, ALIGNED)
+    l_off = off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED)
+    lse_base = LSE + l_off
+    delta_base = Delta + l_off
+    stride_qn = _hint16(stride_qn, ALIGNED)
+    stride_don = _hint16(stride_don, ALIGNED)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e), as in the forward pass
 
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
@@ -419,21 +521,24 @@ def _attn_bwd_dkdv_kernel(
     count = tl.load(k_count + off_h * stride_ch + start_n * stride_cm)
     n_partial = tl.load(k_partial + off_h * stride_ch + start_n * stride_cm)
     row = off_h * stride_ih + start_n * stride_im
-    for e in range(0, n_partial):
+    for it in range(0, n_partial * (BLOCK // SUB_M)):
+        e = it // (BLOCK // SUB_M)
         qb = tl.load(k_index + row + e * stride_ik)
         mid = tl.load(k_mask_id + row + e * stride_ik)
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, offs_t,
-                            offs_d, N, qk_scale, stride_qn, stride_qd, stride_don, stride_dod,
-                            stride_ln, masks, mid, stride_mu, stride_mr, stride_mw,
-                            BLOCK, True, DOT_PRECISION, DOT_UPCAST)
-    for e in range(n_partial, count):
-        qb = tl.load(k_index + row + e * stride_ik)
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, offs_t,
-                            offs_d, N, qk_scale, stride_qn, stride_qd, stride_don, stride_dod,
-                            stride_ln, masks, 0, stride_mu, stride_mr, stride_mw,
-                            BLOCK, False, DOT_PRECISION, DOT_UPCAST)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb,
+                            it % (BLOCK // SUB_M), offs_d, N, qk_scale, stride_qn, stride_qd,
+                            stride_don, stride_dod, stride_ln, masks, mid, stride_mu, stride_mr,
+                            stride_mw, BLOCK, SUB_M, True, DOT_PRECISION, DOT_UPCAST)
+    for it in range(n_partial * (BLOCK // SUB_M), count * (BLOCK // SUB_M)):
+        qb = tl.load(k_index + row + (it // (BLOCK // SUB_M)) * stride_ik)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb,
+                            it % (BLOCK // SUB_M), offs_d, N, qk_scale, stride_qn, stride_qd,
+                            stride_don, stride_dod, stride_ln, masks, 0, stride_mu, stride_mr,
+                            stride_mw, BLOCK, SUB_M, False, DOT_PRECISION, DOT_UPCAST)
     dk = dk * sm_scale  # gradient w.r.t. natural scaled scores, as in dQ
-    tl.store(DK + off_b * stride_dkb + off_h64 * stride_dkh + offs_n[:, None] * stride_dkn
-             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + off_b * stride_dvb + off_h64 * stride_dvh + offs_n[:, None] * stride_dvn
-             + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DK + off_b * _hint16(stride_dkb, ALIGNED) + off_h64 * _hint16(stride_dkh, ALIGNED)
+             + offs_n[:, None] * _hint16(stride_dkn, ALIGNED) + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + off_b * _hint16(stride_dvb, ALIGNED) + off_h64 * _hint16(stride_dvh, ALIGNED)
+             + offs_n[:, None] * _hint16(stride_dvn, ALIGNED) + offs_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=key_ok[:, None])

@@ -35,7 +35,8 @@ Arguments
 ``q, k, v`` (and ``out``, ``d_out``, ``lse``, ``delta``) are passed through untouched into
 ``call.args``; only ``.shape`` is read. ``meta`` is a mapping with the int32 arrays of
 :meth:`sparsetp.core.layout.BlockLayout.metadata` (``q_count``, ``q_partial``, ``q_index``,
-``q_mask_id``, ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id``, ``masks``), already on
+``q_mask_id``, ``q_order``, ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id``, ``k_order``,
+``masks``), already on
 the device and **C-contiguous** (their strides are computed from their shapes). ``strides`` maps
 tensor names to element strides; a name left out means C-contiguous. Names: ``q k v out lse``
 (forward), ``out d_out delta`` (preprocess), ``q k v d_out lse dq`` (dQ; ``delta`` shares the
@@ -52,11 +53,12 @@ layout block sizes 16, 32, 64, 128 (the layout block is the kernel tile for now)
 Example::
 
     >>> tile_config("fwd", head_dim=64, dtype="bfloat16", block_size=64, device_kind="cuda")
-    TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, sub=64)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -65,8 +67,9 @@ from sparsetp.kernels import attention as _k
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES", "DEVICE_KINDS",
-    "KERNEL_NAMES", "TileConfig", "OutputSpec", "KernelCall", "tile_config", "check_head_dim",
-    "check_dtype", "stats_dtype", "dot_precision", "dot_upcast", "mask_words", "grid",
+    "KERNEL_NAMES", "WORK_ORDERS", "TileConfig", "OutputSpec", "KernelCall", "tile_config",
+    "check_head_dim",
+    "check_dtype", "stats_dtype", "dot_precision", "dot_upcast", "mask_words", "grid", "aligned",
     "contiguous_strides",
     "fwd_call", "bwd_preprocess_call", "bwd_dq_call", "bwd_dkdv_call", "kernel",
 ]
@@ -101,13 +104,17 @@ def _pow2(x: int) -> bool:
 class TileConfig:
     """Tile shape and launch parameters of one kernel launch (validated on construction).
 
-    ``block_m`` x ``block_n`` is the (query x key) tile; for now both equal the layout block.
+    ``block_m`` x ``block_n`` is the (query x key) tile a program owns; for now both equal the
+    layout block. ``sub`` is the sub-tile the kernel walks per loop step along the *other*
+    dimension: keys (``SUB_N``) in the forward and dQ kernels, queries (``SUB_M``) in dK/dV;
+    ``None`` means the whole block. It must divide the block and be >= 16 (``tl.dot``).
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    sub: int | None = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -118,6 +125,12 @@ class TileConfig:
         if self.block_m != self.block_n:
             raise ValueError(f"TileConfig needs block_m == block_n (the layout block), got "
                              f"{self.block_m} x {self.block_n}")
+        if self.sub is None:
+            object.__setattr__(self, "sub", self.block_n)
+        if (not isinstance(self.sub, int) or not _pow2(self.sub) or self.sub < 16
+                or self.sub > self.block_n):
+            raise ValueError(f"TileConfig.sub must be a power of two in [16, {self.block_n}], "
+                             f"got {self.sub!r}")
         if not isinstance(self.num_warps, int) or not _pow2(self.num_warps) or self.num_warps > 16:
             raise ValueError(f"TileConfig.num_warps must be a power of two <= 16, got "
                              f"{self.num_warps!r}")
@@ -207,10 +220,11 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
                 device_kind: str) -> TileConfig:
     """Default launch config: a heuristic of (kernel, head dim, dtype, block size, device).
 
-    The tile equals the layout block. Warps grow with the tile area; pipelining stages shrink
-    when the shared-memory footprint (tile x head dim x element size) grows. The backward
-    kernels keep 4 [BLOCK, HEAD_DIM] fp32 accumulator-sized live tensors, so they get fewer
-    stages than the forward. The interpreter ignores all of this (1 warp, 1 stage).
+    The kept tile equals the layout block; ``sub`` (the sub-tile walked per loop step) and
+    warps/stages follow FlashAttention-2 and the Triton fused-attention tutorial on Hopper
+    (comments in the body give the register / shared-memory arithmetic). The interpreter
+    ignores warps and stages and gets ``sub = block`` (fewest Python-level loop steps).
+    These are guesses until ``benchmarks/gpu_attention_check.py``'s sweep settles them.
     """
     if kernel_name not in KERNEL_NAMES:
         raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel_name!r}")
@@ -220,34 +234,101 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
     dtype = check_dtype(dtype)
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+    override = _OVERRIDES.get(kernel_name)
+    if override is not None:
+        if override.block_n != block_size:
+            raise ValueError(f"tile config override for {kernel_name} has block "
+                             f"{override.block_n}, but the layout block is {block_size}")
+        return override
     if device_kind == "interpreter":
+        # One sub-tile per tile: fewest (slow, Python-level) loop steps; warps/stages unused.
         return TileConfig(block_size, block_size, 1, 1)
     wide = dtype in ("float32", "float64")
+    bs = block_size
     if kernel_name == "bwd_preprocess":
-        return TileConfig(block_size, block_size, 4, 1)
+        return TileConfig(bs, bs, 4, 1)
     if kernel_name == "fwd":
-        if block_size >= 128:
-            warps = 8 if head_dim >= 64 else 4
-            stages = 1 if wide else (2 if head_dim >= 128 else 3)
-        elif block_size == 64:
-            warps = 4
-            stages = 1 if (wide and head_dim >= 128) else (2 if wide else 3)
-        else:
-            warps, stages = (2 if block_size == 16 else 4), 2
-        return TileConfig(block_size, block_size, warps, stages)
-    # bwd_dq / bwd_dkdv
-    if block_size >= 128:
-        warps, stages = 8, 1
-    elif block_size == 64:
-        warps, stages = 4, (1 if wide or head_dim >= 128 else 2)
-    else:
-        warps, stages = (2 if block_size == 16 else 4), 1
-    return TileConfig(block_size, block_size, warps, stages)
+        # A 128-query tile walked 64 keys at a time (FA2 / the Triton tutorial on Hopper): the
+        # [128, 64] fp32 score tile plus the [128, D] accumulator stay in registers with 8 warps,
+        # and 3 stages of K, V sub-tiles (3 * 2 * 64 * D * 2 B = 96 KB at D=128) fit in shared
+        # memory. sm_90 cubins built locally (Triton 3.9, cuobjdump --dump-resource-usage), bf16,
+        # D=128: sub 64 / 3 stages needs 200 B of stack per thread, sub 128 / 2 stages 712 B.
+        if bs >= 128:
+            return TileConfig(bs, bs, 8 if head_dim >= 64 else 4, 2 if wide else 3, sub=64)
+        if bs == 64:
+            return TileConfig(bs, bs, 4, 2 if wide else 3, sub=64)
+        return TileConfig(bs, bs, 2 if bs == 16 else 4, 2 if wide else 3, sub=bs)
+    # bwd_dq / bwd_dkdv keep four [BLOCK, D] tiles (k, v, dk, dv or q, do, dq, +K/V operands)
+    # and stream 32-row sub-tiles of the other side (Triton tutorial: BLOCK_N1 = BLOCK_M2 =
+    # 128 kept, 32 walked). The old whole-tile step (sub 128, 8 warps, 1 stage) needs 1528 B of
+    # stack per thread in dK/dV (sm_90 cubin as above, D=128 bf16: spills); sub 32 with 8 warps
+    # and 3 stages needs 288 B (dK/dV) and 16 B (dQ). 4 warps, as the tutorial uses at D=64,
+    # cannot hold two [128, 128] fp32 accumulators (256 registers per thread): 8 warps at D>=64.
+    if bs >= 128:
+        return TileConfig(bs, bs, 8 if head_dim >= 64 else 4, 2 if wide else 3, sub=32)
+    if bs == 64:
+        return TileConfig(bs, bs, 4, 2 if wide else 3, sub=32)
+    return TileConfig(bs, bs, 2 if bs == 16 else 4, 2 if wide else 3, sub=bs)
 
 
-def grid(batch: int, heads: int, seq_len: int, block_size: int) -> tuple[int, int, int]:
-    """Launch grid of every attention kernel: (tiles along N, B * H, 1)."""
-    return (-(-int(seq_len) // int(block_size)), int(batch) * int(heads), 1)
+# ----------------------------------------------------------------------------- private options
+# Launch options the benchmarks and tests change through :func:`_override` (never a public API:
+# they exist so one GPU run can measure alternatives, and so the interpreter can run
+# non-default sub-tile configs).
+#   work_order: "natural"           grid (tiles, B*H), tile = program id;
+#               "longest_first"     grid (tiles, B*H), tile = layout.{q,k}_order[h, rank]: each
+#                                   head's longest lists start first;
+#               "longest_first_bh"  grid (B*H, tiles), same order, heads fastest: rank r of every
+#                                   head is dispatched before rank r + 1 of any head.
+WORK_ORDERS = ("natural", "longest_first", "longest_first_bh")
+_OPTIONS: dict[str, Any] = {"work_order": "longest_first"}
+_OVERRIDES: dict[str, TileConfig] = {}
+
+
+@contextlib.contextmanager
+def _override(work_order: str | None = None, **configs: TileConfig):
+    """Temporarily change the work order and/or the tile config of kernels by name, e.g.
+    ``with _override(work_order="natural", bwd_dkdv=TileConfig(64, 64, 4, 2, sub=16)): ...``.
+    Not thread-safe (tests and benchmarks only)."""
+    if work_order is not None and work_order not in WORK_ORDERS:
+        raise ValueError(f"work_order must be one of {WORK_ORDERS}, got {work_order!r}")
+    for name, cfg in configs.items():
+        if name not in KERNEL_NAMES or not isinstance(cfg, TileConfig):
+            raise ValueError(f"override needs kernel names {KERNEL_NAMES} -> TileConfig, got "
+                             f"{name}={cfg!r}")
+    saved = (dict(_OPTIONS), dict(_OVERRIDES))
+    try:
+        if work_order is not None:
+            _OPTIONS["work_order"] = work_order
+        _OVERRIDES.update(configs)
+        yield
+    finally:
+        _OPTIONS.clear()
+        _OPTIONS.update(saved[0])
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved[1])
+
+
+def grid(batch: int, heads: int, seq_len: int, block_size: int,
+         bh_first: bool = False) -> tuple[int, int, int]:
+    """Launch grid of the attention kernels: (tiles along N, B * H, 1), or (B * H, tiles, 1)
+    with ``bh_first`` (the ``longest_first_bh`` work order)."""
+    tiles = -(-int(seq_len) // int(block_size))
+    return (int(batch) * int(heads), tiles, 1) if bh_first else (tiles, int(batch) * int(heads), 1)
+
+
+def aligned(seq_len: int, strides: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether the kernels may assume 16-divisible ints (the ``ALIGNED`` constexpr).
+
+    True when ``seq_len`` % 16 == 0 and every tensor's last stride is 1 and its other strides
+    are multiples of 16 (contiguous [B, H, N, D] inputs with N % 16 == 0 always are). Both
+    frontends decide it from the same shapes and strides, so torch's launcher (which marks such
+    ints divisible itself) and jax_triton 0.3.1 (which marks none) compile the same code.
+    """
+    if int(seq_len) % 16:
+        return False
+    return all(int(st[-1]) == 1 and all(int(x) % 16 == 0 for x in st[:-1])
+               for st in strides.values())
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
@@ -272,12 +353,13 @@ def _shape(x) -> tuple[int, ...]:
 
 
 def _check_meta(meta: Mapping[str, Any], major: str, heads: int, tiles: int, block: int):
-    names = [f"{major}_count", f"{major}_partial", f"{major}_index", f"{major}_mask_id", "masks"]
+    names = [f"{major}_count", f"{major}_partial", f"{major}_index", f"{major}_mask_id", "masks",
+             f"{major}_order"]
     missing = [n for n in names if n not in meta]
     if missing:
         raise ValueError(f"meta is missing {missing}")
-    cnt, part, idx, mid, masks = (_shape(meta[n]) for n in names)
-    if cnt != (heads, tiles) or part != cnt:
+    cnt, part, idx, mid, masks, order = (_shape(meta[n]) for n in names)
+    if cnt != (heads, tiles) or part != cnt or order != cnt:
         raise ValueError(f"meta[{names[0]!r}] has shape {cnt}, expected {(heads, tiles)}")
     if len(idx) != 3 or idx[:2] != (heads, tiles) or mid != idx:
         raise ValueError(f"meta[{names[2]!r}] / [{names[3]!r}] have shapes {idx} / {mid}, "
@@ -304,14 +386,28 @@ def dot_upcast(dtype: str, device_kind: str) -> bool:
     return device_kind == "interpreter" and check_dtype(dtype) == "bfloat16"
 
 
-def _constexprs(block_size, d, dtype, device_kind):
-    return {"BLOCK": block_size, "HEAD_DIM": d, "MASK_WORDS": mask_words(block_size),
-            "DOT_PRECISION": dot_precision(dtype),
-            "DOT_UPCAST": dot_upcast(dtype, device_kind)}
+def _constexprs(block_size, d, dtype, device_kind, cfg: TileConfig, sub_name: str,
+                is_aligned: bool):
+    order = _OPTIONS["work_order"]
+    return {"BLOCK": block_size, sub_name: cfg.sub, "HEAD_DIM": d,
+            "MASK_WORDS": mask_words(block_size), "DOT_PRECISION": dot_precision(dtype),
+            "DOT_UPCAST": dot_upcast(dtype, device_kind),
+            "ORDERED": order != "natural", "BH_FIRST": order == "longest_first_bh",
+            "ALIGNED": is_aligned}
+
+
+def _grid(b, h, n, bs):
+    return grid(b, h, n, bs, bh_first=_OPTIONS["work_order"] == "longest_first_bh")
 
 
 def _block_size(meta) -> int:
     return int(_shape(meta["masks"])[1])
+
+
+def _all_strides(strides, names4, names3, shape, lse_shape):
+    st = {nm: _strides(strides, nm, shape) for nm in names4}
+    st.update({nm: _strides(strides, nm, lse_shape) for nm in names3})
+    return st
 
 
 def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, device_kind: str,
@@ -322,14 +418,14 @@ def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, devi
     tiles = -(-n // bs)
     arrays, meta_strides = _check_meta(meta, "q", h, tiles, bs)
     shape, lse_shape = (b, h, n, d), (b, h, n)
-    args = (q, k, v, *arrays, float(scale), n, h,
-            *_strides(strides, "q", shape), *_strides(strides, "k", shape),
-            *_strides(strides, "v", shape), *_strides(strides, "out", shape),
-            *_strides(strides, "lse", lse_shape), *meta_strides)
-    return KernelCall("fwd", _KERNELS["fwd"], grid(b, h, n, bs), args,
+    st = _all_strides(strides, ("q", "k", "v", "out"), ("lse",), shape, lse_shape)
+    args = (q, k, v, *arrays, float(scale), n, h, *st["q"], *st["k"], *st["v"], *st["out"],
+            *st["lse"], *meta_strides)
+    return KernelCall("fwd", _KERNELS["fwd"], _grid(b, h, n, bs), args,
                       (OutputSpec("out", shape, dtype),
                        OutputSpec("lse", lse_shape, stats_dtype(dtype))),
-                      _constexprs(bs, d, dtype, device_kind), cfg.num_warps, cfg.num_stages)
+                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
+                      cfg.num_warps, cfg.num_stages)
 
 
 def bwd_preprocess_call(out, d_out, *, block_size: int, dtype: str, device_kind: str,
@@ -337,11 +433,12 @@ def bwd_preprocess_call(out, d_out, *, block_size: int, dtype: str, device_kind:
     """Backward preprocess: output ``delta`` [B, H, N] = rowsum(d_out * out)."""
     b, h, n, d, dtype, cfg = _common(out, block_size, dtype, device_kind, "bwd_preprocess")
     shape, lse_shape = (b, h, n, d), (b, h, n)
-    args = (out, d_out, n, h, *_strides(strides, "out", shape),
-            *_strides(strides, "d_out", shape), *_strides(strides, "delta", lse_shape))
+    st = _all_strides(strides, ("out", "d_out"), ("delta",), shape, lse_shape)
+    args = (out, d_out, n, h, *st["out"], *st["d_out"], *st["delta"])
     return KernelCall("bwd_preprocess", _KERNELS["bwd_preprocess"], grid(b, h, n, block_size),
                       args, (OutputSpec("delta", lse_shape, stats_dtype(dtype)),),
-                      {"BLOCK": block_size, "HEAD_DIM": d}, cfg.num_warps, cfg.num_stages)
+                      {"BLOCK": block_size, "HEAD_DIM": d, "ALIGNED": aligned(n, st)},
+                      cfg.num_warps, cfg.num_stages)
 
 
 def bwd_dq_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
@@ -353,14 +450,13 @@ def bwd_dq_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: f
     tiles = -(-n // bs)
     arrays, meta_strides = _check_meta(meta, "q", h, tiles, bs)
     shape, lse_shape = (b, h, n, d), (b, h, n)
+    st = _all_strides(strides, ("q", "k", "v", "d_out", "dq"), ("lse",), shape, lse_shape)
     args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
-            *_strides(strides, "q", shape), *_strides(strides, "k", shape),
-            *_strides(strides, "v", shape), *_strides(strides, "d_out", shape),
-            *_strides(strides, "lse", lse_shape), *meta_strides,
-            *_strides(strides, "dq", shape))
-    return KernelCall("bwd_dq", _KERNELS["bwd_dq"], grid(b, h, n, bs), args,
+            *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides, *st["dq"])
+    return KernelCall("bwd_dq", _KERNELS["bwd_dq"], _grid(b, h, n, bs), args,
                       (OutputSpec("dq", shape, dtype),),
-                      _constexprs(bs, d, dtype, device_kind), cfg.num_warps, cfg.num_stages)
+                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
+                      cfg.num_warps, cfg.num_stages)
 
 
 def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
@@ -372,11 +468,11 @@ def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale:
     tiles = -(-n // bs)
     arrays, meta_strides = _check_meta(meta, "k", h, tiles, bs)
     shape, lse_shape = (b, h, n, d), (b, h, n)
+    st = _all_strides(strides, ("q", "k", "v", "d_out", "dk", "dv"), ("lse",), shape, lse_shape)
     args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
-            *_strides(strides, "q", shape), *_strides(strides, "k", shape),
-            *_strides(strides, "v", shape), *_strides(strides, "d_out", shape),
-            *_strides(strides, "lse", lse_shape), *meta_strides,
-            *_strides(strides, "dk", shape), *_strides(strides, "dv", shape))
-    return KernelCall("bwd_dkdv", _KERNELS["bwd_dkdv"], grid(b, h, n, bs), args,
+            *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides,
+            *st["dk"], *st["dv"])
+    return KernelCall("bwd_dkdv", _KERNELS["bwd_dkdv"], _grid(b, h, n, bs), args,
                       (OutputSpec("dk", shape, dtype), OutputSpec("dv", shape, dtype)),
-                      _constexprs(bs, d, dtype, device_kind), cfg.num_warps, cfg.num_stages)
+                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_M", aligned(n, st)),
+                      cfg.num_warps, cfg.num_stages)

@@ -48,7 +48,7 @@ from sparsetp.kernels import launch as _kl
 __all__ = ["sparse_attention", "LayoutArrays", "layout_arrays"]
 
 _PER_HEAD = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial", "k_index",
-             "k_mask_id")
+             "k_mask_id", "q_order", "k_order")
 _META = (*_PER_HEAD, "masks")
 
 
@@ -56,7 +56,7 @@ _META = (*_PER_HEAD, "masks")
 class LayoutArrays:
     """The kernel metadata of a :class:`~sparsetp.core.layout.BlockLayout` as JAX arrays.
 
-    A pytree: the nine int32 arrays are leaves (operands of the kernels), ``seq_len`` is static.
+    A pytree: the eleven int32 arrays are leaves (operands of the kernels), ``seq_len`` is static.
     ``num_heads`` and ``block_size`` are read off the array shapes, so a head slice of the arrays
     (inside ``shard_map``) is itself a valid :class:`LayoutArrays` of its heads.
     """
@@ -70,6 +70,8 @@ class LayoutArrays:
     k_index: jax.Array
     k_mask_id: jax.Array
     masks: jax.Array
+    q_order: jax.Array
+    k_order: jax.Array
     seq_len: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     @property
