@@ -1,0 +1,293 @@
+"""The attention benchmark tool (``python -m sparsetp.bench attention``): its CPU preset runs
+end to end, and what it records is consistent with the layouts and with its own timings.
+
+The CPU preset runs once in-process (Triton interpreter, tiny shapes, ~25 s on 2 cores); the
+tests then check the JSON it wrote, the derived numbers, the targets logic (on synthetic GPU
+records, since no GPU numbers exist here), the Flex mask_mods and block lists (against the
+layouts, on CPU tensors), the markdown and the plots.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+from absl.testing import absltest, parameterized
+
+from sparsetp.bench import attention as A
+from sparsetp.core import make_layout
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+class CpuPresetTest(parameterized.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.tmp = tempfile.mkdtemp(prefix="bench_attention_test_")
+        cfg = A.preset_config("cpu", "cpu")
+        cfg.out_dir = cls.tmp
+        cfg.command = "bench_attention_test (in-process cpu preset)"
+        cls.cfg = cfg
+        cls.res = A.run(cfg)
+        with open(os.path.join(cls.tmp, cfg.json_name)) as f:
+            cls.saved = json.load(f)
+
+    def timed(self):
+        return [r for r in self.saved["records"] if "fwd_ms" in r]
+
+    def test_json_schema_and_every_job_accounted_for(self):
+        s = self.saved
+        for key in ("tool", "schema_version", "command", "preset", "device_kind", "versions",
+                    "conventions", "config", "records", "skipped", "errors", "targets",
+                    "wall_s"):
+            self.assertIn(key, s)
+        self.assertEqual(s["schema_version"], A.SCHEMA_VERSION)
+        self.assertEqual((s["preset"], s["device_kind"]), ("cpu", "cpu"))
+        self.assertTrue(s["interpreter"])
+        self.assertIn("torch", s["versions"])
+        self.assertEqual(s["errors"], [])  # every CPU implementation must run at these sizes
+        self.assertEqual(s["skipped"], [])
+        jobs = {(sec, i, tuple(sorted(c.items()))) for sec, c, i in A._jobs(self.cfg)}
+        got = set()
+        for r in self.timed():
+            case = {k: r[k] for k in ("pattern", "N", "B", "H", "D", "dtype", "block")}
+            if r["impl"] in A._PATTERN_FREE:
+                self.assertEqual(r["pattern"], "dense")
+                match = [j for j in jobs if j[1] == r["impl"] and all(
+                    v == r[k] for k, v in j[2] if k != "pattern")]
+                self.assertLen(match, 1)
+                got.add(match[0])
+            else:
+                got.add((r["section"], r["impl"], tuple(sorted(case.items()))))
+        self.assertEqual(got, jobs)
+        impls = {r["impl"] for r in self.timed()}
+        self.assertEqual(impls, {"sdpa", "sparsetp", "naive", "sdpa_mask", "reference",
+                                 "sparsetp_jax"})
+        # The JSON on disk is the returned dict (plots and all).
+        self.assertEqual(json.loads(json.dumps(self.res, default=str))["records"],
+                         s["records"])
+
+    def test_density_and_computed_blocks_equal_the_layout(self):
+        checked = 0
+        for r in self.timed():
+            if r["impl"] in A._PATTERN_FREE:
+                nb = -(-r["N"] // r["block"])
+                self.assertEqual(r["computed_blocks"], r["B"] * r["H"] * nb * nb)
+                self.assertEqual(r["density"], 1.0)
+                continue
+            bp = A.bench_pattern(r["pattern"], r["N"], r["block"], r["H"])
+            lay = make_layout(bp.pattern, r["N"], r["H"], r["block"])
+            self.assertEqual(r["density"], lay.density)
+            self.assertEqual(r["computed_blocks"], lay.nnz_blocks * r["B"])
+            self.assertEqual(r["computed_elements"], lay.nnz_blocks * r["block"] ** 2 * r["B"])
+            self.assertEqual(r["allowed_elements"], int(lay.dense_mask().sum()) * r["B"])
+            if r["pattern"].startswith(("window", "random")) and r["N"] >= 128:
+                self.assertLess(r["density"], 0.8)
+            checked += 1
+        self.assertGreater(checked, 10)
+
+    def test_tflops_bwd_and_ratios_follow_from_ms(self):
+        recs = self.timed()
+        dense = {(r["N"], r["H"], r["D"]): r for r in recs if r["impl"] == "sdpa"}
+        self.assertLen(dense, 2)
+        n_ratio = 0
+        for r in recs:
+            for m in ("fwd", "fwd_bwd"):
+                self.assertTrue(math.isfinite(r[f"{m}_ms"]) and r[f"{m}_ms"] > 0, r)
+            self.assertAlmostEqual(r["bwd_ms"], r["fwd_bwd_ms"] - r["fwd_ms"], places=9)
+            flops = 4.0 * r["D"] * r["flop_elements"]
+            self.assertAlmostEqual(r["fwd_tflops"], flops / (r["fwd_ms"] * 1e-3) / 1e12,
+                                   delta=1e-12 + 1e-9 * r["fwd_tflops"])
+            self.assertAlmostEqual(r["fwd_bwd_tflops"],
+                                   3.5 * flops / (r["fwd_bwd_ms"] * 1e-3) / 1e12,
+                                   delta=1e-12 + 1e-9 * r["fwd_bwd_tflops"])
+            if r["bwd_ms"] > 0:
+                self.assertAlmostEqual(r["bwd_tflops"], 2.5 * flops / (r["bwd_ms"] * 1e-3) / 1e12,
+                                       delta=1e-12 + 1e-9 * r["bwd_tflops"])
+            if r["impl"] in ("sparsetp", "sparsetp_jax"):
+                self.assertEqual(r["flop_elements"], r["computed_elements"])
+            if r["impl"] == "sdpa":
+                self.assertEqual(r["flop_elements"], r["B"] * r["H"] * r["N"] ** 2)
+                self.assertNotIn("speedup_vs_dense", r)
+                continue
+            d = dense[(r["N"], r["H"], r["D"])]
+            self.assertEqual(r["dense_impl"], "sdpa")
+            for m in ("fwd", "bwd", "fwd_bwd"):
+                if r[f"{m}_ms"] > 0:
+                    self.assertAlmostEqual(r["speedup_vs_dense"][m], d[f"{m}_ms"] / r[f"{m}_ms"])
+                else:  # a negative bwd (CPU timing noise on a tiny case) gives no ratio
+                    self.assertIsNone(r["speedup_vs_dense"][m])
+            self.assertNotIn("speedup_vs_flex", r)  # no Flex on CPU
+            n_ratio += 1
+        self.assertGreater(n_ratio, 10)
+
+    def test_first_call_recorded(self):
+        fc = [r for r in self.saved["records"] if r["section"] == "first_call"]
+        self.assertLen(fc, 1)
+        for k in ("layout_build_s", "cold_fwd_s", "cold_bwd_s", "new_layout_build_s",
+                  "new_pattern_first_fwd_s", "new_pattern_first_fwd_bwd_s"):
+            self.assertGreater(fc[0][k], 0.0, k)
+        t5 = [t for t in self.saved["targets"] if t["id"] == "5"]
+        self.assertLen(t5, 4)
+        self.assertEqual(t5[0]["value"], fc[0]["new_pattern_first_fwd_s"])
+        # CPU numbers are recorded but never judged against the GPU thresholds.
+        self.assertTrue(all(t["pass"] is None for t in self.saved["targets"]))
+
+    def test_markdown_renders_the_results(self):
+        md = A.render_markdown(self.saved, plots=self.saved.get("plots", []))
+        self.assertIn("## Attention", md)
+        self.assertIn("CPU / Triton-interpreter", md)
+        self.assertIn(self.saved["command"], md)
+        rows = [ln for ln in md.splitlines()
+                if ln.startswith("| seq_sweep |") or ln.startswith("| sparsity |")]
+        self.assertLen(rows, len(self.timed()))
+        self.assertIn("| 5 | new pattern, same shapes: first fwd call |", md)
+        # Writing the doc keeps the tensor-parallel section someone else owns.
+        path = os.path.join(self.tmp, "docs", "performance.md")
+        os.makedirs(os.path.dirname(path))
+        with open(path, "w") as f:
+            f.write("# Performance\n\n## Attention\nold\n\n## Tensor parallelism\n\nTP table\n")
+        A.write_docs(self.saved, path, self.saved.get("plots", []))
+        with open(path) as f:
+            text = f.read()
+        self.assertIn("## Tensor parallelism\n\nTP table\n", text)
+        self.assertNotIn("\nold\n", text)
+        self.assertEqual(text.count("## Attention"), 1)
+        for p in self.saved.get("plots", []):
+            self.assertTrue(os.path.exists(os.path.join(os.path.dirname(path),
+                                                        os.path.basename(p))))
+
+    def test_plots_exist(self):
+        if not HAS_MPL:  # the tool must then say so, not fail
+            self.assertTrue(any("matplotlib" in w for w in self.saved["warnings"]))
+            return
+        names = sorted(os.path.basename(p) for p in self.saved["plots"])
+        self.assertEqual(names, ["attention_speedup_vs_seqlen.png",
+                                 "attention_time_vs_sparsity.png"])
+        for p in self.saved["plots"]:
+            with open(p, "rb") as f:
+                self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+            self.assertGreater(os.path.getsize(p), 10_000)
+
+    def test_command_line_renders_from_json(self):
+        out = os.path.join(self.tmp, "cli")
+        doc = os.path.join(out, "perf.md")
+        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run(
+            [sys.executable, "-m", "sparsetp.bench", "attention",
+             f"--from_json={os.path.join(self.tmp, self.cfg.json_name)}", f"--docs={doc}",
+             f"--out_dir={out}", f"--plots={HAS_MPL}"],
+            capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        with open(doc) as f:
+            text = f.read()
+        self.assertIn("## Attention", text)
+        self.assertIn("## Tensor parallelism", text)
+        self.assertIn("--from_json=", text)  # the doc names the command that rendered it
+
+
+def _rec(impl, pattern, n, fwd, fwd_bwd, block=128, elements=None, **extra):
+    r = {"section": "targets", "impl": impl, "pattern": pattern, "N": n, "B": 1, "H": 16,
+         "D": 128, "dtype": "bfloat16", "block": block, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
+         "flop_elements": elements or 10**9, "computed_elements": elements or 10**9}
+    r.update(extra)
+    return r
+
+
+class TargetsTest(absltest.TestCase):
+    def test_targets_from_synthetic_gpu_records(self):
+        recs = [
+            _rec("sparsetp", "causal", 32768, 10.0, 40.0),
+            _rec("flex", "causal", 32768, 12.0, 31.0),     # fwd 1.2x (pass), bwd 0.7x (fail)
+            _rec("sparsetp", "window", 8192, 1.0, 3.0, elements=4 * 10**8),
+            _rec("sparsetp", "bigbird", 8192, 1.0, 3.0, elements=3 * 10**8),
+            _rec("sparsetp", "window", 8192, 1.2, 3.6, block=64, elements=4 * 10**8),
+            _rec("sparsetp", "window", 8192, 2.0, 5.0, block=32, elements=4 * 10**8),
+            _rec("sparsetp_jax", "causal", 32768, 10.2, 45.0, jax_over_torch_fwd=1.02,
+                 jax_over_torch_fwd_bwd=1.2),
+            {"section": "first_call", "impl": "sparsetp", "pattern": "window", "N": 8192,
+             "B": 1, "H": 16, "D": 128, "dtype": "bfloat16", "block": 128,
+             "new_pattern_first_fwd_s": 0.004, "new_pattern_first_fwd_bwd_s": 0.06,
+             "cold_fwd_s": 2.0, "cold_bwd_s": 6.0},
+        ]
+        res = A.add_derived({"records": recs, "device_kind": "cuda"})
+        t = {(x["id"], x["name"]): x for x in A.compute_targets(res)}
+        fwd = t[("1", "fwd vs Flex, causal, N=32768")]
+        self.assertAlmostEqual(fwd["value"], 1.2)
+        self.assertIs(fwd["pass"], True)
+        bwd = t[("1", "bwd vs Flex, causal, N=32768")]
+        self.assertAlmostEqual(bwd["value"], 19.0 / 30.0)
+        self.assertIs(bwd["pass"], False)
+        self.assertIsNone(t[("1", "fwd vs Flex, window, N=8192")]["pass"])
+        self.assertEqual(t[("1", "fwd vs Flex, window, N=8192")]["status"], "not measured")
+        tf = t[("2", "causal fwd TFLOP/s, N=32768")]
+        self.assertAlmostEqual(tf["value"], 4 * 128 * 1e9 / 10e-3 / 1e12)  # 51.2
+        self.assertIs(tf["pass"], False)
+        bb = t[("3", "BigBird / window fwd TFLOP/s, N=8192")]
+        self.assertAlmostEqual(bb["value"], 0.75)
+        self.assertIs(bb["pass"], False)
+        b64 = t[("4", "window fwd time per computed element, block 64 vs 128, N=8192")]
+        self.assertAlmostEqual(b64["value"], 1.2)
+        self.assertIs(b64["pass"], True)
+        b32 = t[("4", "window bwd time per computed element, block 32 vs 128, N=8192")]
+        self.assertAlmostEqual(b32["value"], 1.5)
+        self.assertIs(b32["pass"], False)
+        t5 = {x["name"]: x["pass"] for x in A.compute_targets(res) if x["id"] == "5"}
+        self.assertEqual(list(t5.values()), [True, False, True, False])
+        t6 = [x for x in A.compute_targets(res) if x["id"] == "6"]
+        self.assertEqual([x["pass"] for x in t6], [True, False])
+        # Flex ratios appear on the sparsetp record, computed from the ms.
+        ours = recs[0]
+        self.assertAlmostEqual(ours["speedup_vs_flex"]["fwd"], 1.2)
+        self.assertAlmostEqual(ours["speedup_vs_flex"]["bwd"], 19.0 / 30.0)
+
+
+class FlexMaskTest(parameterized.TestCase):
+    """The Flex mask_mods and block lists the GPU run uses, checked on CPU tensors."""
+
+    @parameterized.parameters(
+        ("causal", 256, 32, 2), ("window:128", 300, 32, 3), ("bigbird:32", 256, 32, 2),
+        ("strided_causal:32", 700, 32, 3), ("random:0.25", 256, 32, 2),
+        ("window_density:0.25", 512, 64, 1), ("per_head_mix", 300, 64, 3),
+        ("bigbird", 1024, 64, 2), ("strided_causal", 2048, 128, 3), ("window", 2048, 32, 2))
+    def test_mask_mod_and_block_lists_match_layout(self, spec, n, bs, h):
+        bp = A.bench_pattern(spec, n, bs, h)
+        lay = make_layout(bp.pattern, n, h, bs)
+        want = lay.dense_mask()
+        mod = bp.make_mask_mod(A.mask_mod_tables(bp, lay, "cpu"))
+        got = mod(torch.zeros((), dtype=torch.long), torch.arange(h)[:, None, None],
+                  torch.arange(n)[None, :, None], torch.arange(n)[None, None, :])
+        np.testing.assert_array_equal(torch.broadcast_to(got, (h, n, n)).numpy(), want)
+        np.testing.assert_array_equal(A.dense_mask_torch(lay, "cpu").numpy(), want)
+        self.assertEqual(A.allowed_elements(lay), int(want.sum()))
+        kv_num, kv_idx, full_num, full_idx, mask_id = A.block_mask_tables(lay)
+        bm = np.asarray(lay.block_mask)
+        for hh in range(h):
+            for i in range(lay.num_blocks):
+                self.assertEqual(sorted(kv_idx[0, hh, i, :kv_num[0, hh, i]]),
+                                 list(np.nonzero(bm[hh, i] == 1)[0]))
+                self.assertEqual(sorted(full_idx[0, hh, i, :full_num[0, hh, i]]),
+                                 list(np.nonzero(bm[hh, i] == 2)[0]))
+        np.testing.assert_array_equal(mask_id == -2, bm == 2)
+        np.testing.assert_array_equal(mask_id >= 0, bm == 1)
+
+    def test_named_patterns_are_the_issue_patterns(self):
+        self.assertEqual(A.bench_pattern("window", 8192, 128).description, "|i - j| < 512")
+        lay = make_layout(A.bench_pattern("strided_causal", 4096, 128).pattern, 4096, 2, 128)
+        # row 20 of head 0: own block and 3 before, plus key blocks 0 and 16 (stride 16)
+        self.assertEqual(list(np.nonzero(lay.block_mask[0, 20])[0]), [0, 16, 17, 18, 19, 20])
+        lay = make_layout(A.bench_pattern("random:0.25", 8192, 128).pattern, 8192, 1, 128)
+        self.assertAlmostEqual(lay.density, 0.25)
+
+
+if __name__ == "__main__":
+    absltest.main()
