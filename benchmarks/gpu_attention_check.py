@@ -14,7 +14,11 @@ Sections, in order (a wall-clock budget skips what does not fit, and says so in 
 4. sweeps at N = 32768 (each config first correctness-checked at N = 2048 against the float32
    reference): the three work orders (``launch.WORK_ORDERS``), backward sub-tile / warps /
    stages configs, forward sub-tile configs. Each entry names its config, so the JSON says
-   which heuristic choice won.
+   which heuristic choice won. First among the sweeps (issue #8): the forward with row
+   splitting (``launch._override(split_cap=C)``, C in ``--split_caps``) on bigbird and window
+   at N = 32768 and 8192 (each cap correctness-checked at N = 2048 first); ``split_ratio``
+   entries give bigbird / window forward TFLOP/s on computed blocks per (C, N), the default
+   (unsplit) forward included as C = None. Target: >= 0.8.
 
 Usage (repo root on PYTHONPATH; about 150 s on an H200 including Triton compiles)::
 
@@ -50,6 +54,7 @@ flags.DEFINE_list("timing_n", ["32768", "8192"], "sequence lengths for the timin
 flags.DEFINE_bool("flex", False, "time FlexAttention too (slow to compile)")
 flags.DEFINE_bool("sdpa", False, "time SDPA dense / causal too")
 flags.DEFINE_bool("sweep", True, "run the work-order and tile-config sweeps")
+flags.DEFINE_list("split_caps", ["16", "32", "64"], "forward split caps C to sweep (issue #8)")
 flags.DEFINE_float("rep_ms", 60.0, "do_bench rep (ms) per measurement")
 flags.DEFINE_bool("correctness", True, "run the correctness sections")
 
@@ -432,6 +437,57 @@ def sweep():
             save()
 
 
+def split_sweep():
+    """Forward row splitting (issue #8): bigbird vs window forward TFLOP/s per (cap, N)."""
+    b, h, d = 1, 16, 128
+    caps = [None] + [int(c) for c in FLAGS.split_caps]
+    for cap in caps:
+        label = f"fwd split_cap={cap}"
+        with L._override(split_cap=cap):
+            if over_budget(f"sweep {label}"):
+                continue
+            try:  # correctness first (fwd and bwd from the split forward's out/LSE)
+                ok = True
+                for nm in ("bigbird", "window"):
+                    r, _ = check_gpu_size(nm, anchor_pattern(nm), 2048, 128, 2, 128, "bfloat16",
+                                          poison=True)
+                    good = all(x <= 1.0 for x in r.values())
+                    ok &= good
+                    RESULTS["correctness"].append({"kind": "float32 torch reference",
+                                                   "case": f"sweep {label} {nm} N=2048 poisoned",
+                                                   "ratio": r, "pass": good})
+                if not ok:
+                    log(f"FAIL sweep {label}: not timed")
+                    continue
+                for n in (32768, 8192):
+                    g = torch.Generator(device="cuda").manual_seed(2)
+                    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
+                                           generator=g) for _ in range(3))
+                    tflops = {}
+                    for nm in ("bigbird", "window"):
+                        if over_budget(f"sweep {label} {nm} N={n}"):
+                            break
+                        layout = make_layout(anchor_pattern(nm), n, h, 128)
+                        flops = 4 * b * layout.nnz_blocks * 128 * 128 * d
+                        e = {"impl": "sparsetp", "sweep": label, "pattern": nm, "N": n,
+                             "fwd_ms": bench(lambda lay=layout, q=q, k=k, v=v:
+                                             tattn.sparse_attention(q, k, v, lay))}
+                        e["fwd_tflops"] = tflops[nm] = flops / e["fwd_ms"] / 1e9
+                        RESULTS["timing"].append(e)
+                        log(f"{e}")
+                        save()
+                    if len(tflops) == 2:
+                        RESULTS.setdefault("split_ratio", []).append(
+                            {"split_cap": cap, "N": n,
+                             "bigbird_over_window": tflops["bigbird"] / tflops["window"]})
+                    torch.cuda.empty_cache()
+            except Exception as ex:
+                RESULTS["errors"].append({"case": f"sweep {label}",
+                                          "error": traceback.format_exc()})
+                log(f"ERROR sweep {label}: {ex!r}")
+            save()
+
+
 def table():
     rows = [f"{'impl':10s} {'config':28s} {'pattern':15s} {'N':>6s} {'fwd ms':>9s} "
             f"{'fwd+bwd ms':>11s} {'fwd TFLOP/s':>11s} {'bwd TFLOP/s':>11s}"]
@@ -460,6 +516,7 @@ def main(argv):
         correctness()
     timing()
     if FLAGS.sweep:
+        split_sweep()
         sweep()
     RESULTS["wall_s"] = time.time() - T0
     save()

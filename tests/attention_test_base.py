@@ -34,6 +34,7 @@ from absl.testing import parameterized
 
 from sparsetp.core import make_layout, reference
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
+from sparsetp.kernels import launch as kl
 
 # (pattern, seq_len, block_size, batch, heads, head_dim, dtype, scale): seq_len is mostly not a
 # multiple of the block size (ragged last tile).
@@ -151,6 +152,38 @@ class AttentionTestBase(parameterized.TestCase):
                           *self.backward(q, k, v, layout, None, dtype, d_out))
                 for a, b in zip(first, second, strict=True):
                     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # (pattern, seq_len, block, heads, head_dim, dtype index, cap): global rows (bigbird,
+    # longformer) split into several chunks, rows with no key (masked_rows) at cap 1.
+    @parameterized.named_parameters(
+        ("bigbird_cap2", "bigbird", 192, 32, 2, 16, 0, 2),
+        ("longformer_cap2", "longformer", 160, 32, 1, 32, -1, 2),
+        ("masked_rows_cap1", "masked_rows", 90, 32, 2, 16, 0, 1),
+    )
+    def test_split_forward(self, name, n, bs, h, d, dtype_index, cap):
+        """Row splitting (launch option split_cap): out and LSE vs the oracle with outputs and
+        scratch poisoned, rows split into several chunks; deterministic; with a cap no row
+        exceeds, bitwise equal to the unsplit forward (one chunk merges exactly)."""
+        dtype = self.dtypes[dtype_index]
+        layout, q, k, v, _ = self._case(name, n, bs, 1, h, d, dtype, seed=n + cap)
+        counts = layout.metadata()["q_count"]
+        if name != "masked_rows":  # its rows list <= 1 tile: it tests empty rows (count 0)
+            self.assertGreater(int(counts.max()), 2 * cap)  # some row has >= 3 chunks
+        with kl._override(split_cap=cap), self.poison_outputs():
+            out, lse = self._check_forward(layout, q, k, v, 0.5, dtype, f"split {name} C={cap}")
+            again = self.forward(q, k, v, layout, 0.5, dtype)
+        for a, b in zip((out, lse), again, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        dead = ~layout.dense_mask().any(-1)
+        np.testing.assert_array_equal(np.asarray(out, np.float64)[:, dead], 0.0)
+        np.testing.assert_array_equal(np.asarray(lse, np.float64)[:, dead], -np.inf)
+        if name == "masked_rows":
+            self.assertTrue(dead.any())
+            with kl._override(split_cap=int(counts.max())):
+                whole = self.forward(q, k, v, layout, 0.5, dtype)
+            plain = self.forward(q, k, v, layout, 0.5, dtype)
+            for a, b in zip(whole, plain, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     def test_strided_inputs(self):
         """[B, H, N, D] views of [B, N, H, D] buffers (non-contiguous strides) are honoured."""

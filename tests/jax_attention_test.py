@@ -34,6 +34,7 @@ from sparsetp.backends.jax.block import make_mesh  # noqa: E402
 from sparsetp.core import make_layout, reference  # noqa: E402
 from sparsetp.core import patterns as PT  # noqa: E402
 from sparsetp.core.examples import example_pattern  # noqa: E402
+from sparsetp.kernels import launch as kl  # noqa: E402
 
 
 def _to(x: np.ndarray, dtype: str) -> jax.Array:
@@ -45,8 +46,14 @@ def _np(a) -> np.ndarray:
     return a.astype(np.float32) if a.dtype.name in ("bfloat16", "float16") else a
 
 
-@functools.cache
 def _jitted(scale, return_lse=True):
+    # The split_cap launch option is read at trace time, so it keys the jit cache too.
+    return _jitted_for(scale, return_lse, kl.fwd_split_cap())
+
+
+@functools.cache
+def _jitted_for(scale, return_lse, split_cap):
+    del split_cap  # only a cache key
     return jax.jit(functools.partial(jattn.sparse_attention, scale=scale, return_lse=return_lse))
 
 
@@ -111,6 +118,27 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
                               reference.attention_grad(q, k, v, layout, d_out, scale),
                               strict=True):
             tu.assert_close(g, r, "float32", grad=True, what=f"{tag} {name}")
+
+    def test_split_forward_bitwise_torch_and_grads(self):
+        """Split forward (heads-fastest grid) under jit: bitwise equal to torch's split forward
+        (one kernel source, one launch description), and its out/LSE feed the backward."""
+        import torch  # noqa: PLC0415
+
+        from sparsetp.backends.torch import attention as tattn  # noqa: PLC0415
+
+        layout, q, k, v, d_out = _per_head_case(n=128, bs=32, b=1, h=1, seed=3, name="bigbird")
+        self.assertGreater(int(layout.metadata()["q_count"].max()), 2)
+        lay = jattn.layout_arrays(layout)
+        with kl._override(split_cap=1, work_order="longest_first_bh"):
+            fn = jax.jit(functools.partial(jattn.sparse_attention, return_lse=True))
+            (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), q, k, v)
+            grads = vjp((jnp.asarray(d_out), jnp.zeros(lse.shape, lse.dtype)))
+            t_out, t_lse = tattn.sparse_attention(*(torch.from_numpy(x) for x in (q, k, v)),
+                                                  layout, return_lse=True)
+        np.testing.assert_array_equal(np.asarray(out), t_out.numpy())
+        np.testing.assert_array_equal(np.asarray(lse), t_lse.numpy())
+        self._check(layout, q, k, v, d_out, _np(out), _np(lse), [_np(g) for g in grads],
+                    tag="split")
 
     def test_sub_tiles_and_work_order(self):
         """A non-default sub-tile config and the heads-fastest longest-first grid through the

@@ -43,6 +43,8 @@ __all__ = [
     "_attn_bwd_preprocess_kernel",
     "_attn_bwd_dq_kernel",
     "_attn_bwd_dkdv_kernel",
+    "_attn_fwd_split_kernel",
+    "_attn_fwd_merge_kernel",
 ]
 
 # log2(e): folds the natural-exp softmax into exp2 (scores * sm_scale * LOG2E).
@@ -542,3 +544,190 @@ def _attn_bwd_dkdv_kernel(
     tl.store(DV + off_b * _hint16(stride_dvb, ALIGNED) + off_h64 * _hint16(stride_dvh, ALIGNED)
              + offs_n[:, None] * _hint16(stride_dvn, ALIGNED) + offs_d[None, :] * stride_dvd,
              dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+# ----------------------------------------------------------------------------- row splitting
+# Issue #8: a row whose list is much longer than the others (BigBird's global rows list every key
+# tile) keeps one program busy long after the rest have finished. With a cap C on list entries
+# per program, row (tile, b, h) is walked by ceil(count / C) chunk programs, each writing an
+# unnormalised partial (acc, m, l) to an fp32 scratch; :func:`_attn_fwd_merge_kernel` combines
+# the chunks of every row in a fixed order (deterministic, no atomics).
+#
+# Static shapes: the chunk list is implicit. The ELL width W (q_index.shape[2]) bounds every
+# count, so S = ceil(W / C) slots per row suffice and program (rank, s) owns entries
+# [s*C, min((s+1)*C, count)) of row order[h, rank]. Nothing depends on the pattern's values
+# (a new pattern with the same W reuses the compiled kernels and the same grid); C and S are
+# runtime ints, not constexprs. Slots past a row's last chunk exit at once. The price: the
+# scratch holds S partials per row ([B, H, S, N, D] fp32) and the grid S programs per row,
+# most of them empty for a pattern with few long rows.
+
+
+@triton.jit
+def _attn_fwd_split_kernel(
+    Q, K, V,
+    q_count, q_partial, q_index, q_mask_id, masks, q_order,
+    sm_scale, N, H, cap, slots,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ch, stride_cm,
+    stride_ih, stride_im, stride_ik,
+    stride_mu, stride_mr, stride_mw,
+    stride_pb, stride_ph, stride_ps, stride_pn, stride_pd,
+    stride_sb, stride_sh, stride_ss, stride_sn,
+    AccP, MP, LP,
+    BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """Forward chunk: the unnormalised online-softmax state of one chunk of one row.
+
+    Inputs as :func:`_attn_fwd_kernel`; ``cap`` = C list entries per chunk, ``slots`` = S chunk
+    slots per row. AccP: [B, H, S, N, HEAD_DIM], MP, LP: [B, H, S, N] (fp32, fp64 for fp64
+    inputs); MP is the running max in base 2 (-inf where the chunk saw no key), LP the sum of
+    exp2(score - MP). Grid (tiles * S, B*H), or (B*H, tiles * S) with BH_FIRST; program id
+    rank * S + s, so the chunks of the longest rows (ORDERED) are dispatched first. Slot 0 is
+    always written (an empty row gives acc 0, m -inf, l 0); slots s >= ceil(count / C) are not.
+    """
+    tl.static_assert(BLOCK >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")
+    tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
+    tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
+    if BH_FIRST:
+        off_bh = tl.program_id(0)
+        pid = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        off_bh = tl.program_id(1)
+    rank = pid // slots
+    s = pid % slots
+    off_h = off_bh % H
+    if ORDERED:
+        start_m = tl.load(q_order + off_h * stride_ch + rank * stride_cm)
+    else:
+        start_m = rank
+    count = tl.load(q_count + off_h * stride_ch + start_m * stride_cm)
+    e0 = s * cap
+    # Slot 0 runs even for an empty row, so that the merge always finds a written chunk.
+    if (e0 < count) | (s == 0):
+        e1 = tl.minimum(e0 + cap, count)
+        n_partial = tl.load(q_partial + off_h * stride_ch + start_m * stride_cm)
+        N = _hint16(N, ALIGNED)
+        off_b = (off_bh // H).to(tl.int64)
+        off_h64 = off_h.to(tl.int64)
+        offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + off_b * _hint16(stride_qb, ALIGNED)
+                    + off_h64 * _hint16(stride_qh, ALIGNED)
+                    + offs_m[:, None] * _hint16(stride_qn, ALIGNED) + offs_d[None, :] * stride_qd,
+                    mask=offs_m[:, None] < N, other=0.0)  # [BLOCK, HEAD_DIM]
+        k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
+        v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
+        stride_kn = _hint16(stride_kn, ALIGNED)
+        stride_vn = _hint16(stride_vn, ALIGNED)
+        qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2 (exp2)
+
+        m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK], tl.float32)
+        acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        if Q.dtype.element_ty == tl.float64:
+            m_i = m_i.to(tl.float64)
+            l_i = l_i.to(tl.float64)
+            acc = acc.to(tl.float64)
+        row = off_h * stride_ih + start_m * stride_im
+        # The chunk's partial entries [e0, min(e1, n_partial)), then its full ones.
+        p_end = tl.minimum(e1, n_partial)
+        for it in range(e0 * (BLOCK // SUB_N), p_end * (BLOCK // SUB_N)):
+            e = it // (BLOCK // SUB_N)
+            kb = tl.load(q_index + row + e * stride_ik)
+            mid = tl.load(q_mask_id + row + e * stride_ik)
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb,
+                                      it % (BLOCK // SUB_N), offs_d, N, qk_scale, stride_kn,
+                                      stride_kd, stride_vn, stride_vd, masks, mid, stride_mu,
+                                      stride_mr, stride_mw, BLOCK, SUB_N, True, DOT_PRECISION,
+                                      DOT_UPCAST)
+        for it in range(tl.maximum(e0, n_partial) * (BLOCK // SUB_N), e1 * (BLOCK // SUB_N)):
+            kb = tl.load(q_index + row + (it // (BLOCK // SUB_N)) * stride_ik)
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb,
+                                      it % (BLOCK // SUB_N), offs_d, N, qk_scale, stride_kn,
+                                      stride_kd, stride_vn, stride_vd, masks, 0, stride_mu,
+                                      stride_mr, stride_mw, BLOCK, SUB_N, False, DOT_PRECISION,
+                                      DOT_UPCAST)
+        s64 = s.to(tl.int64)
+        tl.store(AccP + off_b * stride_pb + off_h64 * stride_ph + s64 * stride_ps
+                 + offs_m[:, None] * stride_pn + offs_d[None, :] * stride_pd,
+                 acc, mask=offs_m[:, None] < N)
+        p_stats = off_b * stride_sb + off_h64 * stride_sh + s64 * stride_ss + offs_m * stride_sn
+        tl.store(MP + p_stats, m_i, mask=offs_m < N)
+        tl.store(LP + p_stats, l_i, mask=offs_m < N)
+
+
+@triton.jit
+def _attn_fwd_merge_kernel(
+    AccP, MP, LP, q_count,
+    N, H, cap,
+    stride_pb, stride_ph, stride_ps, stride_pn, stride_pd,
+    stride_sb, stride_sh, stride_ss, stride_sn,
+    stride_ch, stride_cm,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    Out, LSE,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """Merge the chunks of :func:`_attn_fwd_split_kernel` into Out and LSE.
+
+    Shapes as there; grid (tiles, B*H). Row (tile, b, h) has max(1, ceil(count / C)) chunks,
+    merged in slot order (a fixed order: bitwise deterministic). Two states combine as
+    m = max(m_a, m_b), acc = acc_a * 2^(m_a - m) + acc_b * 2^(m_b - m), likewise l. With one
+    chunk this is acc * 2^0 = acc exactly, so an unsplit row gives the bits of
+    :func:`_attn_fwd_kernel`.
+    """
+    tl.static_assert(HEAD_DIM >= 16, "head dims below 16 are not supported")
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    N = _hint16(N, ALIGNED)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = off_bh % H
+    off_h64 = off_h.to(tl.int64)
+    offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_range = offs_m < N
+    count = tl.load(q_count + off_h * stride_ch + start_m * stride_cm)
+    n_chunks = tl.maximum((count + cap - 1) // cap, 1)
+
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    if MP.dtype.element_ty == tl.float64:
+        m_i = m_i.to(tl.float64)
+        l_i = l_i.to(tl.float64)
+        acc = acc.to(tl.float64)
+    # int64 bases stepped by one slot per chunk (the scratch is S times the output).
+    stats_base = off_b * stride_sb + off_h64 * stride_sh
+    acc_base = off_b * stride_pb + off_h64 * stride_ph
+    for _ in range(0, n_chunks):
+        m_s = tl.load(MP + stats_base + offs_m * stride_sn, mask=in_range, other=float("-inf"))
+        l_s = tl.load(LP + stats_base + offs_m * stride_sn, mask=in_range, other=0.0)
+        acc_s = tl.load(AccP + acc_base + offs_m[:, None] * stride_pn
+                        + offs_d[None, :] * stride_pd, mask=in_range[:, None], other=0.0)
+        stats_base += stride_ss
+        acc_base += stride_ps
+        m_new = tl.maximum(m_i, m_s)
+        # Both states empty (m = -inf): subtract 0 so the factors are exp2(-inf) = 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        beta = tl.math.exp2(m_s - m_safe)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
+
+    # Finalised exactly as in _attn_fwd_kernel (rows with no key: output 0, LSE -inf).
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h64 * _hint16(stride_oh, ALIGNED)
+             + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=in_range[:, None])
+    tl.store(LSE + off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED)
+             + offs_m * stride_ln, lse.to(LSE.dtype.element_ty), mask=in_range)

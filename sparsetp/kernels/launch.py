@@ -72,6 +72,7 @@ __all__ = [
     "check_dtype", "stats_dtype", "dot_precision", "dot_upcast", "mask_words", "grid", "aligned",
     "contiguous_strides",
     "fwd_call", "bwd_preprocess_call", "bwd_dq_call", "bwd_dkdv_call", "kernel",
+    "fwd_split_cap", "split_slots", "fwd_split_call", "fwd_merge_call",
 ]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -85,6 +86,10 @@ _KERNELS = {
     "bwd_preprocess": _k._attn_bwd_preprocess_kernel,
     "bwd_dq": _k._attn_bwd_dq_kernel,
     "bwd_dkdv": _k._attn_bwd_dkdv_kernel,
+    # Row splitting (issue #8, private option ``split_cap``): the forward's chunk and merge
+    # kernels; they use the "fwd" and "bwd_preprocess" tile configs.
+    "fwd_split": _k._attn_fwd_split_kernel,
+    "fwd_merge": _k._attn_fwd_merge_kernel,
 }
 
 
@@ -93,7 +98,7 @@ def kernel(name: str):
     try:
         return _KERNELS[name]
     except KeyError:
-        raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {name!r}") from None
+        raise ValueError(f"kernel must be one of {tuple(_KERNELS)}, got {name!r}") from None
 
 
 def _pow2(x: int) -> bool:
@@ -280,18 +285,28 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
 #                                   head's longest lists start first;
 #               "longest_first_bh"  grid (B*H, tiles), same order, heads fastest: rank r of every
 #                                   head is dispatched before rank r + 1 of any head.
+#   split_cap:  None (default)      the forward runs one program per query row;
+#               C >= 1              rows with more than C list entries are split into chunks of
+#                                   C entries (fwd_split_call + fwd_merge_call, issue #8). Off
+#                                   by default until the GPU sweep measures it.
 WORK_ORDERS = ("natural", "longest_first", "longest_first_bh")
-_OPTIONS: dict[str, Any] = {"work_order": "longest_first"}
+_OPTIONS: dict[str, Any] = {"work_order": "longest_first", "split_cap": None}
+_KEEP = object()
 _OVERRIDES: dict[str, TileConfig] = {}
 
 
 @contextlib.contextmanager
-def _override(work_order: str | None = None, **configs: TileConfig):
-    """Temporarily change the work order and/or the tile config of kernels by name, e.g.
+def _override(work_order: str | None = None, split_cap: Any = _KEEP, **configs: TileConfig):
+    """Temporarily change the work order, the forward's split cap (an int >= 1, or None for
+    off) and/or the tile config of kernels by name, e.g.
     ``with _override(work_order="natural", bwd_dkdv=TileConfig(64, 64, 4, 2, sub=16)): ...``.
-    Not thread-safe (tests and benchmarks only)."""
+    Not thread-safe (tests and benchmarks only). Under ``jax.jit`` the option is read at trace
+    time: a function traced outside the ``with`` keeps the path it was traced with."""
     if work_order is not None and work_order not in WORK_ORDERS:
         raise ValueError(f"work_order must be one of {WORK_ORDERS}, got {work_order!r}")
+    if split_cap is not _KEEP and split_cap is not None and (
+            isinstance(split_cap, bool) or not isinstance(split_cap, int) or split_cap < 1):
+        raise ValueError(f"split_cap must be None or an int >= 1, got {split_cap!r}")
     for name, cfg in configs.items():
         if name not in KERNEL_NAMES or not isinstance(cfg, TileConfig):
             raise ValueError(f"override needs kernel names {KERNEL_NAMES} -> TileConfig, got "
@@ -300,6 +315,8 @@ def _override(work_order: str | None = None, **configs: TileConfig):
     try:
         if work_order is not None:
             _OPTIONS["work_order"] = work_order
+        if split_cap is not _KEEP:
+            _OPTIONS["split_cap"] = split_cap
         _OVERRIDES.update(configs)
         yield
     finally:
@@ -475,4 +492,79 @@ def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale:
     return KernelCall("bwd_dkdv", _KERNELS["bwd_dkdv"], _grid(b, h, n, bs), args,
                       (OutputSpec("dk", shape, dtype), OutputSpec("dv", shape, dtype)),
                       _constexprs(bs, d, dtype, device_kind, cfg, "SUB_M", aligned(n, st)),
+                      cfg.num_warps, cfg.num_stages)
+
+
+# ----------------------------------------------------------------------------- row splitting
+def fwd_split_cap() -> int | None:
+    """The forward's split cap C (list entries per program), or None when splitting is off.
+    Frontends call :func:`fwd_split_call` + :func:`fwd_merge_call` instead of :func:`fwd_call`
+    when it is set (private option, see :func:`_override`)."""
+    return _OPTIONS["split_cap"]
+
+
+def split_slots(width: int, cap: int) -> int:
+    """Chunk slots per row, S = ceil(W / C) (at least 1): the ELL width W bounds every row's
+    count, so the chunk list is implicit and its size depends on shapes only (see the
+    row-splitting comment in :mod:`sparsetp.kernels.attention`)."""
+    return max(1, -(-int(width) // int(cap)))
+
+
+def _split_grid(b, h, tiles, slots):
+    rs = tiles * slots
+    return (b * h, rs, 1) if _OPTIONS["work_order"] == "longest_first_bh" else (rs, b * h, 1)
+
+
+def fwd_split_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str,
+                   device_kind: str, cap: int,
+                   strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """Chunk launch of the split forward: outputs the fp32 (fp64 for fp64) scratch ``acc_p``
+    [B, H, S, N, D], ``m_p`` and ``l_p`` [B, H, S, N], S = :func:`split_slots` (W, cap).
+    Scratch elements of slots past a row's last chunk are left unwritten (the merge never reads
+    them). ``strides`` names: ``q k v``; the scratch is C-contiguous."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"cap must be an int >= 1, got {cap!r}")
+    bs = _block_size(meta)
+    b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, "fwd")
+    tiles = -(-n // bs)
+    arrays, meta_strides = _check_meta(meta, "q", h, tiles, bs)
+    slots = split_slots(_shape(meta["q_index"])[2], cap)
+    st = _all_strides(strides, ("q", "k", "v"), (), (b, h, n, d), (b, h, n))
+    acc_shape, stat_shape = (b, h, slots, n, d), (b, h, slots, n)
+    args = (q, k, v, *arrays, float(scale), n, h, int(cap), slots, *st["q"], *st["k"], *st["v"],
+            *meta_strides, *contiguous_strides(acc_shape), *contiguous_strides(stat_shape))
+    sd = stats_dtype(dtype)
+    return KernelCall("fwd_split", _KERNELS["fwd_split"], _split_grid(b, h, tiles, slots), args,
+                      (OutputSpec("acc_p", acc_shape, sd), OutputSpec("m_p", stat_shape, sd),
+                       OutputSpec("l_p", stat_shape, sd)),
+                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
+                      cfg.num_warps, cfg.num_stages)
+
+
+def fwd_merge_call(acc_p, m_p, l_p, meta: Mapping[str, Any], *, cap: int, dtype: str,
+                   device_kind: str, strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """Merge launch of the split forward: reads the scratch of :func:`fwd_split_call` (same
+    ``cap``, C-contiguous) and outputs ``out`` [B, H, N, D] (``dtype``) and ``lse`` [B, H, N],
+    exactly as :func:`fwd_call` does. ``strides`` names: ``out lse``."""
+    bs = _block_size(meta)
+    b, h, slots, n, d = _shape(acc_p)
+    dtype = check_dtype(dtype)
+    cfg = tile_config("bwd_preprocess", head_dim=d, dtype=dtype, block_size=bs,
+                      device_kind=device_kind)
+    tiles = -(-n // bs)
+    if _shape(meta["q_count"]) != (h, tiles):
+        raise ValueError(f"meta['q_count'] has shape {_shape(meta['q_count'])}, expected "
+                         f"{(h, tiles)}")
+    if _shape(m_p) != (b, h, slots, n) or _shape(l_p) != (b, h, slots, n):
+        raise ValueError(f"m_p / l_p have shapes {_shape(m_p)} / {_shape(l_p)}, expected "
+                         f"{(b, h, slots, n)}")
+    shape, lse_shape = (b, h, n, d), (b, h, n)
+    st = _all_strides(strides, ("out",), ("lse",), shape, lse_shape)
+    args = (acc_p, m_p, l_p, meta["q_count"], n, h, int(cap),
+            *contiguous_strides(_shape(acc_p)), *contiguous_strides(_shape(m_p)),
+            *contiguous_strides((h, tiles)), *st["out"], *st["lse"])
+    return KernelCall("fwd_merge", _KERNELS["fwd_merge"], grid(b, h, n, bs), args,
+                      (OutputSpec("out", shape, dtype),
+                       OutputSpec("lse", lse_shape, stats_dtype(dtype))),
+                      {"BLOCK": bs, "HEAD_DIM": d, "ALIGNED": aligned(n, st)},
                       cfg.num_warps, cfg.num_stages)

@@ -178,8 +178,16 @@ def _launch_call(call: _kl.KernelCall):
 
 
 def _fwd(q, k, v, meta, scale):
-    call = _kl.fwd_call(q, k, v, meta, scale=scale, dtype=jnp.dtype(q.dtype).name,
-                        device_kind=_device_kind())
+    dtype, kind = jnp.dtype(q.dtype).name, _device_kind()
+    cap = _kl.fwd_split_cap()  # read at trace time (a private launch option)
+    if cap is not None:
+        # Row splitting: chunks into an fp32 scratch, then the merge (same kernels as torch).
+        scratch = _launch_call(_kl.fwd_split_call(q, k, v, meta, scale=scale, dtype=dtype,
+                                                  device_kind=kind, cap=cap))
+        out, lse = _launch_call(_kl.fwd_merge_call(*scratch, meta, cap=cap, dtype=dtype,
+                                                   device_kind=kind))
+        return out, lse
+    call = _kl.fwd_call(q, k, v, meta, scale=scale, dtype=dtype, device_kind=kind)
     out, lse = _launch_call(call)
     return out, lse
 

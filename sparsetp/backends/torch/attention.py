@@ -122,8 +122,21 @@ def _forward(q, k, v, layout, scale):
     b, h, n, d = q.shape
     out = _new_output(q.shape, q.dtype, q.device)
     lse = _new_output((b, h, n), _stats_dtype(q.dtype), q.device)
-    call = L.fwd_call(q, k, v, _metadata(layout, q.device), scale=scale, dtype=dtype,
-                      device_kind=kind,
+    meta = _metadata(layout, q.device)
+    cap = L.fwd_split_cap()
+    if cap is not None:
+        # Row splitting (private launch option): chunks into an fp32 scratch, then a merge.
+        call = L.fwd_split_call(q, k, v, meta, scale=scale, dtype=dtype, device_kind=kind,
+                                cap=cap, strides={"q": q.stride(), "k": k.stride(),
+                                                  "v": v.stride()})
+        scratch = tuple(_new_output(o.shape, _stats_dtype(q.dtype), q.device)
+                        for o in call.outputs)
+        _launch(call, scratch, kind)
+        call = L.fwd_merge_call(*scratch, meta, cap=cap, dtype=dtype, device_kind=kind,
+                                strides={"out": out.stride(), "lse": lse.stride()})
+        _launch(call, (out, lse), kind)
+        return out, lse
+    call = L.fwd_call(q, k, v, meta, scale=scale, dtype=dtype, device_kind=kind,
                       strides={"q": q.stride(), "k": k.stride(), "v": v.stride(),
                                "out": out.stride(), "lse": lse.stride()})
     _launch(call, (out, lse), kind)
