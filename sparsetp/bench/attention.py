@@ -961,7 +961,10 @@ def run(cfg: BenchConfig) -> dict:
               "command": cfg.command, "preset": cfg.preset, "device_kind": cfg.device,
               "interpreter": _runtime.interpret_mode(), "conventions": CONVENTIONS,
               "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "sections"},
-              "records": [], "skipped": [], "errors": [], "warnings": []}
+              "records": [], "skipped": [], "errors": [], "warnings": [],
+              # CPU timings of other processes' load are noise: say how busy the machine was.
+              "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg")
+              else None}
     if cfg.device == "cuda":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU
     import torch  # noqa: PLC0415
@@ -1227,12 +1230,14 @@ def plot(result: dict, out_dir: str) -> list:
             for ax, m in zip(axes, ("fwd", "fwd_bwd"), strict=True):
                 ax.plot([100 * (1 - r["density"]) for r in rs], [r[f"{m}_ms"] for r in rs],
                         marker="o", label=f"{impl} {family} N={n}")
-        for r in spars:
-            if r["impl"] in _PATTERN_FREE:
-                for ax, m in zip(axes, ("fwd", "fwd_bwd"), strict=True):
-                    ax.axhline(r[f"{m}_ms"], ls="--", color="gray", lw=0.8)
-                    ax.text(50, r[f"{m}_ms"], f"dense {r['impl']} N={r['N']}", fontsize=7,
-                            va="bottom")
+        spars_n = {r["N"] for r in spars}
+        dense_recs = [r for r in recs if r["impl"] in _PATTERN_FREE and r["N"] in spars_n
+                      and r["H"] == spars[0]["H"] and r["D"] == spars[0]["D"]]
+        for r in dense_recs:  # dense jobs are shared across sections: take them from any
+            for ax, m in zip(axes, ("fwd", "fwd_bwd"), strict=True):
+                ax.axhline(r[f"{m}_ms"], ls="--", color="gray", lw=0.8)
+                ax.text(50, r[f"{m}_ms"], f"dense {r['impl']} N={r['N']}", fontsize=7,
+                        va="bottom")
         for ax, m in zip(axes, ("forward", "forward + backward"), strict=True):
             ax.set_xlabel("sparsity (% of tiles skipped)")
             ax.set_ylabel("time (ms)")
@@ -1273,7 +1278,8 @@ def render_markdown(results: dict | Sequence[dict], plots: Sequence[str] = (),
         lines += [f"**Run**: preset `{res.get('preset')}` on {v.get('device', '?')}; torch "
                   f"{v.get('torch', '–')}, triton {v.get('triton', '–')}, jax {v.get('jax', '–')}"
                   f", jax_triton {v.get('jax_triton', '–')}, Python {v.get('python', '?')}; "
-                  f"{v.get('date', '')}; {res.get('wall_s', 0):.0f} s wall.", "",
+                  f"{v.get('date', '')}; {res.get('wall_s', 0):.0f} s wall; load average at "
+                  f"start {res.get('load_average_at_start')}.", "",
                   f"Command: `{res.get('command', '')}`", ""]
     if json_paths:
         lines += [f"Rendered from: {', '.join(f'`{p}`' for p in json_paths)} with "
