@@ -654,7 +654,12 @@ def _flex_fn():
         import torch._dynamo  # noqa: PLC0415
         from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
 
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        # One compiled function serves every (mask_mod, shape): allow that many recompiles
+        # (the knob was renamed cache_size_limit -> recompile_limit across torch versions).
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob,
+                        max(getattr(torch._dynamo.config, knob), 256))
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
         _FLEX["ok_options"] = {}  # (D, dtype) -> kernel_options that compiled last time
     return _FLEX["fn"]
