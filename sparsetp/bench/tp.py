@@ -42,16 +42,18 @@ from sparsetp.bench import common
 FLAGS = flags.FLAGS
 
 
-def _define(kind, name, default, help_text, **kw):
-    # --preset and --budget_s are generic names another bench command may define too; whoever
-    # defines them first wins and each command validates the values it understands.
-    if name not in FLAGS:
-        getattr(flags, f"DEFINE_{kind}")(name, default, help_text, **kw)
+def _define_shared_flags():
+    """--preset and --budget_s: generic names that sparsetp.bench.attention defines too (with
+    its own preset names), so they are defined only when this command runs and only if absent:
+    importing both modules in one process (pytest) must not raise DuplicateFlagError."""
+    if "preset" not in FLAGS:
+        flags.DEFINE_string("preset", "cpu", "Shapes and iterations: cpu (tiny, gloo) or gpu2 "
+                            "(T=8192, d=8192, ff=32768, bf16 on the GPUs).")
+    if "budget_s" not in FLAGS:
+        flags.DEFINE_float("budget_s", None, "Wall-clock budget in seconds (default: the "
+                           "preset's).")
 
 
-_define("string", "preset", "cpu", "Shapes and iterations: cpu (tiny, gloo) or gpu2 (T=8192, "
-        "d=8192, ff=32768, bf16 on the GPUs).")
-_define("float", "budget_s", None, "Wall-clock budget in seconds (default: the preset's).")
 flags.DEFINE_integer("tp_world", None, "Processes/devices to use (default: every GPU, or 4 on "
                      "CPU). TP sizes are the powers of two up to it.")
 flags.DEFINE_list("tp_stages", "comm,torch_mlp,torch_overlap,dtensor,ddp,pipeline,torch_block,"
@@ -176,8 +178,11 @@ class _Run:
         self.t0 = time.monotonic()
         self.deadline = self.t0 + budget_s
         self.path = os.path.join(out_dir, "tp.json")
-        self.result = dict(versions=common.versions(), spec=spec, budget_s=budget_s,
-                           stages={}, warnings=[])
+        # common.versions() imports jax_triton, which on a GPU machine starts JAX's CUDA backend
+        # (preallocating most of each GPU) and clears TRITON_CACHE_DIR in this process's
+        # environment, which the torch ranks inherit: so it runs after every child has ended.
+        self.result = dict(versions=dict(argv=sys.argv, python=sys.version.split()[0]),
+                           spec=spec, budget_s=budget_s, stages={}, warnings=[])
         try:
             from tqdm import tqdm  # noqa: PLC0415
             self.bar = tqdm(total=0, desc="tp bench", file=sys.stderr, dynamic_ncols=True)
@@ -973,6 +978,7 @@ def resolve_spec(preset: str, world: int | None, device: str) -> dict:
 
 
 def main(argv=None) -> int:
+    _define_shared_flags()
     FLAGS(argv if argv is not None else sys.argv)
     want_cuda = FLAGS.device == "cuda"
     if FLAGS.device == "auto":
@@ -1033,6 +1039,10 @@ def main(argv=None) -> int:
                 else:
                     run.record(f"{label}:jax_mlp_world",
                                dict(ok=False, skipped=True, error=None, reason="budget"))
+    try:
+        run.result["versions"] = common.versions()
+    except Exception as e:  # noqa: BLE001
+        run.result["warnings"].append(f"versions(): {e!r}")
     rows = _rows(run.result, spec)
     run.result["rows"] = rows
     run.result["plots"] = _plots(run.result, rows, out_dir)
