@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One batched device-tool call (nvidia-h200-x2): kernel checks + sweep, the attention targets
+# benchmark, the TP benchmark and the GPU parity run, each under its own wall-clock limit so a
+# failing or slow stage cannot starve the next. Logs and JSON land in $OUT (8 files at most come
+# back: 4 logs + 4 JSON). Run from the repo root with carry [".whl", ".gpu_deps"].
+#   usage: bash benchmarks/gpu_session.sh [stage ...]   (default: check attn tp parity)
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+  || echo "jax_triton wheel install failed"
+export PYTHONPATH=/tmp/site:$PWD/.gpu_deps:$PWD:${PYTHONPATH:-}
+T0=$(date +%s)
+stage() {  # name limit_s command...
+  local name=$1 lim=$2; shift 2
+  echo "=== $name (limit ${lim}s) starts at $(( $(date +%s) - T0 ))s"
+  timeout -k 5 "$lim" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name rc=$? ends at $(( $(date +%s) - T0 ))s"
+  tail -n 30 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
+  check) stage check "${CHECK_S:-85}" python3 benchmarks/gpu_attention_check.py \
+      --out="$OUT/check.json" --budget_s="${CHECK_BUDGET:-70}" --timing_n= ;;
+  attn) stage attn "${ATTN_S:-130}" python3 -m sparsetp.bench attention --preset=targets \
+      --out_dir="$OUT" --json_name=attention.json --noplots --budget_s="${ATTN_BUDGET:-105}" ;;
+  tp) stage tp "${TP_S:-105}" python3 -m sparsetp.bench tp --preset=gpu2 --out_dir="$OUT" \
+      --noplots --budget_s="${TP_BUDGET:-85}" ;;
+  parity) export JAX_DEFAULT_MATMUL_PRECISION=highest; stage parity "${PARITY_S:-75}" \
+      python3 tests/parity_test.py --device=gpu --tp_sizes=1,2 --seq_lens=1000 --num_heads=8 \
+      --head_dims=64 --block_sizes=64 --dtypes=float32 --batch=2 \
+      --patterns=causal,bigbird,strided_causal,per_head_mix --block_patterns=bigbird \
+      --report="$OUT/parity.json" ;;
+  *) echo "unknown stage $st" ;;
+esac; done; done
+ls -la "$OUT"
