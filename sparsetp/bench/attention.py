@@ -82,30 +82,52 @@ DENSE_BASELINES = ("sdpa_flash", "sdpa_cudnn", "sdpa")  # first one measured is 
 ANCHOR_PATTERNS = ("causal", "window", "bigbird", "strided_causal")
 SCHEMA_VERSION = 1
 
-flags.DEFINE_enum("preset", "auto", ["auto", "targets", "sweep", "cpu", "none"],
-                  "Case set (auto: targets on a GPU, cpu otherwise; none: only the flags below).")
-flags.DEFINE_list("patterns", None, "Override: pattern specs (causal, window[:W], bigbird[:blk], "
-                  "strided_causal[:blk], random:<density>, window_density:<density>, dense, or a "
-                  "sparsetp.core.examples name).")
-flags.DEFINE_list("seq_lens", None, "Override: sequence lengths.")
-flags.DEFINE_list("head_dims", None, "Override: head dims.")
-flags.DEFINE_list("dtypes", None, "Override: dtypes (bfloat16, float16, float32).")
-flags.DEFINE_list("block_sizes", None, "Override: layout block sizes.")
-flags.DEFINE_list("impls", None, f"Override: implementations, of {','.join(IMPLS)}.")
-flags.DEFINE_integer("batch", None, "Override: batch size B.")
-flags.DEFINE_integer("num_heads", None, "Override: heads H.")
-flags.DEFINE_float("budget_s", None, "Wall-clock budget (s); jobs past it are recorded as "
-                   "skipped. Default: the preset's.")
-flags.DEFINE_integer("input_sets", None, "Random input sets rotated between timed calls.")
-flags.DEFINE_bool("first_call", None, "Measure cold first call and new-pattern first call.")
-flags.DEFINE_bool("fresh_triton_cache", None, "Point TRITON_CACHE_DIR at a new empty directory "
-                  "so the cold first call really compiles (default: on for GPU presets).")
-flags.DEFINE_string("json_name", "attention.json", "File name of the JSON under --out_dir.")
-flags.DEFINE_string("docs", None, "Also render the results as markdown into this file "
-                    "(e.g. docs/performance.md; plots are copied next to it).")
-flags.DEFINE_list("from_json", None, "Do not run: render --docs / plots from these JSON files.")
-
 FLAGS = flags.FLAGS
+
+
+_PRESETS = ["auto", "targets", "sweep", "cpu", "none"]
+# (absl DEFINE_ function, name, default, help[, extra args]): defined by define_flags().
+_FLAG_DEFS = [
+    (flags.DEFINE_enum, "preset", "auto", "Case set (auto: targets on a GPU, cpu otherwise; "
+     "none: only the flags below).", _PRESETS),
+    (flags.DEFINE_list, "patterns", None, "Override: pattern specs (causal, window[:W], "
+     "bigbird[:blk], strided_causal[:blk], random:<density>, window_density:<density>, dense, "
+     "or a sparsetp.core.examples name)."),
+    (flags.DEFINE_list, "seq_lens", None, "Override: sequence lengths."),
+    (flags.DEFINE_list, "head_dims", None, "Override: head dims."),
+    (flags.DEFINE_list, "dtypes", None, "Override: dtypes (bfloat16, float16, float32)."),
+    (flags.DEFINE_list, "block_sizes", None, "Override: layout block sizes."),
+    (flags.DEFINE_list, "impls", None, f"Override: implementations, of {','.join(IMPLS)}."),
+    (flags.DEFINE_integer, "batch", None, "Override: batch size B."),
+    (flags.DEFINE_integer, "num_heads", None, "Override: heads H."),
+    (flags.DEFINE_float, "budget_s", None, "Wall-clock budget (s); jobs past it are recorded "
+     "as skipped. Default: the preset's."),
+    (flags.DEFINE_integer, "input_sets", None, "Random input sets rotated between timed calls."),
+    (flags.DEFINE_bool, "first_call", None, "Measure cold first call and new-pattern first "
+     "call."),
+    (flags.DEFINE_bool, "fresh_triton_cache", None, "Point TRITON_CACHE_DIR at a new empty "
+     "directory so the cold first call really compiles (default: on for GPU presets)."),
+    (flags.DEFINE_string, "json_name", "attention.json", "File name of the JSON under "
+     "--out_dir."),
+    (flags.DEFINE_string, "docs", None, "Also render the results as markdown into this file "
+     "(e.g. docs/performance.md; plots are copied next to it)."),
+    (flags.DEFINE_list, "from_json", None, "Do not run: render --docs / plots from these JSON "
+     "files."),
+]
+
+
+def define_flags() -> None:
+    """Define this command's flags (idempotent), when the command runs rather than at import:
+    the test suite imports this module next to ``tests/parity_test.py``, whose flags share
+    names such as ``--patterns`` and ``--seq_lens``."""
+    common.define_flags()
+    for define, name, default, help_text, *extra in _FLAG_DEFS:
+        if name not in FLAGS:
+            if extra:
+                define(name, default, *extra, help_text)
+            else:
+                define(name, default, help_text)
+
 
 
 # =========================================================================== configuration
@@ -1442,6 +1464,7 @@ def summary(res: dict) -> str:
 
 def main(argv=None) -> None:
     """Entry point of ``python -m sparsetp.bench attention`` (``argv`` without the command)."""
+    define_flags()
     app.run(_main, argv=list(sys.argv if argv is None else argv))
 
 

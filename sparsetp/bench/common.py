@@ -1,7 +1,8 @@
 """What the benchmark commands share: output flags, versions, JSON, progress and timing.
 
-Flags defined here (shared by every command, so the command modules must not redefine them):
-``--out_dir`` (where JSON and plots go), ``--device`` (auto|cpu|cuda), ``--plots``.
+Flags defined by :func:`define_flags` (shared by every command, so the command modules must not
+redefine them): ``--out_dir`` (where JSON and plots go), ``--device`` (auto|cpu|cuda),
+``--plots``. Commands define their flags when they run, not at import (see define_flags).
 """
 
 from __future__ import annotations
@@ -14,11 +15,21 @@ import sys
 
 from absl import flags
 
-flags.DEFINE_string("out_dir", "bench_results", "Directory for the JSON results and the plots.")
-flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where to run (auto: GPU if any).")
-flags.DEFINE_bool("plots", True, "Draw plots (matplotlib) next to the JSON.")
-
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Define the shared flags (idempotent). Commands call this in ``main``, not at import:
+    the test suite imports the bench modules next to ``tests/parity_test.py``, whose flags
+    (``--device``, ``--patterns``, ...) share these generic names."""
+    if "out_dir" not in FLAGS:
+        flags.DEFINE_string("out_dir", "bench_results",
+                            "Directory for the JSON results and the plots.")
+    if "device" not in FLAGS:
+        flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"],
+                          "Where to run (auto: GPU if any).")
+    if "plots" not in FLAGS:
+        flags.DEFINE_bool("plots", True, "Draw plots (matplotlib) next to the JSON.")
 
 
 def versions() -> dict:

@@ -978,6 +978,7 @@ def resolve_spec(preset: str, world: int | None, device: str) -> dict:
 
 
 def main(argv=None) -> int:
+    common.define_flags()
     _define_shared_flags()
     FLAGS(argv if argv is not None else sys.argv)
     want_cuda = FLAGS.device == "cuda"
