@@ -1,7 +1,7 @@
 """sparsetp for JAX: the same Triton kernels and the same block, with ``shard_map`` parallelism.
 
 On GPU the kernels launch through jax-triton; on CPU through Triton's interpreter inside
-``jax.pure_callback`` (for correctness, not speed).
+``jax.experimental.buffer_callback`` (for correctness, not speed).
 
 >>> import numpy as np
 >>> from sparsetp.core import make_layout, patterns as P

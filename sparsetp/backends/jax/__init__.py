@@ -1,4 +1,4 @@
-"""JAX frontend: the sparsetp Triton kernels through ``jax_triton`` (GPU) or ``pure_callback`` +
+"""JAX frontend: the sparsetp Triton kernels through ``jax_triton`` (GPU) or ``buffer_callback`` +
 Triton's interpreter (CPU), a ``custom_vjp`` attention op, and ``shard_map`` tensor parallelism.
 
 Submodules: :mod:`.launch` (kernel launches), :mod:`.attention` (``sparse_attention``),

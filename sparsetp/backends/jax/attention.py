@@ -5,7 +5,7 @@
 attention output ``[B, H, N, D]``. The forward launches ``_attn_fwd_kernel``; the backward (a
 ``custom_vjp`` rule, since jax-triton does not differentiate) launches the preprocess, dQ and
 dK/dV kernels. Launches go through :func:`sparsetp.backends.jax.launch.call_kernel`
-(``jax_triton`` on GPU, ``pure_callback`` + Triton's interpreter on CPU).
+(``jax_triton`` on GPU, ``buffer_callback`` + Triton's interpreter on CPU).
 
 Layouts reach the kernels as array *operands*, never as trace constants: :class:`LayoutArrays`
 is a pytree whose leaves are the int32 metadata arrays of a

@@ -5,7 +5,7 @@ Tested combinations (pin these; anything else is untested):
 ========================  ==============================  =================================
 where                     versions                        path
 ========================  ==============================  =================================
-CI / developer machines   jax 0.10.2 (CPU), triton 3.9    ``pure_callback`` + Triton interpreter
+CI / developer machines   jax 0.10.2 (CPU), triton 3.9    ``buffer_callback`` + Triton interpreter
 GPU device machine        jax 0.11.2 (CUDA 13), triton    ``jax_triton.triton_call``
                           3.6, jax-triton 0.3.1
 ========================  ==============================  =================================
@@ -17,8 +17,10 @@ GPU device machine        jax 0.11.2 (CUDA 13), triton    ``jax_triton.triton_ca
   the variable to what it was.
 * The "varying manual axes" of a value inside ``shard_map`` are ``aval.vma`` on newer JAX and
   ``aval.manual_axis_type.varying`` on 0.10.x (:func:`varying_axes`); ``jax.lax.pcast(x, axes,
-  to="varying")`` marks outputs of opaque calls (``triton_call``, ``pure_callback``) as varying,
+  to="varying")`` marks outputs of opaque calls (``triton_call``, ``buffer_callback``) as varying,
   and older JAX spelled it ``jax.lax.pvary`` (:func:`mark_varying`).
+* The CPU path calls back into Python through ``jax.experimental.buffer_callback`` (present
+  since jax 0.7, experimental): :func:`buffer_callback` is the one place that imports it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from collections.abc import Iterable
 
 import jax
 
-__all__ = ["jax_triton", "varying_axes", "mark_varying", "auto_mesh", "TESTED_JAX_TRITON"]
+__all__ = ["jax_triton", "buffer_callback", "varying_axes", "mark_varying", "auto_mesh",
+           "TESTED_JAX_TRITON"]
 
 # jax-triton versions the GPU path was run with (benchmarks/results/gpu_jax_check_h200*.json).
 # 0.4.x needs Python >= 3.12 and triton >= 3.7 and breaks on jax 0.12 (GPU.md).
@@ -60,6 +63,17 @@ def jax_triton():
                               stacklevel=2)
             _JAX_TRITON = jt
     return _JAX_TRITON
+
+
+def buffer_callback(callback, result_shape_dtypes):
+    """``jax.experimental.buffer_callback.buffer_callback`` (CPU path; see the module docstring).
+
+    ``callback(ctx, out_buffers, *in_buffers)`` writes its results into ``out_buffers`` in
+    place; ``np.asarray`` views every buffer on CPU.
+    """
+    from jax.experimental.buffer_callback import buffer_callback as impl  # noqa: PLC0415
+
+    return impl(callback, result_shape_dtypes)
 
 
 def varying_axes(x) -> frozenset:

@@ -147,7 +147,7 @@ def main(args: DemoArgs) -> int:
         ("backend", f"jax {jax.__version__}, TP={tp} via shard_map on {dev.platform} "
                     f"({dev.device_kind}); kernels "
                     + ("compiled (jax_triton)" if on_gpu else "in Triton's interpreter "
-                       "(pure_callback; correctness, not speed)")),
+                       "(buffer_callback; correctness, not speed)")),
         ("sizes", f"B={args.batch} N={args.seq_len} d_model={cfg.d_model} "
                   f"heads={cfg.num_heads} ({cfg.num_heads // tp}/shard, head_dim="
                   f"{cfg.head_dim}) d_ff={cfg.d_ff} ({cfg.d_ff // tp}/shard) dtype={cfg.dtype}"),

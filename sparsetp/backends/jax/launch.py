@@ -9,7 +9,7 @@ buffer per ``out_shapes`` entry is appended after them, and ``constexprs`` are t
   it works under ``jit`` and inside ``shard_map`` (not over plain jit-sharded arrays: jax-triton
   has no sharding rule), with no host round trip.
 * **CPU** (``TRITON_INTERPRET=1``, set by :mod:`sparsetp._runtime` when there is no GPU, makes
-  every ``@triton.jit`` an ``InterpretedFunction``): ``jax.pure_callback`` hands the operands to
+  every ``@triton.jit`` an ``InterpretedFunction``): ``buffer_callback`` hands the operands to
   the host, wraps them as CPU torch tensors (``torch.from_numpy``) and runs Triton's interpreter
   on them. **This path is for correctness, not speed**: the interpreter executes every program of
   the grid in Python/NumPy (about 6 ms per 64x64 tile per pass on a 2-core machine). Interpreted
@@ -118,17 +118,24 @@ def _call_interpreted(kernel, args, out_shapes, grid, constexprs):
     positions = [i for i, a in enumerate(args) if not _is_scalar(a)]
     arrays = [args[i] for i in positions]
 
-    def host(*host_arrays):
+    def host(ctx, out_buffers, *in_buffers):
+        del ctx
         # The interpreter, like torch's launcher, takes Python floats (typed fp32).
         full = [float(a) if isinstance(a, np.floating) else a for a in args]
-        for i, a in zip(positions, host_arrays, strict=True):
-            full[i] = _to_torch(a)
+        for i, a in zip(positions, in_buffers, strict=True):
+            full[i] = _to_torch(np.asarray(a))
         outs = [_poisoned(s) for s in out_shapes]
         with INTERPRETER_LOCK:
             kernel[grid](*full, *outs, **constexprs)
-        return tuple(_from_torch(o, s.dtype) for o, s in zip(outs, out_shapes, strict=True))
+        for buf, o, s in zip(out_buffers, outs, out_shapes, strict=True):
+            np.asarray(buf)[...] = _from_torch(o, s.dtype)
 
-    return jax.pure_callback(host, out_shapes, *arrays)
+    # buffer_callback, not pure_callback: pure_callback's implementation device_puts the
+    # operands onto CPU device 0 and waits for them, and with a 4-device mesh that wait could
+    # queue behind device 0's own program, itself blocked in a collective on the other devices'
+    # callbacks: an intermittent deadlock (1 run in 4 of the README mesh example, seen in CI).
+    # buffer_callback hands the runtime's host buffers over directly.
+    return tuple(compat.buffer_callback(host, out_shapes)(*arrays))
 
 
 def _torch_dtype(dtype):
