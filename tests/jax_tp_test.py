@@ -130,6 +130,34 @@ class LayersTest(parameterized.TestCase):
         self.assertEqual(_count_psums(fn, x, w1, b1, w2, b2), 1)
         self.assertEqual(_count_psums(lambda c: vjp(c), jnp.asarray(dy)), 1)
 
+    @parameterized.parameters("bfloat16", "float16")
+    def test_low_precision_mlp_gemms_stay_low_precision(self, dtype):
+        # Every GEMM of the sharded bf16/fp16 MLP's fwd+bwd (and its psums) in the input dtype,
+        # as torch's Megatron layers run them: a fp32 output requested from the forward GEMMs
+        # made all backward GEMMs fp32 (26x slower on an H200) and doubled the psum bytes.
+        d, ff = 16, 64
+        arrays = [jnp.asarray(a, dtype) for a in _rng_arrays(
+            4, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))]
+        mesh = B.make_mesh(2)
+        fn = jax.shard_map(lambda x, w1, b1, w2, b2: parallel_mlp(x, w1, b1, w2, b2,
+                                                                  axis_name="tp"),
+                           mesh=mesh, out_specs=P(),
+                           in_specs=(P(), P(None, "tp"), P("tp"), P("tp", None), P()))
+
+        def fwd_bwd(x, w1, b1, w2, b2, dy):
+            y, vjp = jax.vjp(fn, x, w1, b1, w2, b2)
+            return y, vjp(dy)
+
+        hlo = jax.jit(fwd_bwd).lower(*arrays).as_text()
+        ops = [ln for ln in hlo.splitlines()
+               if "dot_general" in ln or "all_reduce" in ln or "psum" in ln]
+        self.assertGreaterEqual(sum("dot_general" in ln for ln in ops), 6)  # 2 fwd + 4 bwd
+        short = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+        for ln in ops:
+            if "dot_general" in ln:
+                self.assertNotIn("f32", ln, ln)
+                self.assertIn(f"x{short}>", ln, ln)
+
     def test_bad_inputs(self):
         mesh = B.make_mesh(2)
         x, w, b, _ = self._linear_problem(4)

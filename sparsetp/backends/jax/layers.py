@@ -41,13 +41,23 @@ __all__ = ["column_parallel_linear", "row_parallel_linear", "parallel_mlp", "gel
 
 
 def _matmul(x, w):
-    """``x @ w`` accumulated (and returned) in at least fp32, full-precision fp32 matmul."""
-    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.promote_types(jnp.result_type(x, w), jnp.float32))
+    """``x @ w`` in ``x``/``w``'s dtype, as torch's ``F.linear`` computes it.
+
+    float32/float64: full-precision matmul (``Precision.HIGHEST``: no TF32 on GPUs, which the
+    float32 tolerances do not allow for). bfloat16/float16: the GEMM accumulates in fp32 inside
+    and rounds its output once to the input dtype (cuBLAS and XLA alike). The output is *not*
+    requested in fp32: a fp32 output makes the backward's cotangents fp32, so every GEMM of the
+    lowered fwd+bwd had fp32 operands or outputs (tests/jax_tp_test.py now checks the HLO), the
+    row-parallel psum moved twice the bytes of torch's bf16 all-reduce, and on an H200 the bf16
+    MLP's fwd+bwd ran 26x slower than its forward (76 TFLOP/s, fp32 GEMM speed).
+    """
+    dt = jnp.result_type(x, w)
+    wide = dt in (jnp.float32, jnp.float64)
+    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST if wide else None)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """``x @ w + b`` over any leading dims (full-precision fp32 matmul), in ``x``/``w``'s dtype."""
+    """``x @ w + b`` over any leading dims, in ``x``/``w``'s dtype (see :func:`_matmul`)."""
     y = _matmul(x, w)
     if b is not None:
         y = y + b
@@ -106,7 +116,9 @@ def row_parallel_linear(x_shard: jax.Array, w_shard: jax.Array, b: jax.Array | N
                          f"{w_shard.shape}")
     if b is not None and b.shape != w_shard.shape[1:]:
         raise ValueError(f"b must have shape {w_shard.shape[1:]}, got {b.shape}")
-    y = _matmul(x_shard, w_shard)  # partial products in >= fp32, summed before the cast back
+    # Partial products in the compute dtype, all-reduced in it: what Megatron (and our torch
+    # RowParallelLinear) does; a fp32 psum would double the bytes on the wire.
+    y = _matmul(x_shard, w_shard)
     if axis_name is not None:
         if b is not None:
             _check_replicated(b, axis_name, "row_parallel_linear's bias b")
