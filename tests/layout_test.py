@@ -100,6 +100,22 @@ def _check_layout(test, lay, truth):
             test.assertLen(slot, 1)
             test.assertEqual(lay.k_mask_id[h, r, t], lay.q_mask_id[h, qi, slot[0]])
     _check_work_order(test, lay)
+    _check_ell_width(test, lay)
+
+
+def _check_ell_width(test, lay):
+    """ELL widths: a multiple of 16 (same Triton specialisation for every pattern: see
+    layout._ELL_ALIGN), at least the longest list, padding entries index 0 / mask id -1."""
+    for major in ("q", "k"):
+        index = getattr(lay, f"{major}_index")
+        mask_id = getattr(lay, f"{major}_mask_id")
+        count = getattr(lay, f"{major}_count")
+        width = index.shape[-1]
+        test.assertEqual(width % 16, 0, f"{major}_index width {width}")
+        test.assertEqual(mask_id.shape, index.shape)
+        test.assertGreaterEqual(width, int(count.max(initial=0)))
+        pad = np.arange(width)[None, None, :] >= count[:, :, None]
+        test.assertTrue((index[pad] == 0).all() and (mask_id[pad] == -1).all())
 
 
 def _check_work_order(test, lay):

@@ -34,8 +34,8 @@ launch (causal's last rows, BigBird's global rows). A permutation of ``range(num
     ``seq_len`` are 0; kernels must still bound their loads by ``seq_len``: full tiles of the
     ragged last row/column carry no mask.
 
-All metadata arrays have shapes that depend only on (heads, tiles, widest row, distinct masks),
-never on values, so a frontend can pass them to a kernel as tensors: a new pattern with the same
+All metadata arrays have shapes that depend only on (heads, tiles, widest row rounded up to a
+multiple of 16 — see ``_ELL_ALIGN`` —, distinct masks), never on values, so a frontend can pass them to a kernel as tensors: a new pattern with the same
 shapes reuses the compiled kernel.
 
 Example::
@@ -290,8 +290,18 @@ def _ell(kinds: np.ndarray, mid: np.ndarray):
     return count, n_part, index, mask_id
 
 
+# ELL widths are rounded up to a multiple of this. Triton specialises every integer kernel
+# argument on "divisible by 16" (and on "== 1"), and the list strides are multiples of the width:
+# with the exact width, a pattern whose longest row has 9 tiles and one with 64 compiled two
+# kernels (a new pattern's first forward took 1.34 s on an H200, all of it compiling:
+# benchmarks/results/bench_attention_targets_h200.json). Padded, every pattern with the same
+# (heads, tiles) presents the same specialisation. Padding entries are never read.
+_ELL_ALIGN = 16
+
+
 def _stack_padded(arrays, fill):
     width = max(a.shape[-1] for a in arrays)
+    width = -(-width // _ELL_ALIGN) * _ELL_ALIGN
     out = np.full((len(arrays), arrays[0].shape[0], width), fill, np.int32)
     for h, a in enumerate(arrays):
         out[h, :, : a.shape[-1]] = a
