@@ -35,8 +35,8 @@ launch (causal's last rows, BigBird's global rows). A permutation of ``range(num
     ragged last row/column carry no mask.
 
 All metadata arrays have shapes that depend only on (heads, tiles, widest row rounded up to a
-multiple of 16 — see ``_ELL_ALIGN`` —, distinct masks), never on values, so a frontend can pass them to a kernel as tensors: a new pattern with the same
-shapes reuses the compiled kernel.
+multiple of 16 — see ``_ELL_ALIGN`` —, distinct masks), never on values, so a frontend can pass
+them to a kernel as tensors: a new pattern with the same shapes reuses the compiled kernel.
 
 Example::
 
