@@ -383,8 +383,11 @@ def block_mask_tables(layout):
     (``[H, nb, nb]``: -1 empty, -2 full, else the partial tile's bitmask row).
     """
     cnt, part = np.asarray(layout.q_count), np.asarray(layout.q_partial)
-    idx, mid = np.asarray(layout.q_index), np.asarray(layout.q_mask_id)
-    h, nb, w = idx.shape
+    # ELL widths are padded (to multiples of 16) and may exceed nb; no row lists more than nb.
+    nb = layout.num_blocks
+    idx = np.asarray(layout.q_index)[..., :nb]
+    mid = np.asarray(layout.q_mask_id)[..., :nb]
+    h, _, w = idx.shape
     ar = np.arange(w)
     in_part = ar < part[..., None]
     n_full = cnt - part

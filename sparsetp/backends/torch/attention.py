@@ -267,19 +267,23 @@ def _naive_tables(layout: BlockLayout, device: torch.device):
     key = str(device)
     if key not in per_layout:
         bs, n = layout.block_size, layout.seq_len
-        h_n, nt, w = layout.q_index.shape
+        # Only the widest row's entries: the layout pads its ELL width to a multiple of 16 for
+        # the kernels' sake, and gathering the padding would only slow this baseline down.
+        h_n, nt, _ = layout.q_index.shape
+        w = max(1, int(layout.q_count.max(initial=0)))
+        q_index, q_mask_id = layout.q_index[..., :w], layout.q_mask_id[..., :w]
         words = layout.masks.astype("<i4").view(np.uint8)
         unpacked = np.unpackbits(words, axis=-1, bitorder="little")[..., :bs].astype(bool)
         e = np.arange(w)
         listed = e[None, None, :] < layout.q_count[..., None]          # [H, NT, W]
         partial = e[None, None, :] < layout.q_partial[..., None]
         elem = np.where(partial[..., None, None],
-                        unpacked[np.maximum(layout.q_mask_id, 0)],
+                        unpacked[np.maximum(q_mask_id, 0)],
                         listed[..., None, None])                       # [H, NT, W, bs, bs]
-        cols = layout.q_index[..., None] * bs + np.arange(bs)          # [H, NT, W, bs]
+        cols = q_index[..., None] * bs + np.arange(bs)                 # [H, NT, W, bs]
         elem &= (cols < n)[..., None, :]
         elem = elem.transpose(0, 1, 3, 2, 4).reshape(h_n, nt, bs, w * bs)
-        per_layout[key] = (torch.from_numpy(layout.q_index.astype(np.int64)).to(device),
+        per_layout[key] = (torch.from_numpy(q_index.astype(np.int64)).to(device),
                            torch.from_numpy(np.ascontiguousarray(elem)).to(device))
     return per_layout[key]
 
