@@ -114,6 +114,8 @@ def _check_ell_width(test, lay):
         test.assertEqual(width % 16, 0, f"{major}_index width {width}")
         test.assertEqual(mask_id.shape, index.shape)
         test.assertGreaterEqual(width, int(count.max(initial=0)))
+        if major == "q":
+            test.assertEqual(lay.widest_row, max(1, int(count.max(initial=0))))
         pad = np.arange(width)[None, None, :] >= count[:, :, None]
         test.assertTrue((index[pad] == 0).all() and (mask_id[pad] == -1).all())
 

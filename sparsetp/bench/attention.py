@@ -383,11 +383,10 @@ def block_mask_tables(layout):
     (``[H, nb, nb]``: -1 empty, -2 full, else the partial tile's bitmask row).
     """
     cnt, part = np.asarray(layout.q_count), np.asarray(layout.q_partial)
-    # ELL widths are padded (to multiples of 16) and may exceed nb; no row lists more than nb.
-    nb = layout.num_blocks
-    idx = np.asarray(layout.q_index)[..., :nb]
-    mid = np.asarray(layout.q_mask_id)[..., :nb]
-    h, _, w = idx.shape
+    w = layout.widest_row  # the ELL width is padded; no row lists more than this (<= nb)
+    idx = np.asarray(layout.q_index)[..., :w]
+    mid = np.asarray(layout.q_mask_id)[..., :w]
+    h, nb, _ = idx.shape
     ar = np.arange(w)
     in_part = ar < part[..., None]
     n_full = cnt - part
@@ -1240,13 +1239,8 @@ def plot(result: dict, out_dir: str) -> list:
             ax.set_ylabel("speed-up over dense SDPA (x)")
             ax.set_title(f"{m}")
             ax.grid(True, which="both", alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.suptitle(f"block-sparse attention vs dense, {tag}", fontsize=10)
-        fig.tight_layout()
-        p = os.path.join(out_dir, "attention_speedup_vs_seqlen.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save_figure(plt, fig, axes, f"block-sparse attention vs dense, {tag}",
+                                  os.path.join(out_dir, "attention_speedup_vs_seqlen.png")))
     spars = [r for r in recs if r["section"] == "sparsity"]
     if spars:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -1274,14 +1268,19 @@ def plot(result: dict, out_dir: str) -> list:
             ax.set_yscale("log")
             ax.set_title(m)
             ax.grid(True, which="both", alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.suptitle(f"time vs sparsity, {tag}", fontsize=10)
-        fig.tight_layout()
-        p = os.path.join(out_dir, "attention_time_vs_sparsity.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save_figure(plt, fig, axes, f"time vs sparsity, {tag}",
+                                  os.path.join(out_dir, "attention_time_vs_sparsity.png")))
     return paths
+
+
+def _save_figure(plt, fig, axes, title: str, path: str) -> str:
+    """Legend, title, layout, PNG; closes the figure and returns ``path``."""
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _f(x, nd=3):

@@ -120,6 +120,12 @@ class BlockLayout:
     def nnz_blocks(self) -> int:
         return int((self.block_mask != EMPTY).sum())
 
+    @property
+    def widest_row(self) -> int:
+        """Most tiles any query-major list holds (at least 1): the meaningful prefix of the
+        ``q_index`` / ``q_mask_id`` rows, whose width is padded to a multiple of 16."""
+        return max(1, int(self.q_count.max(initial=0)))
+
     def metadata(self) -> dict[str, np.ndarray]:
         """The arrays a kernel launch needs, by name (all int32)."""
         names = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial",

@@ -458,41 +458,38 @@ def bwd_preprocess_call(out, d_out, *, block_size: int, dtype: str, device_kind:
                       cfg.num_warps, cfg.num_stages)
 
 
+def _bwd_list_call(name, major, out_names, sub_name, q, k, v, d_out, lse, delta, meta, scale,
+                   dtype, device_kind, strides) -> KernelCall:
+    """The dQ and dK/dV launches: the same operands, the ``major`` ("q"/"k") lists, and one
+    [B, H, N, D] output per ``out_names`` (in the input dtype), appended after the metadata."""
+    bs = _block_size(meta)
+    b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, name)
+    arrays, meta_strides = _check_meta(meta, major, h, -(-n // bs), bs)
+    shape, lse_shape = (b, h, n, d), (b, h, n)
+    st = _all_strides(strides, ("q", "k", "v", "d_out", *out_names), ("lse",), shape, lse_shape)
+    args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
+            *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides,
+            *(x for o in out_names for x in st[o]))
+    return KernelCall(name, _KERNELS[name], _grid(b, h, n, bs), args,
+                      tuple(OutputSpec(o, shape, dtype) for o in out_names),
+                      _constexprs(bs, d, dtype, device_kind, cfg, sub_name, aligned(n, st)),
+                      cfg.num_warps, cfg.num_stages)
+
+
 def bwd_dq_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
                 dtype: str, device_kind: str,
                 strides: Mapping[str, Any] | None = None) -> KernelCall:
     """dQ launch (query-major lists): output ``dq`` [B, H, N, D] in the input dtype."""
-    bs = _block_size(meta)
-    b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, "bwd_dq")
-    tiles = -(-n // bs)
-    arrays, meta_strides = _check_meta(meta, "q", h, tiles, bs)
-    shape, lse_shape = (b, h, n, d), (b, h, n)
-    st = _all_strides(strides, ("q", "k", "v", "d_out", "dq"), ("lse",), shape, lse_shape)
-    args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
-            *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides, *st["dq"])
-    return KernelCall("bwd_dq", _KERNELS["bwd_dq"], _grid(b, h, n, bs), args,
-                      (OutputSpec("dq", shape, dtype),),
-                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
-                      cfg.num_warps, cfg.num_stages)
+    return _bwd_list_call("bwd_dq", "q", ("dq",), "SUB_N", q, k, v, d_out, lse, delta, meta,
+                          scale, dtype, device_kind, strides)
 
 
 def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
                   dtype: str, device_kind: str,
                   strides: Mapping[str, Any] | None = None) -> KernelCall:
     """dK/dV launch (key-major lists): outputs ``dk``, ``dv`` [B, H, N, D] in the input dtype."""
-    bs = _block_size(meta)
-    b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, "bwd_dkdv")
-    tiles = -(-n // bs)
-    arrays, meta_strides = _check_meta(meta, "k", h, tiles, bs)
-    shape, lse_shape = (b, h, n, d), (b, h, n)
-    st = _all_strides(strides, ("q", "k", "v", "d_out", "dk", "dv"), ("lse",), shape, lse_shape)
-    args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
-            *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides,
-            *st["dk"], *st["dv"])
-    return KernelCall("bwd_dkdv", _KERNELS["bwd_dkdv"], _grid(b, h, n, bs), args,
-                      (OutputSpec("dk", shape, dtype), OutputSpec("dv", shape, dtype)),
-                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_M", aligned(n, st)),
-                      cfg.num_warps, cfg.num_stages)
+    return _bwd_list_call("bwd_dkdv", "k", ("dk", "dv"), "SUB_M", q, k, v, d_out, lse, delta,
+                          meta, scale, dtype, device_kind, strides)
 
 
 # ----------------------------------------------------------------------------- row splitting

@@ -267,10 +267,10 @@ def _naive_tables(layout: BlockLayout, device: torch.device):
     key = str(device)
     if key not in per_layout:
         bs, n = layout.block_size, layout.seq_len
-        # Only the widest row's entries: the layout pads its ELL width to a multiple of 16 for
-        # the kernels' sake, and gathering the padding would only slow this baseline down.
+        # Only the widest row's entries: gathering the ELL padding (widths are padded to a
+        # multiple of 16 for the kernels' sake) would only slow this baseline down.
         h_n, nt, _ = layout.q_index.shape
-        w = max(1, int(layout.q_count.max(initial=0)))
+        w = layout.widest_row
         q_index, q_mask_id = layout.q_index[..., :w], layout.q_mask_id[..., :w]
         words = layout.masks.astype("<i4").view(np.uint8)
         unpacked = np.unpackbits(words, axis=-1, bitorder="little")[..., :bs].astype(bool)
