@@ -4,6 +4,7 @@
 # failing or slow stage cannot starve the next. Logs and JSON land in $OUT (8 files at most come
 # back: 4 logs + 4 JSON). Run from the repo root with carry [".whl", ".gpu_deps"].
 #   usage: bash benchmarks/gpu_session.sh [stage ...]   (default: check attn tp parity)
+#   stages: check attn tp parity (PARITY_TP, default 1,2) parity16 (bf16/fp16 attention only)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -28,10 +29,15 @@ for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
   tp) stage tp "${TP_S:-105}" python3 -m sparsetp.bench tp --preset=gpu2 --out_dir="$OUT" \
       --noplots --budget_s="${TP_BUDGET:-85}" ;;
   parity) export JAX_DEFAULT_MATMUL_PRECISION=highest; stage parity "${PARITY_S:-75}" \
-      python3 tests/parity_test.py --device=gpu --tp_sizes=1,2 --seq_lens=1000 --num_heads=8 \
-      --head_dims=64 --block_sizes=64 --dtypes=float32 --batch=2 \
+      python3 tests/parity_test.py --device=gpu --tp_sizes="${PARITY_TP:-1,2}" --seq_lens=1000 \
+      --num_heads=8 --head_dims=64 --block_sizes=64 --dtypes=float32 --batch=2 \
       --patterns=causal,bigbird,strided_causal,per_head_mix --block_patterns=bigbird \
       --report="$OUT/parity.json" ;;
+  parity16) stage parity16 "${PARITY16_S:-90}" python3 tests/parity_test.py \
+      ParityTest.test_attention --device=gpu --seq_lens=1000 --num_heads=8 --head_dims=128 \
+      --block_sizes=64,128 --dtypes=bfloat16,float16 --batch=2 \
+      --patterns=causal,local,bigbird,strided_causal,per_head_mix,longformer \
+      --report="$OUT/parity16.json" ;;
   *) echo "unknown stage $st" ;;
 esac; done; done
 ls -la "$OUT"
