@@ -68,7 +68,7 @@ PRESETS = {
                 dtype="float32", iters=3, warmup=1, budget_s=300.0, world=4,
                 comm_sizes=[2 ** k for k in range(10, 21, 2)], microbatches=4),
     "gpu2": dict(batch=1, seq_len=8192, d_model=8192, num_heads=64, d_ff=32768, block_size=128,
-                 dtype="bfloat16", iters=5, warmup=2, budget_s=150.0, world=None,
+                 dtype="bfloat16", iters=15, warmup=3, budget_s=150.0, world=None,
                  comm_sizes=[2 ** k for k in range(10, 30, 2)] + [2 ** 29], microbatches=4),
 }
 _GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -461,7 +461,8 @@ def _stage_comm(rank, world, spec, device, groups):
 def _stage_dtensor(rank, world, spec, device, groups):
     import torch  # noqa: PLC0415
     from torch import nn  # noqa: PLC0415
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
     from torch.distributed.tensor.parallel import (  # noqa: PLC0415
         ColwiseParallel,
         RowwiseParallel,
@@ -471,19 +472,29 @@ def _stage_dtensor(rank, world, spec, device, groups):
     from sparsetp.backends.torch.block import TORCH_DTYPES  # noqa: PLC0415
 
     dtype = TORCH_DTYPES[spec["dtype"]]
-    mesh = init_device_mesh(device.type, (world,))
-    gen = torch.Generator(device=device).manual_seed(0)
     d, ff = spec["d_model"], spec["d_ff"]
-    m = nn.Sequential(nn.Linear(d, ff, device=device, dtype=dtype), nn.GELU(approximate="tanh"),
-                      nn.Linear(ff, d, device=device, dtype=dtype))
-    m = parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    shape = (spec["batch"], spec["seq_len"], d)
-    x = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    dy = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    meas = _measure_torch(m, x, dy, device, spec["iters"], spec["warmup"], None)
-    meas["param_bytes"] = sum(p.to_local().numel() * p.to_local().element_size()
-                              for p in m.parameters())
-    return [dict(p=world, **meas)]
+    rows = []
+    # Every TP size > 1, like the torch_mlp stage (ranks >= p wait at the barrier).
+    for p in sorted(k for k in groups if k != "solo" and k > 1):
+        if rank < p:
+            mesh = DeviceMesh.from_group(groups[p], device.type)
+            gen = torch.Generator(device=device).manual_seed(0)
+            m = nn.Sequential(nn.Linear(d, ff, device=device, dtype=dtype),
+                              nn.GELU(approximate="tanh"),
+                              nn.Linear(ff, d, device=device, dtype=dtype))
+            m = parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            shape = (spec["batch"], spec["seq_len"], d)
+            x = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+            dy = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+            meas = _measure_torch(m, x, dy, device, spec["iters"], spec["warmup"], groups[p])
+            meas["param_bytes"] = sum(q.to_local().numel() * q.to_local().element_size()
+                                      for q in m.parameters())
+            rows.append(dict(p=p, **meas))
+            m = x = dy = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        dist.barrier()
+    return rows
 
 
 def _stage_ddp(rank, world, spec, device, groups):

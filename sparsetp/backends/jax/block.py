@@ -137,7 +137,10 @@ def block_layout(config: HybridConfig, seq_len: int) -> BlockLayout:
     return make_layout(config.pattern, seq_len, config.num_heads, config.block_size)
 
 
+@functools.partial(jax.checkpoint, static_argnums=(3,))
 def _layer_norm(x, w, b, eps):
+    # checkpoint: the backward keeps x (compute dtype) and recomputes mean/rstd, instead of
+    # autodiff's three fp32 [T, d] residuals (torch keeps x plus [T] mean and rstd).
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     mu = xf.mean(-1, keepdims=True)
     var = jnp.square(xf - mu).mean(-1, keepdims=True)
