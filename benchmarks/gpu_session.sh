@@ -5,6 +5,7 @@
 # back: 4 logs + 4 JSON). Run from the repo root with carry [".whl", ".gpu_deps"].
 #   usage: bash benchmarks/gpu_session.sh [stage ...]   (default: check attn tp parity)
 #   stages: check attn tp parity (PARITY_TP, default 1,2) parity16 (bf16/fp16 attention only)
+#   demo (the main job on 2 GPUs, torch and JAX, bf16)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -38,6 +39,10 @@ for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
       --block_sizes=64,128 --dtypes=bfloat16,float16 --batch=2 \
       --patterns=causal,local,bigbird,strided_causal,per_head_mix,longformer \
       --report="$OUT/parity16.json" ;;
+  demo) stage demo_torch "${DEMO_S:-90}" python3 -m sparsetp demo --backend torch --tp 2 \
+      --device cuda --dtype bfloat16
+    stage demo_jax "${DEMO_S:-90}" python3 -m sparsetp demo --backend jax --tp 2 --device cuda \
+      --dtype bfloat16 ;;
   *) echo "unknown stage $st" ;;
 esac; done; done
 ls -la "$OUT"
