@@ -25,6 +25,9 @@ EXAMPLE_PATTERNS: dict[str, Callable[[int, int], P.Pattern]] = {
     "strided": lambda n, b: P.strided(3, b, offset=1),
     "strided_causal": lambda n, b: P.strided(4, b, per_head_offset=True) & P.causal()
     | P.local(b - 1, 0),
+    # Plain intersection, no local band: query blocks off the stride get no diagonal tile, only
+    # full earlier strided blocks; blocks on the stride get a causal (partial) diagonal tile.
+    "strided_and_causal": lambda n, b: P.strided(4, b) & P.causal(),
     "random": lambda n, b: P.random_blocks(2, b, seed=7),
     "global": lambda n, b: P.global_tokens(b // 2 + 3),
     "bigbird": lambda n, b: P.bigbird(b, 3, 1, 1, seed=3),

@@ -169,6 +169,12 @@ class KernelCall:
 
 def check_head_dim(head_dim: int, arg: str = "q") -> int:
     if head_dim not in SUPPORTED_HEAD_DIMS:
+        if isinstance(head_dim, int) and head_dim > max(SUPPORTED_HEAD_DIMS):
+            raise ValueError(
+                f"{arg} has head dim {head_dim}; head dims above {max(SUPPORTED_HEAD_DIMS)} are "
+                f"not supported (supported: {SUPPORTED_HEAD_DIMS}): the kernels keep "
+                f"[BLOCK, {head_dim}] fp32 accumulators in registers, which would not fit "
+                "without a split-D accumulator")
         raise ValueError(f"{arg} has head dim {head_dim}; supported head dims are "
                          f"{SUPPORTED_HEAD_DIMS} (tl.dot needs >= 16 and a power of two)")
     return int(head_dim)

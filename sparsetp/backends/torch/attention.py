@@ -200,7 +200,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
     Args:
       q, k, v: ``[B, H, N, D]`` tensors of one dtype (float16, bfloat16, float32; float64 works
-        too, mainly for gradcheck) on one device, any strides; ``D`` in 16, 32, 64, 128.
+        too, mainly for gradcheck) on one device, any strides. Supported head dims ``D`` are
+        16, 32, 64 and 128; any other ``D`` raises ``ValueError`` (above 128 the fp32
+        accumulators would not fit in registers).
       layout: a :class:`BlockLayout` for ``seq_len=N``, ``num_heads=H``.
       scale: softmax scale, default ``D ** -0.5``.
       return_lse: also return the log-sum-exp ``[B, H, N]`` (float32; differentiable).
