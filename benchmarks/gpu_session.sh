@@ -5,6 +5,7 @@
 # back: 4 logs + 4 JSON). Run from the repo root with carry [".whl", ".gpu_deps"].
 #   usage: bash benchmarks/gpu_session.sh [stage ...]   (default: check attn tp parity)
 #   stages: check attn tp parity (PARITY_TP, default 1,2) parity16 (bf16/fp16 attention only)
+#   probe (JAX MLP fwd+bwd variants on one GPU, issue #9)
 #   demo (the main job on 2 GPUs, torch and JAX, bf16)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,7 +25,7 @@ stage() {  # name limit_s command...
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
   check) stage check "${CHECK_S:-85}" python3 benchmarks/gpu_attention_check.py \
-      --out="$OUT/check.json" --budget_s="${CHECK_BUDGET:-70}" --timing_n= ;;
+      --out="$OUT/check.json" --budget_s="${CHECK_BUDGET:-70}" --timing_n= ${CHECK_ARGS:-} ;;
   attn) stage attn "${ATTN_S:-130}" python3 -m sparsetp.bench attention --preset=targets \
       --out_dir="$OUT" --json_name=attention.json --noplots --budget_s="${ATTN_BUDGET:-105}" ;;
   tp) stage tp "${TP_S:-105}" python3 -m sparsetp.bench tp --preset=gpu2 --out_dir="$OUT" \
@@ -43,6 +44,10 @@ for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
       --device cuda --dtype bfloat16
     stage demo_jax "${DEMO_S:-90}" python3 -m sparsetp demo --backend jax --tp 2 --device cuda \
       --dtype bfloat16 ;;
+  probe) PROBE_OUT=$OUT/probe_default.json stage probe_default "${PROBE_S:-60}" \
+      python3 benchmarks/jax_mlp_probe.py
+    PROBE_OUT=$OUT/probe_notriton.json XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \
+      stage probe_notriton "${PROBE_S:-60}" python3 benchmarks/jax_mlp_probe.py ;;
   *) echo "unknown stage $st" ;;
 esac; done; done
 ls -la "$OUT"

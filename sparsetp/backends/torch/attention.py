@@ -180,6 +180,9 @@ class _SparseAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, scale):
         out, lse = _forward(q, k, v, layout, scale)
+        # An unused lse (return_lse=False) then reaches backward as None, not as a zeros tensor
+        # that would cost three elementwise kernels per backward for nothing.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout = layout
         ctx.scale = scale
