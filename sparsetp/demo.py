@@ -39,7 +39,7 @@ from sparsetp.core import (
 )
 from sparsetp.core import patterns as P
 
-__all__ = ["DemoArgs", "main", "TOLERANCE"]
+__all__ = ["DemoArgs", "main", "validate", "TOLERANCE"]
 
 # Scaled max error max|got - want| / max(1, max|want|) allowed per parameter dtype. float32:
 # O(1) values, reductions <= a few thousand long with IEEE (not TF32) dots -> errors ~1e-6, so 1e-4
@@ -124,6 +124,16 @@ def main(args: DemoArgs) -> int:
     return _torch_main(args)
 
 
+def validate(cfg: HybridConfig, tp: int) -> None:
+    """Raise ValueError for sizes the ranks would reject: heads or d_ff not divisible by ``tp``,
+    or a head dim the kernels do not support. Both demos call it before any process, process
+    group or device mesh exists, so a bad size fails at once with one error."""
+    from sparsetp.kernels.launch import check_head_dim  # noqa: PLC0415 (imports Triton)
+
+    check_tp_size(cfg, tp)
+    check_head_dim(cfg.head_dim, f"d_model={cfg.d_model} / num_heads={cfg.num_heads}")
+
+
 # ---------------------------------------------------------------------------------------------
 # torch
 
@@ -146,15 +156,14 @@ def _torch_main(args: DemoArgs) -> int:
         if args.tp is not None and args.tp != world:
             raise ValueError(f"--tp={args.tp} but torchrun started WORLD_SIZE={world} processes")
         args = dataclasses.replace(args, tp=world).with_defaults(on_gpu)
-        args.config()  # validate before any process group exists
+        validate(args.config(), world)  # before any process group exists
         return _torch_worker(int(os.environ["RANK"]), args, None)
 
     if args.tp is None:
         import torch
         args = dataclasses.replace(args, tp=torch.cuda.device_count() if on_gpu else 4)
     args = args.with_defaults(on_gpu)
-    cfg = args.config()  # validate (and fail) in the parent, before spawning
-    check_tp_size(cfg, args.tp)
+    validate(args.config(), args.tp)  # fail in the parent, before spawning
     if on_gpu:
         import torch
         if args.tp > torch.cuda.device_count():

@@ -215,12 +215,15 @@ class HybridBlockTest(parameterized.TestCase):
         for name in ref_grads:
             assert_close(grads[name], ref_grads[name], "float32", grad=True, what=f"d {name}")
 
-    def test_no_bias_sharded_equals_unsharded(self):
-        config = _block_config(bias=False, pattern="per_head_mix")
+    # The biased case checks one mesh size (test_matches_oracle covers bias on every size):
+    # a row-parallel bias added per shard instead of once after the all-reduce shows at any tp.
+    @parameterized.named_parameters(("no_bias", False, (2, 4)), ("bias", True, (4,)))
+    def test_sharded_equals_unsharded(self, bias, mesh_sizes):
+        config = _block_config(bias=bias, pattern="per_head_mix")
         params, x, dy = self._problem(config, seed=1)
         y0, dx0, g0 = self._run(params, x, dy, config, None)
         assert_close(y0, reference.hybrid_block(params, x, config), "float32", what="y")
-        for tp in (2, 4):
+        for tp in mesh_sizes:
             y, dx, g = self._run(params, x, dy, config, tp)
             # Same kernel per head; only the summation order of the all-reduces differs.
             assert_close(y, y0, "float32", what=f"y tp={tp}")

@@ -16,6 +16,7 @@ stays ~1e-6, covered by rtol. float64 runs use atol 1e-10.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import unittest
 
@@ -260,6 +261,60 @@ def _check_block(rank, world, bias):
     return y.detach().cpu().numpy(), xt.grad.cpu().numpy()
 
 
+# Every torch.distributed collective a layer could issue; the counting test wraps them all, so
+# a stray all-gather or broadcast shows up too, not only a missing or doubled all-reduce.
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                "reduce_scatter_tensor", "broadcast", "all_to_all", "all_to_all_single", "reduce")
+
+
+@contextlib.contextmanager
+def _recording_collectives():
+    """Wrap the collectives in ``torch.distributed`` (in this spawned rank only) and yield the
+    list of ``(name, shape)`` of every call, in order; an ``all_reduce`` with ``async_op=True``
+    (the overlapped backward of ``comm.all_reduce_async``) is recorded as ``all_reduce_async``.
+    ``sparsetp.backends.torch.comm`` looks the functions up on the module at call time."""
+    calls = []
+    real = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def wrap(name):
+        def wrapped(tensor, *args, **kwargs):
+            tag = f"{name}_async" if kwargs.get("async_op") else name
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else None
+            calls.append((tag, shape))
+            return real[name](tensor, *args, **kwargs)
+        return wrapped
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, wrap(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def _count_collectives(rank, world):
+    """Collectives issued by ParallelMLP and HybridBlock forward and backward, with and without
+    the overlapped backward; returns ``{(layer, overlap, pass): [(name, shape), ...]}``."""
+    cfg = HybridConfig(d_model=32, num_heads=2, d_ff=64, pattern=P.causal(), block_size=16)
+    params = init_params(cfg, 5)
+    g = torch.Generator().manual_seed(3)
+    x0, dy = (torch.randn(1, 32, 32, generator=g) for _ in range(2))
+    out = {}
+    for overlap in (True, False):
+        layers = {"mlp": ParallelMLP(32, 64, seed=1, overlap_comm=overlap),
+                  "block": HybridBlock.from_params(cfg, params, overlap_comm=overlap)}
+        for name, layer in layers.items():
+            x = x0.clone().requires_grad_(True)
+            with _recording_collectives() as fwd:
+                y = layer(x)
+            with _recording_collectives() as bwd:
+                y.backward(dy)
+            assert x.grad is not None and all(p.grad is not None for p in layer.parameters())
+            out[name, overlap, "fwd"], out[name, overlap, "bwd"] = fwd, bwd
+    return out
+
+
 def _fail_on_rank_one(rank, world):
     if rank == 1:
         raise RuntimeError("deliberate failure on rank 1")
@@ -353,6 +408,25 @@ class DistributedLayersTest(parameterized.TestCase):
         results = dist_utils.run_distributed(_check_layers, world)
         for mlp_out in results[1:]:  # every rank holds the same (replicated) output, bitwise
             np.testing.assert_array_equal(mlp_out, results[0])
+
+
+class CollectiveCountTest(absltest.TestCase):
+    def test_all_reduces_per_forward_and_backward(self):
+        """Megatron's budget at TP 2: ParallelMLP all-reduces once forward (fc2's output) and
+        once backward (fc1's input gradient); HybridBlock twice each way (attention and MLP).
+        The overlapped backward issues the same reduction asynchronously; nothing else runs."""
+        counts = dist_utils.run_distributed(_count_collectives, 2, timeout=120)
+        act = (1, 32, 32)  # every reduction is of a full [B, N, d_model] activation or gradient
+        for rank, got in enumerate(counts):
+            for overlap in (True, False):
+                bwd = "all_reduce_async" if overlap else "all_reduce"
+                want = {("mlp", "fwd"): [("all_reduce", act)],
+                        ("mlp", "bwd"): [(bwd, act)],
+                        ("block", "fwd"): [("all_reduce", act)] * 2,
+                        ("block", "bwd"): [(bwd, act)] * 2}
+                for (layer, pass_), calls in want.items():
+                    self.assertEqual(got[layer, overlap, pass_], calls,
+                                     f"rank {rank} {layer} {pass_} overlap_comm={overlap}")
 
 
 class DistributedBlockTest(parameterized.TestCase):

@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from sparsetp.core import check_tp_size, init_params, make_layout, param_shapes, reference
-from sparsetp.demo import TOLERANCE, DemoArgs
+from sparsetp.core import init_params, make_layout, param_shapes, reference
+from sparsetp.demo import TOLERANCE, DemoArgs, validate
 
 __all__ = ["main"]
 
@@ -90,7 +90,7 @@ def main(args: DemoArgs) -> int:
 
     args = dataclasses.replace(args, tp=tp).with_defaults(on_gpu)
     cfg = args.config()
-    check_tp_size(cfg, tp)
+    validate(cfg, tp)  # before the mesh (and after _setup_jax: it imports the kernels)
     if cfg.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     devices = jax.devices("gpu" if on_gpu else "cpu")[:tp]
