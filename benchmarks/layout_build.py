@@ -33,8 +33,11 @@ def cases(bs):
         "fixed(256,32)": P.fixed(256, 32),
         "strided(16,bs,per_head)&causal": P.strided(16, bs, per_head_offset=True) & P.causal(),
         "random_blocks(2,bs)": P.random_blocks(2, bs, seed=0),
+        # Pattern blocks smaller than the layout's: several random cells per tile.
+        "random_blocks(2,32)": P.random_blocks(2, 32, seed=0),
         "global_tokens(bs)": P.global_tokens(bs),
         "bigbird(bs,3,1,2)": P.bigbird(bs, 3, 1, 2, seed=0),
+        "bigbird(64,3,1,2)": P.bigbird(64, 3, 1, 2, seed=0),
         "longformer(1024,64)": P.longformer(1024, 64),
         "per_head(causal,local)": P.per_head([P.causal(), P.local(1023, 0)]),
     }
@@ -49,7 +52,7 @@ def main(argv):
         times = []
         for _ in range(FLAGS.repeats):
             P._KINDS_CACHE.clear()
-            P._random_table.cache_clear()
+            P._random_chosen.cache_clear()
             t0 = time.perf_counter()
             lay = make_layout(p, n, FLAGS.num_heads, bs)
             times.append(time.perf_counter() - t0)

@@ -43,6 +43,11 @@ SPECS = {
     "strided_per_head": (P.strided(4, 8, offset=1, per_head_offset=True),
                          lambda h, i, j, n: (j // 8 + 1 + h) % 4 == 0),
     "random": (P.random_blocks(2, 16, seed=5), _random_spec(2, 16, 5)),
+    # Pattern block vs layout tile: per-token cells (tile = many cells), cells straddling tiles
+    # (neither divides the other), cells of several tiles (block a multiple of the tile).
+    "random_tokens": (P.random_blocks(3, 1, seed=4), _random_spec(3, 1, 4)),
+    "random_straddling": (P.random_blocks(3, 5, seed=1), _random_spec(3, 5, 1)),
+    "random_wide": (P.random_blocks(1, 32, seed=3), _random_spec(1, 32, 3)),
     "global": (P.global_tokens(6), lambda h, i, j, n: (i < 6) | (j < 6)),
     "block_local": (P.block_local(8, 1, 2),
                     lambda h, i, j, n: (i // 8 - 1 <= j // 8) & (j // 8 <= i // 8 + 2)),
@@ -200,10 +205,19 @@ class PatternTest(parameterized.TestCase):
         self.assertEqual(bm(P.causal(), n=40), [[1, 0, 0], [2, 1, 0], [2, 2, 1]])
         self.assertEqual(bm(P.dense(), n=40), [[2] * 3] * 3)
         self.assertEqual(bm(P.local(23, 0), n=40), [[1, 0, 0], [1, 1, 0], [1, 2, 1]])
-        # Random: per_row=1 of 4 blocks, every row exactly one full tile.
+        # Random: per_row=1 of 4 blocks, every row exactly one full tile. The exact blocks pin
+        # the documented draw (default_rng((seed, h)), Floyd's sampling); the property test
+        # checks them against an independent re-statement of that draw.
         rnd = np.array(bm(P.random_blocks(1, 16, seed=0)))
         self.assertEqual(sorted(set(rnd.ravel().tolist())), [0, 2])
         self.assertEqual((rnd == 2).sum(1).tolist(), [1, 1, 1, 1])
+        self.assertEqual(rnd.tolist(), [[0, 0, 0, 2], [0, 0, 2, 0], [0, 0, 2, 0], [0, 2, 0, 0]])
+        # Pattern blocks of 8 in tiles of 16: one random 8 x 8 cell per 8 query rows.
+        self.assertEqual(bm(P.random_blocks(1, 8, seed=0)),
+                         [[0, 0, 1, 1], [0, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]])
+        self.assertEqual(bm(P.bigbird(16, 3, 1, 1, seed=0), n=96),
+                         [[2, 2, 2, 2, 2, 2], [2, 2, 2, 2, 0, 0], [2, 2, 2, 2, 0, 0],
+                          [2, 2, 2, 2, 2, 0], [2, 2, 0, 2, 2, 2], [2, 0, 0, 0, 2, 2]])
 
     def test_masks_are_deduplicated(self):
         lay = make_layout(P.causal(), 1024, 8, 64)
@@ -238,6 +252,11 @@ class PatternTest(parameterized.TestCase):
         self.assertIn("q_order", lay.metadata())
         self.assertIn("k_order", lay.metadata())
         self.assertEqual(work_order(np.array([[2, 5, 2, 5, 1]])).tolist(), [[1, 3, 0, 2, 4]])
+
+    def test_block_size_accepts_numpy_ints(self):
+        lay = make_layout(P.causal(), 64, 1, np.int64(32))
+        self.assertIs(type(lay.block_size), int)
+        self.assertEqual(lay.block_mask.shape, (1, 2, 2))
 
     def test_density_and_metadata_dtypes(self):
         lay = make_layout(P.causal(), 256, 2, 64)
@@ -308,6 +327,8 @@ class ValueSemanticsTest(absltest.TestCase):
             (lambda: P.bigbird(64, 2, 1, 1, 0), "window_blocks"),
             (lambda: P.per_head([]), "patterns"),
             (lambda: make_layout(P.causal(), 64, 1, 48), "block_size"),
+            (lambda: make_layout(P.causal(), 64, 1, 64.0), "block_size"),
+            (lambda: make_layout(P.causal(), 64, 1, True), "block_size"),
             (lambda: make_layout(P.causal(), 0, 1, 16), "seq_len"),
             (lambda: make_layout(P.causal(), 64, 0, 16), "num_heads"),
             (lambda: make_layout("causal", 64, 1, 16), "pattern"),

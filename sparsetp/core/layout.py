@@ -329,8 +329,12 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
         raise ValueError(f"pattern must be a sparsetp Pattern, got {type(pattern).__name__}")
     seq_len = _check_int("seq_len", seq_len, 1)
     num_heads = _check_int("num_heads", num_heads, 1)
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+    # Type first: 64.0 == 64 would pass the membership test and fail later with a TypeError.
+    if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
+            or block_size not in SUPPORTED_BLOCK_SIZES):
+        raise ValueError(
+            f"block_size must be an int, one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+    block_size = int(block_size)
     pattern._validate(seq_len)
     mask_ids: dict[bytes, int] = {}
     by_key: dict = {}

@@ -386,8 +386,10 @@ class GlobalTokens(Pattern):
 
 
 @functools.lru_cache(maxsize=64)
-def _random_table(per_row: int, block: int, seed: int, h: int, n: int) -> np.ndarray:
-    """bool[nb, nb]: the key blocks each query block of head h attends to.
+def _random_chosen(per_row: int, block: int, seed: int, h: int, n: int) -> np.ndarray:
+    """int64[nb, per_row]: the key blocks each query block of head h attends to (distinct per
+    row, in draw order). O(nb * per_row) memory: never the nb x nb table, which is N x N when
+    ``block == 1``.
 
     Documented draw (Floyd's sampling without replacement, vectorised over query blocks):
     ``rng = numpy.random.default_rng((seed, h))``; for step ``s = 0 .. per_row-1`` with
@@ -403,26 +405,54 @@ def _random_table(per_row: int, block: int, seed: int, h: int, n: int) -> np.nda
         t = rng.integers(0, j + 1, size=nblk)
         dup = (chosen[:, :s] == t[:, None]).any(axis=1)
         chosen[:, s] = np.where(dup, j, t)
-    table = np.zeros((nblk, nblk), bool)
-    np.put_along_axis(table, chosen, True, axis=1)
-    table.setflags(write=False)
-    return table
+    chosen.setflags(write=False)
+    return chosen
 
 
-def _table_kinds(table: np.ndarray, block: int, block_size: int, n: int) -> np.ndarray:
-    """Exact tile kinds of a pattern constant on ``block x block`` cells (prefix sums)."""
+def _cell_tiles(block: int, block_size: int, n: int):
+    """Per pattern cell (``block`` tokens, the last one clipped at n): the first tile it touches
+    and how many tiles it touches (int64[nb_cells] each)."""
+    first = np.arange(-(-n // block), dtype=np.int64) * block
+    last = np.minimum(first + block, n) - 1
+    t0 = first // block_size
+    return t0, last // block_size - t0 + 1
+
+
+def _chosen_kinds(chosen: np.ndarray, block: int, block_size: int, n: int) -> np.ndarray:
+    """Exact tile kinds of a pattern that allows the cells ``(r, chosen[r, k])`` of a grid of
+    ``block x block`` cells: never builds the cell grid, only lists the chosen cells.
+
+    A tile is FULL when every cell it touches (its valid tokens only) is chosen, EMPTY when none
+    is. Cells are distinct per row, so counting the chosen cells a tile touches decides both.
+    """
     lo, hi = _tile_bounds(block_size, n)
-    if block % block_size == 0:  # every tile lies inside one cell
-        cell = lo // block
-        return np.where(table[cell[:, None], cell[None, :]], FULL, EMPTY).astype(np.int8)
-    r0, r1 = lo // block, hi // block
-    s = np.zeros((table.shape[0] + 1, table.shape[1] + 1), np.int64)
-    s[1:, 1:] = table.cumsum(0).cumsum(1)
-    c0, c1 = r0, r1
-    count = (s[r1[:, None] + 1, c1[None, :] + 1] - s[r0[:, None], c1[None, :] + 1]
-             - s[r1[:, None] + 1, c0[None, :]] + s[r0[:, None], c0[None, :]])
-    area = (r1 - r0 + 1)[:, None] * (c1 - c0 + 1)[None, :]
-    return np.where(count == area, FULL, np.where(count == 0, EMPTY, PARTIAL)).astype(np.int8)
+    nb = lo.shape[0]
+    if block % block_size == 0:  # every tile lies inside one cell: look the cells up
+        per = block // block_size
+        kinds = np.zeros((nb, nb), np.int8)
+        cols = chosen[lo // block][:, :, None] * per + np.arange(per)  # [nb, per_row, per]
+        rows = np.broadcast_to(np.arange(nb)[:, None, None], cols.shape)
+        keep = cols < nb
+        kinds[rows[keep], cols[keep]] = FULL
+        return kinds
+    # Tiles touched by each chosen cell: a t_q x t_k rectangle starting at (q0, k0); when
+    # block_size % block == 0 it is one tile (t_q = t_k = 1), a plain count per tile id.
+    t0, span = _cell_tiles(block, block_size, n)
+    rows = np.broadcast_to(np.arange(chosen.shape[0])[:, None], chosen.shape).ravel()
+    cols = chosen.ravel()
+    q0, k0 = t0[rows], t0[cols]
+    ids = []
+    for a in range(int(span.max())):
+        for b in range(int(span.max())):
+            sel = (a < span[rows]) & (b < span[cols])
+            ids.append((q0[sel] + a) * nb + (k0[sel] + b))
+    tile, count = np.unique(np.concatenate(ids), return_counts=True)
+    qi, kj = np.divmod(tile, nb)
+    # Cells a tile touches per axis (the ragged last tile touches fewer).
+    cells = hi // block - lo // block + 1
+    kinds = np.zeros((nb, nb), np.int8)
+    kinds[qi, kj] = np.where(count == cells[qi] * cells[kj], FULL, PARTIAL)
+    return kinds
 
 
 @_frozen
@@ -443,26 +473,43 @@ class RandomBlocks(Pattern):
                 f"per_row={self.per_row} is larger than the number of key blocks "
                 f"({nblk} blocks of {self.block} tokens for seq_len={seq_len})")
 
-    def table(self, h: int, n: int) -> np.ndarray:
+    def chosen(self, h: int, n: int) -> np.ndarray:
+        """int64[nb, per_row] (read-only): the key blocks of every query block of head ``h``."""
         self._validate(n)
-        return _random_table(self.per_row, self.block, self.seed, int(h), int(n))
+        return _random_chosen(self.per_row, self.block, self.seed, int(h), int(n))
+
+    def table(self, h: int, n: int) -> np.ndarray:
+        """bool[nb, nb]: the dense block table of head ``h`` (O(nb^2): for mask_mods and tests;
+        layouts never build it)."""
+        chosen = self.chosen(h, n)
+        table = np.zeros((chosen.shape[0],) * 2, bool)
+        np.put_along_axis(table, chosen, True, axis=1)
+        return table
 
     def _token(self, h, i, j, n):
-        return self.table(h, n)[i // self.block, j // self.block]
+        chosen = self.chosen(h, n)
+        ci, cj = chosen[i // self.block], j // self.block
+        out = ci[..., 0] == cj
+        for k in range(1, self.per_row):
+            out |= ci[..., k] == cj
+        return out
 
     def _block_kinds(self, h, block_size, n):
-        return _table_kinds(self.table(h, n), self.block, block_size, n)
+        return _chosen_kinds(self.chosen(h, n), self.block, block_size, n)
 
     def _tile_classes(self, h, block_size, n, qi, kj):
-        # A tile covering c x c whole cells is classed by the bits of those cells.
+        # A tile covering c x c whole cells is classed by the bits of those cells (bit a*c + b:
+        # query cell qi*c + a, key cell kj*c + b, clipped to the last cell).
         c = block_size // self.block
         if block_size % self.block or c * c > 62:
             return None
-        table = self.table(h, n)
+        chosen = self.chosen(h, n)
+        last = chosen.shape[0] - 1
         a = np.arange(c)
-        rows = np.minimum(qi[:, None, None] * c + a[None, :, None], table.shape[0] - 1)
-        cols = np.minimum(kj[:, None, None] * c + a[None, None, :], table.shape[1] - 1)
-        bits = table[rows, cols].reshape(qi.size, c * c).astype(np.int64)
+        rows = np.minimum(qi[:, None] * c + a[None, :], last)  # [P, c]
+        cols = np.minimum(kj[:, None] * c + a[None, :], last)  # [P, c]
+        hit = (chosen[rows][:, :, None, :] == cols[:, None, :, None]).any(-1)  # [P, c, c]
+        bits = hit.reshape(qi.size, c * c).astype(np.int64)
         return bits @ (np.int64(1) << np.arange(c * c, dtype=np.int64))
 
     def head_key(self, h):
