@@ -375,16 +375,17 @@ def _bwd_cfgs(sub, warps, stages):
     return {"bwd_dq": c, "bwd_dkdv": c}
 
 
-# (label, work_order, tile-config overrides). Defaults: see launch.tile_config (bs 128, D 128
-# bf16: fwd sub 64 / 8 warps / 3 stages; dQ and dK/dV sub 32 / 8 warps / 3 stages).
+# (label, work_order, tile-config overrides). Defaults: see launch.tile_config and
+# launch._OPTIONS (bs 128, D 128 bf16: fwd sub 64 / 8 warps / 3 stages; dQ and dK/dV sub 64 /
+# 8 warps / 2 stages; heads-fastest longest-first order). Session 3's run4 swept the older
+# alternatives (natural order, sub 16 / 128, the tutorial's 4 warps / 5 stages, fwd sub 128 / 32);
+# this list checks the new defaults against their predecessors in one run.
 SWEEP = [
-    ("order=natural", "natural", {}),
-    ("order=longest_first_bh", "longest_first_bh", {}),
-    ("bwd sub16 w8 s3", None, _bwd_cfgs(16, 8, 3)),
-    ("bwd sub64 w8 s2", None, _bwd_cfgs(64, 8, 2)),
-    ("bwd sub32 w4 s5 (tutorial)", None, _bwd_cfgs(32, 4, 5)),
-    ("bwd sub128 w8 s1 (old)", None, _bwd_cfgs(128, 8, 1)),
-    ("fwd sub128 w8 s2", None, {"fwd": L.TileConfig(128, 128, 8, 2, sub=128)}),
+    ("default", None, {}),
+    ("order=longest_first (old default)", "longest_first", {}),
+    ("bwd sub32 w8 s3 (old default)", None, _bwd_cfgs(32, 8, 3)),
+    ("bwd sub64 w8 s3", None, _bwd_cfgs(64, 8, 3)),
+    ("bwd sub64 w4 s2", None, _bwd_cfgs(64, 4, 2)),
     ("fwd sub32 w4 s4", None, {"fwd": L.TileConfig(128, 128, 4, 4, sub=32)}),
 ]
 

@@ -44,8 +44,9 @@ for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
       --device cuda --dtype bfloat16
     stage demo_jax "${DEMO_S:-90}" python3 -m sparsetp demo --backend jax --tp 2 --device cuda \
       --dtype bfloat16 ;;
-  probe) PROBE_OUT=$OUT/probe_default.json stage probe_default "${PROBE_S:-60}" \
-      python3 benchmarks/jax_mlp_probe.py
+  probe) PROBE_OUT=$OUT/probe_default.json PROBE_HLO=$OUT/probe_fwd_bwd_hlo.txt \
+      stage probe_default "${PROBE_S:-60}" python3 benchmarks/jax_mlp_probe.py ;;
+  probe_notriton)
     PROBE_OUT=$OUT/probe_notriton.json XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \
       stage probe_notriton "${PROBE_S:-60}" python3 benchmarks/jax_mlp_probe.py ;;
   *) echo "unknown stage $st" ;;

@@ -68,7 +68,10 @@ def main(_):
                                                                          axis_name=None),
                 "barrier_gelu": _mlp(_barrier_gelu()),
                 "no_bias": lambda w1, b1, w2, b2, x: layers.parallel_mlp(x, w1, None, w2, None,
-                                                                         axis_name=None)}
+                                                                         axis_name=None),
+                # Tokens as one 2-D [T, d] operand (no leading batch dim in the dot_generals).
+                "x2d": lambda w1, b1, w2, b2, x: layers.parallel_mlp(
+                    x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, axis_name=None).reshape(x.shape)}
     for name, f in variants.items():
         def fb(a, dy, f=f):
             y, vjp = jax.vjp(f, *a)
@@ -77,6 +80,9 @@ def main(_):
                              ("fwd_bwd", jax.jit(fb), (args, dy))):
             c = fn.lower(*fa).compile()
             hlo = c.as_text()
+            if name == "library" and mode == "fwd_bwd" and os.environ.get("PROBE_HLO"):
+                with open(os.environ["PROBE_HLO"], "w") as f:
+                    f.write(hlo)
             kinds = dict(cublas=len(re.findall(r'custom_call_target="__cublas', hlo)),
                          triton_gemm=len(re.findall(r'"kind":"__triton_gemm"', hlo)),
                          fusions=len(re.findall(r"\bfusion\(", hlo)))

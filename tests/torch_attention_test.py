@@ -215,6 +215,7 @@ class TorchLaunchConfigTest(parameterized.TestCase):
     def test_override_restores_and_validates(self):
         before = L.tile_config("bwd_dkdv", head_dim=64, dtype="bfloat16", block_size=128,
                                device_kind="cuda")
+        order = L._OPTIONS["work_order"]
         with L._override(work_order="natural", bwd_dkdv=L.TileConfig(128, 128, 8, 2, sub=64)):
             self.assertEqual(L._OPTIONS["work_order"], "natural")
             self.assertEqual(L.tile_config("bwd_dkdv", head_dim=64, dtype="bfloat16",
@@ -224,7 +225,8 @@ class TorchLaunchConfigTest(parameterized.TestCase):
                               device_kind="cuda")
         self.assertEqual(L.tile_config("bwd_dkdv", head_dim=64, dtype="bfloat16",
                                        block_size=128, device_kind="cuda"), before)
-        self.assertEqual(L._OPTIONS["work_order"], "longest_first")
+        self.assertEqual(L._OPTIONS["work_order"], order)
+        self.assertNotEqual(order, "natural")
         with self.assertRaisesRegex(ValueError, "work_order"):
             with L._override(work_order="random"):
                 pass

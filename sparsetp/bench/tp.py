@@ -237,6 +237,41 @@ def _time(fn, device, iters, warmup, barrier_group=None):
     return dict(median_ms=times[len(times) // 2], min_ms=times[0], iters=iters)
 
 
+def _interleaved(models: dict, x, dy, device, rounds: int, group, burst: int = 4) -> dict:
+    """A/B timing: each round times a burst of ``burst`` fwd+bwd steps (one sync at each end)
+    of every model in turn, so clock and neighbour drift hit all of them alike. Returns the
+    median per-step ms of each model and the median of the per-round ratios to the first."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    steps = {}
+    for name, m in models.items():
+        params = list(m.parameters())
+
+        def step(m=m, params=params):
+            for q in params:
+                q.grad = None
+            m(x).backward(dy)
+        steps[name] = step
+        step()  # warm-up
+    per = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            _sync(device)
+            dist.barrier(group=group)
+            t = time.perf_counter()
+            for _ in range(burst):
+                step()
+            _sync(device)
+            per[name].append(1e3 * (time.perf_counter() - t) / burst)
+    first = next(iter(models))
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    out = {f"{name}_fwd_bwd_ms": med(v) for name, v in per.items()}
+    for name in models:
+        if name != first:
+            out[f"{name}_over_{first}"] = med([b / a for a, b in zip(per[first], per[name])])
+    return dict(out, rounds=rounds, burst=burst)
+
+
 class _SavedBytes:
     """Bytes autograd saves for backward during a forward (parameters excluded, each storage
     counted once): the activation memory of the step, on any device."""
@@ -470,6 +505,7 @@ def _stage_dtensor(rank, world, spec, device, groups):
     )
 
     from sparsetp.backends.torch.block import TORCH_DTYPES  # noqa: PLC0415
+    from sparsetp.backends.torch.layers import ParallelMLP  # noqa: PLC0415
 
     dtype = TORCH_DTYPES[spec["dtype"]]
     d, ff = spec["d_model"], spec["d_ff"]
@@ -489,8 +525,12 @@ def _stage_dtensor(rank, world, spec, device, groups):
             meas = _measure_torch(m, x, dy, device, spec["iters"], spec["warmup"], groups[p])
             meas["param_bytes"] = sum(q.to_local().numel() * q.to_local().element_size()
                                       for q in m.parameters())
+            ours = ParallelMLP(d, ff, group=groups[p], dtype=dtype, device=device, seed=None)
+            _rand_(ours, gen)
+            meas["interleaved"] = _interleaved({"sparsetp": ours, "dtensor": m}, x, dy, device,
+                                               spec["iters"], groups[p])
             rows.append(dict(p=p, **meas))
-            m = x = dy = None
+            m = x = dy = ours = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         dist.barrier()
@@ -1064,6 +1104,9 @@ def main(argv=None) -> int:
     common.write_json(run.path, run.result)
     for line in _summary(rows):
         print(line)
+    for case in (run.result["stages"].get("dtensor") or {}).get("data") or []:
+        if "interleaved" in case:
+            print(f"interleaved fwd+bwd, p={case['p']}: {case['interleaved']}")
     print(f"wrote {run.path} in {run.result['wall_s']} s; not ok: {failed or 'none'}")
     if failed:  # the dispatcher ignores return values: a failed or skipped stage exits 1
         sys.exit(1)
