@@ -185,6 +185,19 @@ class AttentionTestBase(parameterized.TestCase):
             for a, b in zip(whole, plain, strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+    def test_larger_kernel_tile(self):
+        """Layouts launched at a kernel tile larger than their block (launch.kernel_layout, the
+        GPU's default for small blocks, forced here): out, LSE and gradients vs the oracle of
+        the layout as given, outputs poisoned; a ragged N and a partial row of kernel tiles."""
+        for name, bs in (("local", 16), ("causal", 32), ("masked_rows", 32)):
+            with self.subTest(pattern=name, block=bs):
+                layout, q, k, v, d_out = self._case(name, 100, bs, 1, 2, 16, "float32", seed=bs)
+                with kl._override(kernel_tile=64), self.poison_outputs():
+                    self.assertEqual(kl.kernel_layout(layout, "interpreter").block_size, 64)
+                    tag = f"{name} bs={bs} kernel tile 64"
+                    self._check_forward(layout, q, k, v, None, "float32", tag)
+                    self._check_backward(layout, q, k, v, None, "float32", d_out, tag)
+
     def test_strided_inputs(self):
         """[B, H, N, D] views of [B, N, H, D] buffers (non-contiguous strides) are honoured."""
         b, h, n, d = 2, 2, 70, 32

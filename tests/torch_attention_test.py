@@ -6,6 +6,7 @@ the same tests run the compiled kernels on CUDA tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import attention_test_base as base
@@ -143,8 +144,9 @@ class TorchAttentionExtrasTest(parameterized.TestCase):
 
     def test_metadata_cached_per_layout_and_device(self):
         layout = make_layout(P.causal(), 64, 1, 32)
-        a = tattn._metadata(layout, torch.device(DEVICE))
-        b = tattn._metadata(layout, torch.device(DEVICE))
+        kind = tattn._device_kind(torch.empty(0, device=DEVICE))
+        a = tattn._metadata(layout, torch.device(DEVICE), kind)
+        b = tattn._metadata(layout, torch.device(DEVICE), kind)
         self.assertIs(a["q_index"], b["q_index"])
         self.assertEqual(a["q_index"].dtype, torch.int32)
 
@@ -234,6 +236,33 @@ class TorchLaunchConfigTest(parameterized.TestCase):
             with self.assertRaisesRegex(ValueError, "sub"):
                 L.TileConfig(128, 128, 4, 2, sub=bad)
         self.assertEqual(L.TileConfig(64, 64, 4, 2).sub, 64)
+
+    def test_kernel_layout_policy(self):
+        """kernel_layout: the same token mask at the block the cost model picks; the
+        interpreter and 'layout' keep the layout's block; hand-built layouts stay as they are;
+        the result is cached per layout."""
+        window = make_layout(P.local(511, 511), 4096, 2, 32)
+        coarse = L.kernel_layout(window, "cuda")
+        self.assertEqual(coarse.block_size, 128)
+        self.assertIs(L.kernel_layout(window, "cuda"), coarse)
+        np.testing.assert_array_equal(coarse.dense_mask(), window.dense_mask())
+        self.assertIs(L.kernel_layout(window, "interpreter"), window)
+        with L._override(kernel_tile="layout"):
+            self.assertIs(L.kernel_layout(window, "cuda"), window)
+        with L._override(kernel_tile=64):
+            self.assertEqual(L.kernel_layout(window, "interpreter").block_size, 64)
+        # Random 32-token blocks: a 128 tile would compute ~16x the listed elements.
+        rand = make_layout(P.random_blocks(2, 32, seed=0), 4096, 2, 32)
+        self.assertIs(L.kernel_layout(rand, "cuda"), rand)
+        big = make_layout(P.causal(), 4096, 2, 128)
+        self.assertIs(L.kernel_layout(big, "cuda"), big)
+        literal = dataclasses.replace(window, pattern=None)
+        self.assertIs(L.kernel_layout(literal, "cuda"), literal)
+        with self.assertRaisesRegex(ValueError, "kernel_tile"):
+            with L._override(kernel_tile=48):
+                pass
+        with self.assertRaisesRegex(ValueError, "device_kind"):
+            L.kernel_layout(window, "tpu")
 
     def test_aligned_decision(self):
         """ALIGNED only when N % 16 == 0, last strides are 1 and the others multiples of 16."""

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,7 +73,7 @@ __all__ = [
     "check_dtype", "stats_dtype", "dot_precision", "dot_upcast", "mask_words", "grid", "aligned",
     "contiguous_strides",
     "fwd_call", "bwd_preprocess_call", "bwd_dq_call", "bwd_dkdv_call", "kernel",
-    "fwd_split_cap", "split_slots", "fwd_split_call", "fwd_merge_call",
+    "fwd_split_cap", "split_slots", "fwd_split_call", "fwd_merge_call", "kernel_layout",
 ]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -278,8 +279,13 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
     # H200 sweep (session 3, bf16, D=128, N=32768, benchmarks/results/
     # gpu_attention_check_h200_run4.json): 64-row sub-tiles with 2 stages beat 32 / 3 on fwd+bwd
     # by 4% (causal), 7% (window), 4% (strided); sub 16 and the whole-tile step lose 20-50%.
+    # The next sweep (session 3, run5, same shapes; benchmarks/KERNEL_NOTES.md) put 3 stages
+    # ahead of 2 at sub 64: fwd+bwd causal 40.81 vs 44.54 ms, bigbird 2.82 vs 3.16, strided
+    # 4.42 vs 4.70, window 3.66 vs 3.68. (3 stages of [64, 128] Q and dO tiles are 96 KB of
+    # shared memory, within the H100/H200's 227 KB.) FlexAttention's H100 default for D=128 is
+    # the same shape: 64 x 128, 8 warps, 3 stages.
     if bs >= 128 and head_dim == 128 and not wide:
-        return TileConfig(bs, bs, 8, 2, sub=64)
+        return TileConfig(bs, bs, 8, 3, sub=64)
     if bs >= 128:
         return TileConfig(bs, bs, 8 if head_dim >= 64 else 4, 2 if wide else 3, sub=32)
     if bs == 64:
@@ -305,15 +311,23 @@ WORK_ORDERS = ("natural", "longest_first", "longest_first_bh")
 # took BigBird's forward from 1.24 to 0.70 ms (its global rows no longer trail at the end of the
 # grid) and fwd+bwd from 5.36 to 3.02 ms, strided from 5.71 to 4.81, causal 45.8 -> 44.6, window
 # unchanged (its rows are all alike).
-_OPTIONS: dict[str, Any] = {"work_order": "longest_first_bh", "split_cap": None}
+#   kernel_tile: "auto" (default)   :func:`kernel_layout`'s cost model on CUDA; the layout's
+#                                   own block in the interpreter (CPU tests run every block);
+#               "layout"            always the layout's own block;
+#               16 / 32 / 64 / 128  that kernel tile wherever it is >= the layout block (tests
+#                                   and benchmarks; the interpreter too).
+_OPTIONS: dict[str, Any] = {"work_order": "longest_first_bh", "split_cap": None,
+                            "kernel_tile": "auto"}
 _KEEP = object()
 _OVERRIDES: dict[str, TileConfig] = {}
 
 
 @contextlib.contextmanager
-def _override(work_order: str | None = None, split_cap: Any = _KEEP, **configs: TileConfig):
+def _override(work_order: str | None = None, split_cap: Any = _KEEP,
+              kernel_tile: Any = None, **configs: TileConfig):
     """Temporarily change the work order, the forward's split cap (an int >= 1, or None for
-    off) and/or the tile config of kernels by name, e.g.
+    off), the kernel-tile policy (see :func:`kernel_layout`) and/or the tile config of kernels
+    by name, e.g.
     ``with _override(work_order="natural", bwd_dkdv=TileConfig(64, 64, 4, 2, sub=16)): ...``.
     Not thread-safe (tests and benchmarks only). Under ``jax.jit`` the option is read at trace
     time: a function traced outside the ``with`` keeps the path it was traced with."""
@@ -322,6 +336,9 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP, **configs: 
     if split_cap is not _KEEP and split_cap is not None and (
             isinstance(split_cap, bool) or not isinstance(split_cap, int) or split_cap < 1):
         raise ValueError(f"split_cap must be None or an int >= 1, got {split_cap!r}")
+    if kernel_tile is not None and kernel_tile not in ("auto", "layout", *SUPPORTED_BLOCK_SIZES):
+        raise ValueError(f"kernel_tile must be 'auto', 'layout' or one of "
+                         f"{SUPPORTED_BLOCK_SIZES}, got {kernel_tile!r}")
     for name, cfg in configs.items():
         if name not in KERNEL_NAMES or not isinstance(cfg, TileConfig):
             raise ValueError(f"override needs kernel names {KERNEL_NAMES} -> TileConfig, got "
@@ -332,6 +349,8 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP, **configs: 
             _OPTIONS["work_order"] = work_order
         if split_cap is not _KEEP:
             _OPTIONS["split_cap"] = split_cap
+        if kernel_tile is not None:
+            _OPTIONS["kernel_tile"] = kernel_tile
         _OVERRIDES.update(configs)
         yield
     finally:
@@ -339,6 +358,68 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP, **configs: 
         _OPTIONS.update(saved[0])
         _OVERRIDES.clear()
         _OVERRIDES.update(saved[1])
+
+
+# ----------------------------------------------------------------------------- kernel tiles
+# A small layout block skips empty score regions more finely, but a 32 x 32 kernel tile keeps
+# the tensor cores far less busy than a 128 x 128 one. Since a layout is exact at token level
+# (partial tiles carry their element masks), the same pattern laid out at a larger block is the
+# same attention, computed in fewer, larger tiles: the kernel tile may cover several layout
+# blocks (issue #4). Relative time per computed score element of the kernels at each block,
+# block 128 = 1; measured on an H200, bf16, D=128, window |i - j| < 512, N=32768, forward and
+# backward averaged (benchmarks/KERNEL_NOTES.md, "kernel tiles"). 16 was not measured: it is
+# taken to be no cheaper than 32.
+_ELEMENT_COST = {128: 1.0, 64: 1.17, 32: 2.3, 16: 2.3}
+_KERNEL_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layout_cost(layout) -> float:
+    """Modelled kernel time of ``layout``: computed elements x the per-element cost."""
+    bs = layout.block_size
+    return float(layout.q_count.sum()) * bs * bs * _ELEMENT_COST[bs]
+
+
+def kernel_layout(layout, device_kind: str):
+    """The layout the kernels run for ``layout``: itself, or its pattern laid out at a larger
+    block when that is modelled to be faster (same token mask, so the same attention).
+
+    Policy (``_OPTIONS["kernel_tile"]``, default ``"auto"``): on CUDA, among the layout's block
+    and every larger supported block, the one with the least ``computed elements x
+    _ELEMENT_COST[block]``; in the interpreter, the layout itself (so CPU tests run the kernels
+    at every block size). A layout without a pattern (built by hand) is launched as it is.
+    Both frontends call this, so torch and JAX launch the same tiles. The larger layouts are
+    built once per layout (cached while the layout lives).
+
+    >>> from sparsetp.core import patterns as P, make_layout
+    >>> lay = make_layout(P.local(511, 511), 4096, 2, 32)
+    >>> kernel_layout(lay, "cuda").block_size, kernel_layout(lay, "interpreter").block_size
+    (128, 32)
+    """
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind must be one of {DEVICE_KINDS}, got {device_kind!r}")
+    mode = _OPTIONS["kernel_tile"]
+    if (mode == "layout" or (mode == "auto" and device_kind != "cuda")
+            or getattr(layout, "pattern", None) is None):
+        return layout
+    if mode == "auto":
+        blocks = [b for b in SUPPORTED_BLOCK_SIZES if b > layout.block_size]
+    else:
+        blocks = [mode] if mode > layout.block_size else []
+    if not blocks:
+        return layout
+    cache = _KERNEL_LAYOUTS.setdefault(layout, {})
+    key = (mode, tuple(sorted(_ELEMENT_COST.items())))
+    if key not in cache:
+        from sparsetp.core.layout import make_layout  # noqa: PLC0415 (numpy-only spec layer)
+
+        best, best_cost = layout, _layout_cost(layout) if mode == "auto" else float("inf")
+        for b in blocks:
+            cand = make_layout(layout.pattern, layout.seq_len, layout.num_heads, b)
+            cost = _layout_cost(cand)
+            if cost < best_cost:
+                best, best_cost = cand, cost
+        cache[key] = best
+    return cache[key]
 
 
 def grid(batch: int, heads: int, seq_len: int, block_size: int,

@@ -128,12 +128,19 @@ LayoutLike = BlockLayout | LayoutArrays
 
 
 def layout_arrays(layout: LayoutLike) -> LayoutArrays:
-    """A :class:`LayoutArrays` for ``layout`` (a ``BlockLayout``, or a ``LayoutArrays`` as is)."""
+    """A :class:`LayoutArrays` for ``layout`` (a ``BlockLayout``, or a ``LayoutArrays`` as is).
+
+    A ``BlockLayout`` becomes the arrays of the layout the kernels run
+    (:func:`sparsetp.kernels.launch.kernel_layout`: on the GPU possibly the same pattern at a
+    larger kernel tile, exactly as the torch frontend launches it); a ``LayoutArrays`` is
+    launched as it is.
+    """
     if isinstance(layout, LayoutArrays):
         return layout
     if not isinstance(layout, BlockLayout):
         raise ValueError(f"layout must be a sparsetp BlockLayout or LayoutArrays, got "
                          f"{type(layout).__name__}")
+    layout = _kl.kernel_layout(layout, _device_kind())
     return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len)
 

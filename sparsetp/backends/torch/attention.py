@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -82,7 +83,10 @@ def _device_kind(t: torch.Tensor) -> str:
     raise ValueError(f"q is on unsupported device {t.device}")
 
 
-def _metadata(layout: BlockLayout, device: torch.device) -> dict[str, torch.Tensor]:
+def _metadata(layout: BlockLayout, device: torch.device, kind: str) -> dict[str, torch.Tensor]:
+    """Device tensors of the layout the kernels run (``launch.kernel_layout``: the layout, or
+    the same pattern at a larger kernel tile), cached per (kernel layout, device)."""
+    layout = L.kernel_layout(layout, kind)
     per_layout = _META_CACHE.setdefault(layout, {})
     key = str(device)
     if key not in per_layout:
@@ -122,7 +126,7 @@ def _forward(q, k, v, layout, scale):
     b, h, n, d = q.shape
     out = _new_output(q.shape, q.dtype, q.device)
     lse = _new_output((b, h, n), _stats_dtype(q.dtype), q.device)
-    meta = _metadata(layout, q.device)
+    meta = _metadata(layout, q.device, kind)
     cap = L.fwd_split_cap()
     if cap is not None:
         # Row splitting (private launch option): chunks into an fp32 scratch, then a merge.
@@ -143,34 +147,75 @@ def _forward(q, k, v, layout, scale):
     return out, lse
 
 
+# Cold start: the backward's three kernels compile together in threads the first time a
+# (device, launch config) is seen, instead of one after another at their first launches.
+# Triton's compile spends much of its time outside the GIL (MLIR passes, ptxas): on a 2-core
+# CPU the dQ, dK/dV and forward kernels (bf16, D=128, sm_90) took 5.4 s in a row and 3.5 s in
+# three threads. Tests patch _PARALLEL_COMPILE to measure the difference.
+_PARALLEL_COMPILE = True
+_COMPILED_TOGETHER: set = set()
+
+
+def _compile_together(launches, device_kind: str) -> None:
+    """Compile (not run) the kernels of ``launches`` [(call, outputs)] in parallel threads,
+    once per (device, kernel configs); later launches find them in Triton's cache."""
+    if device_kind != "cuda" or not _PARALLEL_COMPILE:
+        return
+    device = launches[0][1][0].device
+    key = (str(device), *((c.name, c.num_warps, c.num_stages, tuple(sorted(c.constexprs.items())))
+                          for c, _ in launches))
+    if key in _COMPILED_TOGETHER:
+        return
+    if os.environ.get("TRITON_CACHE_DIR", None) == "":  # see _launch
+        del os.environ["TRITON_CACHE_DIR"]
+
+    def warm(launch):
+        call, outputs = launch
+        with torch.cuda.device(device):  # Triton keys its kernel cache by the current device
+            call.kernel.warmup(*call.args, *outputs, grid=call.grid, **call.constexprs,
+                               num_warps=call.num_warps, num_stages=call.num_stages)
+
+    with ThreadPoolExecutor(len(launches)) as pool:
+        list(pool.map(warm, launches))  # list(): re-raise a compile error here
+    _COMPILED_TOGETHER.add(key)
+
+
 def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
     kind = _device_kind(q)
     dtype = str(q.dtype).replace("torch.", "")
     b, h, n, d = q.shape
-    meta = _metadata(layout, q.device)
+    meta = _metadata(layout, q.device, kind)
     delta = _new_output((b, h, n), lse.dtype, q.device)
-    call = L.bwd_preprocess_call(out, d_out, block_size=layout.block_size, dtype=dtype,
-                                 device_kind=kind,
-                                 strides={"out": out.stride(), "d_out": d_out.stride(),
-                                          "delta": delta.stride()})
-    _launch(call, (delta,), kind)
-    if d_lse is not None:
-        # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as
-        # Delta - d_lse. Rows with no key have P = 0, so their (possibly inf) entries are moot;
-        # mask them so no inf - inf NaN ever reaches the kernels.
-        delta = delta - torch.where(torch.isfinite(lse), d_lse.to(delta.dtype), 0.0)
+    pre = L.bwd_preprocess_call(out, d_out, block_size=int(meta["masks"].shape[1]),
+                                dtype=dtype, device_kind=kind,
+                                strides={"out": out.stride(), "d_out": d_out.stride(),
+                                         "delta": delta.stride()})
     strides = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
                "lse": lse.stride()}
     dq = _new_output(q.shape, q.dtype, q.device)
     dk = _new_output(k.shape, k.dtype, k.device)
     dv = _new_output(v.shape, v.dtype, v.device)
-    call = L.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
-                         device_kind=kind, strides={**strides, "dq": dq.stride()})
-    _launch(call, (dq,), kind)
-    call = L.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
-                           device_kind=kind,
-                           strides={**strides, "dk": dk.stride(), "dv": dv.stride()})
-    _launch(call, (dk, dv), kind)
+
+    def grad_calls(delta):
+        return ((L.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
+                               device_kind=kind, strides={**strides, "dq": dq.stride()}),
+                 (dq,)),
+                (L.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
+                                 device_kind=kind,
+                                 strides={**strides, "dk": dk.stride(), "dv": dv.stride()}),
+                 (dk, dv)))
+
+    calls = grad_calls(delta)
+    _compile_together(((pre, (delta,)), *calls), kind)
+    _launch(pre, (delta,), kind)
+    if d_lse is not None:
+        # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as
+        # Delta - d_lse. Rows with no key have P = 0, so their (possibly inf) entries are moot;
+        # mask them so no inf - inf NaN ever reaches the kernels.
+        delta = delta - torch.where(torch.isfinite(lse), d_lse.to(delta.dtype), 0.0)
+        calls = grad_calls(delta)
+    for call, outputs in calls:
+        _launch(call, outputs, kind)
     return dq, dk, dv
 
 
