@@ -59,6 +59,8 @@ flags.DEFINE_float("rep_ms", 60.0, "do_bench rep (ms) per measurement")
 flags.DEFINE_bool("correctness", True, "run the correctness sections")
 flags.DEFINE_list("tile_blocks", ["128", "64", "32", "16"],
                   "layout blocks of the kernel-tile sweep (empty: skip it)")
+flags.DEFINE_list("tile_patterns", ["causal", "bigbird", "strided_causal"],
+                  "patterns also timed at layout blocks 128 and 64 in the kernel-tile sweep")
 flags.DEFINE_bool("host_overhead", True, "measure host time per call at N=1024")
 flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off)")
 flags.DEFINE_integer("cold_child", None, "internal: run one cold-start child and exit")
@@ -506,21 +508,22 @@ def tile_sweep():
     q, k, v, d_out = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
                       for _ in range(4))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    for bs in FLAGS.tile_blocks:
-        bs = int(bs)
-        layout = make_layout(anchor_pattern("window"), n, h, bs)
+    cases = [("window", int(bs)) for bs in FLAGS.tile_blocks]
+    cases += [(nm, bs) for nm in FLAGS.tile_patterns for bs in (128, 64)]
+    for name, bs in cases:
+        layout = make_layout(anchor_pattern(name), n, h, bs)
         elems = b * int(layout.q_count.sum()) * bs * bs
         for mode in ("layout", "auto"):
-            label = f"tiles block={bs} kernel_tile={mode}"
+            label = f"tiles {name} block={bs} kernel_tile={mode}"
             if (mode == "auto" and L.kernel_layout(layout, "cuda") is layout) or over_budget(label):
                 continue  # auto == layout: already timed
             with L._override(kernel_tile=mode):
                 try:
-                    r, _ = check_gpu_size("window", anchor_pattern("window"), 2048, bs, 2, 128,
+                    r, _ = check_gpu_size(name, anchor_pattern(name), 2048, bs, 2, 128,
                                           "bfloat16", poison=True)
                     ok = all(x <= 1.0 for x in r.values())
                     RESULTS["correctness"].append({"kind": "float32 torch reference",
-                                                   "case": f"{label} window N=2048 poisoned",
+                                                   "case": f"{label} N=2048 poisoned",
                                                    "ratio": r, "pass": ok})
                     if not ok:
                         log(f"FAIL {label}: not timed")
@@ -528,7 +531,7 @@ def tile_sweep():
                     kblock = L.kernel_layout(layout, "cuda").block_size
                     f = lambda: tattn.sparse_attention(q, k, v, layout)
                     fb = lambda: tattn.sparse_attention(qg, kg, vg, layout).backward(d_out)
-                    e = {"impl": "sparsetp", "sweep": label, "pattern": "window", "N": n,
+                    e = {"impl": "sparsetp", "sweep": label, "pattern": name, "N": n,
                          "block": bs, "kernel_block": kblock, "computed_elements": elems,
                          "fwd_ms": bench(f), "fwd_bwd_ms": bench(fb, [qg, kg, vg])}
                     e["bwd_ms"] = e["fwd_bwd_ms"] - e["fwd_ms"]
@@ -543,14 +546,18 @@ def tile_sweep():
                     log(f"ERROR {label}: {ex!r}")
                 save()
     base = {e["sweep"]: e for e in RESULTS["timing"] if e.get("sweep", "").startswith("tiles")}
-    ref = base.get("tiles block=128 kernel_tile=layout")
-    if ref:
-        RESULTS["tile_cost"] = {
-            lbl: {"fwd": e["fwd_ns_per_kelem"] / ref["fwd_ns_per_kelem"],
-                  "bwd": e["bwd_ns_per_kelem"] / ref["bwd_ns_per_kelem"],
-                  "kernel_block": e["kernel_block"]} for lbl, e in base.items()}
-        log(f"tile cost per computed element vs block 128: {RESULTS['tile_cost']}")
-        save()
+    cost = {}
+    for lbl, e in base.items():
+        ref = base.get(f"tiles {e['pattern']} block=128 kernel_tile=layout")
+        if ref:
+            cost[lbl] = {"fwd": e["fwd_ns_per_kelem"] / ref["fwd_ns_per_kelem"],
+                         "bwd": e["bwd_ns_per_kelem"] / ref["bwd_ns_per_kelem"],
+                         "fwd_ms_vs_128": e["fwd_ms"] / ref["fwd_ms"],
+                         "bwd_ms_vs_128": e["bwd_ms"] / ref["bwd_ms"],
+                         "kernel_block": e["kernel_block"]}
+    RESULTS["tile_cost"] = cost
+    log(f"tile cost per computed element vs block 128 (same pattern): {cost}")
+    save()
 
 
 def host_overhead():
@@ -577,6 +584,33 @@ def host_overhead():
         out[f"{name}_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
         gpu = bench(fn, [qg, kg, vg] if name == "fwd_bwd" else None)
         out[f"{name}_gpu_ms_do_bench"] = gpu
+    # Where the host time goes: the top functions of 50 fwd+bwd calls by own time.
+    import cProfile
+    import io
+    import pstats
+
+    # autograd runs CUDA backwards on its own thread, out of cProfile's sight: call the
+    # frontend's backward directly (the same code) in this thread.
+    out_, lse_ = tattn._forward(q, k, v, layout, d ** -0.5)
+    bwd = lambda: tattn._backward(q, k, v, out_, lse_, d_out, None, layout, d ** -0.5)
+    for _ in range(20):
+        bwd()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        bwd()
+    torch.cuda.synchronize()
+    out["direct_backward_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        bwd()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    out["profile_backward_x50"] = buf.getvalue()[-6000:]
+    print(out["profile_backward_x50"], flush=True)
     RESULTS["host_overhead"] = out
     log(f"host overhead (N=1024, H=1): {out}")
     save()

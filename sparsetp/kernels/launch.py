@@ -366,10 +366,11 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP,
 # (partial tiles carry their element masks), the same pattern laid out at a larger block is the
 # same attention, computed in fewer, larger tiles: the kernel tile may cover several layout
 # blocks (issue #4). Relative time per computed score element of the kernels at each block,
-# block 128 = 1; measured on an H200, bf16, D=128, window |i - j| < 512, N=32768, forward and
-# backward averaged (benchmarks/KERNEL_NOTES.md, "kernel tiles"). 16 was not measured: it is
-# taken to be no cheaper than 32.
-_ELEMENT_COST = {128: 1.0, 64: 1.17, 32: 2.3, 16: 2.3}
+# block 128 = 1; measured on an H200, bf16, B=1, H=16, D=128, window |i - j| < 512, N=32768,
+# mean of forward and backward (forward / backward: 64: 0.90 / 0.91, 32: 2.34 / 2.17, 16:
+# 2.93 / 3.13; benchmarks/KERNEL_NOTES.md, "kernel tiles"). So a block-32 window runs in
+# 64-token tiles, and a block-64 layout at its own block.
+_ELEMENT_COST = {128: 1.0, 64: 0.905, 32: 2.25, 16: 3.03}
 _KERNEL_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -393,7 +394,7 @@ def kernel_layout(layout, device_kind: str):
     >>> from sparsetp.core import patterns as P, make_layout
     >>> lay = make_layout(P.local(511, 511), 4096, 2, 32)
     >>> kernel_layout(lay, "cuda").block_size, kernel_layout(lay, "interpreter").block_size
-    (128, 32)
+    (64, 32)
     """
     if device_kind not in DEVICE_KINDS:
         raise ValueError(f"device_kind must be one of {DEVICE_KINDS}, got {device_kind!r}")

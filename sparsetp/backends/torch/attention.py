@@ -172,8 +172,15 @@ def _compile_together(launches, device_kind: str) -> None:
     def warm(launch):
         call, outputs = launch
         with torch.cuda.device(device):  # Triton keys its kernel cache by the current device
-            call.kernel.warmup(*call.args, *outputs, grid=call.grid, **call.constexprs,
-                               num_warps=call.num_warps, num_stages=call.num_stages)
+            compiled = call.kernel.warmup(*call.args, *outputs, grid=call.grid,
+                                          **call.constexprs, num_warps=call.num_warps,
+                                          num_stages=call.num_stages)
+            # Load the module and build the launcher now too (Triton does it lazily at the
+            # first launch, one kernel after another). Private in Triton 3.6 and 3.9 alike;
+            # without it the kernels are still compiled, only not loaded.
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:
+                init()
 
     with ThreadPoolExecutor(len(launches)) as pool:
         list(pool.map(warm, launches))  # list(): re-raise a compile error here
