@@ -584,6 +584,47 @@ def host_overhead():
         out[f"{name}_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
         gpu = bench(fn, [qg, kg, vg] if name == "fwd_bwd" else None)
         out[f"{name}_gpu_ms_do_bench"] = gpu
+    # The autograd path vs the direct calls: time spent inside the frontend's backward while
+    # autograd drives it, and a forward that records the graph.
+    inside = []
+    real_backward = tattn._backward
+
+    def timed_backward(*a, **kw):
+        t = time.perf_counter()
+        r = real_backward(*a, **kw)
+        inside.append(time.perf_counter() - t)
+        return r
+
+    with mock.patch.object(tattn, "_backward", timed_backward):
+        for _ in range(20):
+            fns["fwd_bwd"]()
+        torch.cuda.synchronize()
+        inside.clear()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fns["fwd_bwd"]()
+        torch.cuda.synchronize()
+        out["fwd_bwd_patched_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
+    out["backward_inside_autograd_us"] = sum(inside) / len(inside) * 1e6
+    fg = lambda: tattn.sparse_attention(qg, kg, vg, layout)
+    for _ in range(20):
+        fg()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        fg()
+    torch.cuda.synchronize()
+    out["fwd_recording_graph_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
+    # Autograd's own cost with a trivial op of the same arity: q * 1 chains, backward.
+    triv = lambda: (qg * 1.0 + kg * 1.0 + vg * 1.0).backward(d_out)
+    for _ in range(20):
+        triv()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        triv()
+    torch.cuda.synchronize()
+    out["trivial_autograd_fwd_bwd_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
     # Where the host time goes: the top functions of 50 fwd+bwd calls by own time.
     import cProfile
     import io

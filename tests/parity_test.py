@@ -54,6 +54,7 @@ from sparsetp.core import (  # noqa: E402
     unshard_param,
 )
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern  # noqa: E402
+from sparsetp.kernels import launch as kernel_launch  # noqa: E402
 
 _DEFAULT_PATTERNS = ("causal,local,block_diagonal,fixed,strided_causal,random,bigbird,longformer,"
                      "per_head_mix")
@@ -173,12 +174,22 @@ def jax_attention(q, k, v, d_out, layout, dtype):
         return [np.asarray(t.astype(jax.numpy.float32)) for t in (out, lse, dq, dk, dv)]
 
 
-def torch_layout_arrays(layout):
-    return {n: t.cpu().numpy() for n, t in torch_attn._metadata(layout, _torch_device()).items()}
+def torch_layout_arrays(layout, head_dim, dtype):
+    """The metadata the torch frontend launches for q [*, *, *, head_dim] of ``dtype``."""
+    q = torch.empty((1, 1, 1, head_dim), dtype=_TORCH_DT[dtype], device=_torch_device())
+    kind = torch_attn._device_kind(q)
+    return {n: t.cpu().numpy() for n, t in torch_attn._metadata(layout, q, kind).items()}
 
 
-def jax_layout_arrays(layout):
-    return {n: np.asarray(a) for n, a in jax_attn.layout_arrays(layout).metadata().items()}
+def jax_layout_arrays(layout, head_dim, dtype):
+    lay = jax_attn.layout_arrays(layout, head_dim=head_dim, dtype=_JAX_DT[dtype])
+    return {n: np.asarray(a) for n, a in lay.metadata().items()}
+
+
+def kernel_layout(layout, head_dim, dtype):
+    """The layout both frontends must launch (launch.kernel_layout's policy)."""
+    kind = "cuda" if _flags().device == "gpu" else "interpreter"
+    return kernel_launch.kernel_layout(layout, kind, head_dim=head_dim, dtype=dtype)
 
 
 def _torch_block_rank(rank, world, config, params, x, dy, device):
@@ -262,17 +273,19 @@ class ParityTest(absltest.TestCase):
             meta = {}
             for b in self.backends:
                 got[b] = ATTENTION[b](q, k, v, d_out, layout, dtype)
-                meta[b] = LAYOUT_ARRAYS[b](layout)
+                meta[b] = LAYOUT_ARRAYS[b](layout, hd, dtype)
+            launched = kernel_layout(layout, hd, dtype)
+            case["kernel_block"] = launched.block_size
             try:
                 for b in self.backends:
                     for nm, val, ref in zip(names, got[b], refs, strict=True):
                         _compare(val, ref, dtype=dtype, grad=nm.startswith("d"),
                                  case=dict(case, backend=b), tensor=nm,
                                  against="float64 oracle", failures=failures)
-                    for nm, arr in layout.metadata().items():
+                    for nm, arr in launched.metadata().items():
                         if not np.array_equal(meta[b][nm], arr) or meta[b][nm].dtype != np.int32:
                             raise AssertionError(f"[{case}] {b} kernel metadata {nm} differs "
-                                                 f"from the layout's")
+                                                 f"from the kernel layout's")
                 for a, b in itertools.combinations(self.backends, 2):
                     for nm, va, vb in zip(names, got[a], got[b], strict=True):
                         _compare(va, vb, dtype=dtype, grad=nm.startswith("d"),

@@ -144,9 +144,10 @@ class TorchAttentionExtrasTest(parameterized.TestCase):
 
     def test_metadata_cached_per_layout_and_device(self):
         layout = make_layout(P.causal(), 64, 1, 32)
-        kind = tattn._device_kind(torch.empty(0, device=DEVICE))
-        a = tattn._metadata(layout, torch.device(DEVICE), kind)
-        b = tattn._metadata(layout, torch.device(DEVICE), kind)
+        q = torch.empty((1, 1, 64, 16), device=DEVICE)
+        kind = tattn._device_kind(q)
+        a = tattn._metadata(layout, q, kind)
+        b = tattn._metadata(layout, q, kind)
         self.assertIs(a["q_index"], b["q_index"])
         self.assertEqual(a["q_index"].dtype, torch.int32)
 
@@ -257,6 +258,16 @@ class TorchLaunchConfigTest(parameterized.TestCase):
         self.assertIs(L.kernel_layout(rand, "cuda"), rand)
         big = make_layout(P.causal(), 4096, 2, 128)
         self.assertIs(L.kernel_layout(big, "cuda"), big)
+        # Smaller tiles than the layout's only in the measured regime (D=128, bf16/fp16): the
+        # window's short rows run in 64-token tiles, causal's long rows (N=32768) stay at 128.
+        wide = make_layout(P.local(511, 511), 4096, 2, 128)
+        self.assertEqual(L.kernel_layout(wide, "cuda", head_dim=128, dtype="bfloat16")
+                         .block_size, 64)
+        self.assertIs(L.kernel_layout(wide, "cuda", head_dim=64, dtype="bfloat16"), wide)
+        self.assertIs(L.kernel_layout(wide, "cuda", head_dim=128, dtype="float32"), wide)
+        long_rows = make_layout(P.causal(), 32768, 2, 128)
+        self.assertIs(L.kernel_layout(long_rows, "cuda", head_dim=128, dtype="float16"),
+                      long_rows)
         literal = dataclasses.replace(window, pattern=None)
         self.assertIs(L.kernel_layout(literal, "cuda"), literal)
         with self.assertRaisesRegex(ValueError, "kernel_tile"):

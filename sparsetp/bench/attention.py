@@ -779,7 +779,8 @@ def _prep_sparsetp_jax(cfg, case, layout, bp, rec):
         from sparsetp.backends.jax import compat  # noqa: PLC0415
 
         rec["jax_triton"] = compat.jax_triton().__version__  # ImportError -> recorded error
-    lay = layout_arrays(layout)
+    # Same kernel tiles as the torch launch (launch.kernel_layout sees the same D and dtype).
+    lay = layout_arrays(layout, head_dim=case["D"], dtype=case["dtype"])
     shape = (case["B"], case["H"], case["N"], case["D"])
     dt = jnp.dtype(case["dtype"])
     keys = jax.random.split(jax.random.PRNGKey(1234), 4 * cfg.input_sets)

@@ -361,35 +361,48 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP,
 
 
 # ----------------------------------------------------------------------------- kernel tiles
-# A small layout block skips empty score regions more finely, but a 32 x 32 kernel tile keeps
-# the tensor cores far less busy than a 128 x 128 one. Since a layout is exact at token level
-# (partial tiles carry their element masks), the same pattern laid out at a larger block is the
-# same attention, computed in fewer, larger tiles: the kernel tile may cover several layout
-# blocks (issue #4). Relative time per computed score element of the kernels at each block,
-# block 128 = 1; measured on an H200, bf16, B=1, H=16, D=128, window |i - j| < 512, N=32768,
-# mean of forward and backward (forward / backward: 64: 0.90 / 0.91, 32: 2.34 / 2.17, 16:
-# 2.93 / 3.13; benchmarks/KERNEL_NOTES.md, "kernel tiles"). So a block-32 window runs in
-# 64-token tiles, and a block-64 layout at its own block.
-_ELEMENT_COST = {128: 1.0, 64: 0.905, 32: 2.25, 16: 3.03}
+# A layout is exact at token level (partial tiles carry their element masks), so the same pattern
+# laid out at another block is the same attention computed in other tiles: the kernel tile may
+# cover several layout blocks (issue #4), or, where it pays, split them. Small tiles skip empty
+# score regions more finely and give short rows more programs; large tiles keep the tensor cores
+# busier on long rows. The model: forward + backward time of a layout run at block ``bs`` is
+#     a[bs] * (heads x row tiles) + b[bs] * computed elements (millions),
+# in ms per batch element. Least-squares fit to an H200 sweep (bf16, B=1, H=16, D=128, N=32768;
+# window |i - j| < 512, causal, BigBird, strided causal at blocks 128 and 64; the window alone at
+# 32 and 16, where a is taken as 0) in benchmarks/results/gpu_attention_check_h200_s4_run2.json,
+# see benchmarks/KERNEL_NOTES.md ("kernel tiles"). Measured fwd+bwd (model): window 128: 3.65
+# (3.55), 64: 3.13 (3.27); causal 128: 41.95 (41.95), 64: 43.00 (43.01); BigBird 2.84 (2.91) /
+# 2.83 (2.77); strided 4.44 (4.46) / 4.37 (4.29); window 32: 7.42, 16: 10.17 ms.
+_TILE_MODEL = {128: (0.1673e-3, 0.004786), 64: (0.0578e-3, 0.004942),
+               32: (0.0, 0.013504), 16: (0.0, 0.018791)}
+# Tiles smaller than the layout block only where the fit was measured (bf16/fp16 at D = 128);
+# elsewhere only larger tiles (a 16- or 32-token tile costs 2.7-3.8x a 64-token one per element
+# there, far beyond any plausible difference between dtypes or head dims).
+_REFINE_REGIME = {"head_dims": (128,), "dtypes": ("bfloat16", "float16")}
 _KERNEL_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _layout_cost(layout) -> float:
-    """Modelled kernel time of ``layout``: computed elements x the per-element cost."""
-    bs = layout.block_size
-    return float(layout.q_count.sum()) * bs * bs * _ELEMENT_COST[bs]
+    """Modelled fwd+bwd ms of ``layout`` at its own block, per batch element."""
+    a, b = _TILE_MODEL[layout.block_size]
+    programs = layout.num_heads * layout.num_blocks
+    elements = float(layout.q_count.sum()) * layout.block_size ** 2 / 1e6
+    return a * programs + b * elements
 
 
-def kernel_layout(layout, device_kind: str):
-    """The layout the kernels run for ``layout``: itself, or its pattern laid out at a larger
-    block when that is modelled to be faster (same token mask, so the same attention).
+def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
+                  dtype: str | None = None):
+    """The layout the kernels run for ``layout``: itself, or its pattern laid out at another
+    block when :data:`_TILE_MODEL` says that is faster (same token mask, same attention).
 
-    Policy (``_OPTIONS["kernel_tile"]``, default ``"auto"``): on CUDA, among the layout's block
-    and every larger supported block, the one with the least ``computed elements x
-    _ELEMENT_COST[block]``; in the interpreter, the layout itself (so CPU tests run the kernels
-    at every block size). A layout without a pattern (built by hand) is launched as it is.
-    Both frontends call this, so torch and JAX launch the same tiles. The larger layouts are
-    built once per layout (cached while the layout lives).
+    Policy (``_OPTIONS["kernel_tile"]``, default ``"auto"``): on CUDA, the block with the least
+    modelled time among the layout's own, every larger one, and, for ``head_dim`` 128 with
+    bfloat16/float16 (where the model was measured), every smaller one; in the interpreter the
+    layout itself, so CPU tests run the kernels at every block. A layout without a pattern
+    (built by hand) is launched as it is. Both frontends call this with the same arguments, so
+    torch and JAX launch the same tiles. The other layouts are built once per layout (cached
+    while it lives). A pattern whose chosen block has not run in this process yet compiles
+    that block's kernels on its first call.
 
     >>> from sparsetp.core import patterns as P, make_layout
     >>> lay = make_layout(P.local(511, 511), 4096, 2, 32)
@@ -403,13 +416,16 @@ def kernel_layout(layout, device_kind: str):
             or getattr(layout, "pattern", None) is None):
         return layout
     if mode == "auto":
-        blocks = [b for b in SUPPORTED_BLOCK_SIZES if b > layout.block_size]
+        refine = (head_dim in _REFINE_REGIME["head_dims"]
+                  and dtype is not None and check_dtype(dtype) in _REFINE_REGIME["dtypes"])
+        blocks = [b for b in SUPPORTED_BLOCK_SIZES
+                  if b != layout.block_size and (refine or b > layout.block_size)]
     else:
         blocks = [mode] if mode > layout.block_size else []
     if not blocks:
         return layout
     cache = _KERNEL_LAYOUTS.setdefault(layout, {})
-    key = (mode, tuple(sorted(_ELEMENT_COST.items())))
+    key = (mode, tuple(blocks), tuple(sorted(_TILE_MODEL.items())))
     if key not in cache:
         from sparsetp.core.layout import make_layout  # noqa: PLC0415 (numpy-only spec layer)
 

@@ -127,20 +127,23 @@ jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META), meta_fie
 LayoutLike = BlockLayout | LayoutArrays
 
 
-def layout_arrays(layout: LayoutLike) -> LayoutArrays:
+def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
+                  dtype=None) -> LayoutArrays:
     """A :class:`LayoutArrays` for ``layout`` (a ``BlockLayout``, or a ``LayoutArrays`` as is).
 
-    A ``BlockLayout`` becomes the arrays of the layout the kernels run
-    (:func:`sparsetp.kernels.launch.kernel_layout`: on the GPU possibly the same pattern at a
-    larger kernel tile, exactly as the torch frontend launches it); a ``LayoutArrays`` is
-    launched as it is.
+    A ``BlockLayout`` becomes the arrays of the layout the kernels run for q of ``head_dim``
+    and ``dtype`` (:func:`sparsetp.kernels.launch.kernel_layout`: on the GPU possibly the same
+    pattern at another kernel tile, exactly as the torch frontend launches it; without
+    ``head_dim``/``dtype`` only larger tiles are considered); a ``LayoutArrays`` is launched as
+    it is.
     """
     if isinstance(layout, LayoutArrays):
         return layout
     if not isinstance(layout, BlockLayout):
         raise ValueError(f"layout must be a sparsetp BlockLayout or LayoutArrays, got "
                          f"{type(layout).__name__}")
-    layout = _kl.kernel_layout(layout, _device_kind())
+    layout = _kl.kernel_layout(layout, _device_kind(), head_dim=head_dim,
+                               dtype=None if dtype is None else jnp.dtype(dtype).name)
     return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len)
 
@@ -165,7 +168,7 @@ def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
     for name, t in (("k", k), ("v", v)):
         if jnp.dtype(t.dtype) != dtype:
             raise ValueError(f"{name} has dtype {jnp.dtype(t.dtype)} but q has {dtype}")
-    lay = layout_arrays(layout)
+    lay = layout_arrays(layout, head_dim=int(q.shape[-1]), dtype=dtype)
     for name, a in lay.metadata().items():
         if jnp.dtype(a.dtype) != jnp.int32:
             raise ValueError(f"layout metadata {name!r} must be int32, got {a.dtype}")

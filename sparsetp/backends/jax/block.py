@@ -221,7 +221,8 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
         raise ValueError("config.dtype='float64' needs jax.config.update('jax_enable_x64', True)")
     x = jnp.asarray(x, dtype)
     p = {n: jnp.asarray(a, dtype) for n, a in params.items()}
-    lay = layout_arrays(block_layout(config, int(x.shape[1])))
+    lay = layout_arrays(block_layout(config, int(x.shape[1])), head_dim=config.head_dim,
+                        dtype=dtype)
     if mesh is None:
         if sequence_parallel:
             # Not a silent no-op: a caller asking for SP without a mesh has a bug somewhere.

@@ -83,10 +83,12 @@ def _device_kind(t: torch.Tensor) -> str:
     raise ValueError(f"q is on unsupported device {t.device}")
 
 
-def _metadata(layout: BlockLayout, device: torch.device, kind: str) -> dict[str, torch.Tensor]:
-    """Device tensors of the layout the kernels run (``launch.kernel_layout``: the layout, or
-    the same pattern at a larger kernel tile), cached per (kernel layout, device)."""
-    layout = L.kernel_layout(layout, kind)
+def _metadata(layout: BlockLayout, q: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+    """Device tensors of the layout the kernels run for ``q`` (``launch.kernel_layout``: the
+    layout, or the same pattern at another kernel tile), cached per (kernel layout, device)."""
+    device = q.device
+    layout = L.kernel_layout(layout, kind, head_dim=q.shape[-1],
+                             dtype=str(q.dtype).replace("torch.", ""))
     per_layout = _META_CACHE.setdefault(layout, {})
     key = str(device)
     if key not in per_layout:
@@ -126,7 +128,7 @@ def _forward(q, k, v, layout, scale):
     b, h, n, d = q.shape
     out = _new_output(q.shape, q.dtype, q.device)
     lse = _new_output((b, h, n), _stats_dtype(q.dtype), q.device)
-    meta = _metadata(layout, q.device, kind)
+    meta = _metadata(layout, q, kind)
     cap = L.fwd_split_cap()
     if cap is not None:
         # Row splitting (private launch option): chunks into an fp32 scratch, then a merge.
@@ -191,7 +193,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
     kind = _device_kind(q)
     dtype = str(q.dtype).replace("torch.", "")
     b, h, n, d = q.shape
-    meta = _metadata(layout, q.device, kind)
+    meta = _metadata(layout, q, kind)
     delta = _new_output((b, h, n), lse.dtype, q.device)
     pre = L.bwd_preprocess_call(out, d_out, block_size=int(meta["masks"].shape[1]),
                                 dtype=dtype, device_kind=kind,
