@@ -16,10 +16,14 @@ from sparsetp.backends.torch.attention import (
 )
 from sparsetp.backends.torch.block import HybridBlock
 from sparsetp.backends.torch.comm import (
+    all_gather_to_region,
     copy_to_region,
     gather_from_region,
+    gather_from_sequence_region,
     reduce_from_region,
+    reduce_scatter_from_region,
     scatter_to_region,
+    scatter_to_sequence_region,
 )
 from sparsetp.backends.torch.layers import (
     ColumnParallelLinear,
@@ -32,6 +36,8 @@ from sparsetp.core import HybridConfig, init_params, make_layout
 __all__ = [
     "sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention",
     "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
+    "all_gather_to_region", "reduce_scatter_from_region", "scatter_to_sequence_region",
+    "gather_from_sequence_region",
     "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention",
     "HybridBlock", "HybridConfig", "init_params", "make_layout",
 ]

@@ -7,7 +7,11 @@ time, tokens/s, TFLOP/s per GPU, strong-scaling efficiency ``T1 / (p * Tp)``, pe
 bytes and activation bytes. Next to it: all-reduce latency and bus bandwidth by message size;
 the same MLP under data parallelism (torch DDP; JAX with the batch sharded) and under a
 two-stage pipeline (``torch.distributed.pipelining``, GPipe) with time, communication volume and
-memory per GPU; and DTensor's ColwiseParallel/RowwiseParallel MLP on the same shapes.
+memory per GPU; and DTensor's ColwiseParallel/RowwiseParallel MLP on the same shapes. The
+``torch_sp`` stage times the torch MLP and block with sequence parallelism
+(``sequence_parallel=True``: each rank gets ``T / p`` tokens, all-gather/reduce-scatter instead
+of all-reduce) at every TP size > 1, recorded as variant ``sp`` next to the plain TP rows; its
+efficiency is against the plain TP=1 time (SP on one rank is plain TP).
 
 The tool starts its own processes: one spawn of ``world`` torch ranks (each stage in turn) and
 one Python subprocess per JAX variant (JAX drives every device from one process). Each stage is
@@ -21,7 +25,8 @@ Usage::
         python -m sparsetp.bench tp --preset=gpu2 --out_dir=$OUT   # 2 GPUs, ~150 s
 
 Output: ``<out_dir>/tp.json`` (and ``tp_*.png`` with matplotlib). Believe the numbers only when
-``tests/torch_tp_test.py``, ``tests/torch_overlap_test.py`` and ``tests/jax_tp_test.py`` pass.
+``tests/torch_tp_test.py``, ``tests/torch_overlap_test.py``, ``tests/torch_sp_test.py`` and
+``tests/jax_tp_test.py`` pass.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ def _define_shared_flags():
 flags.DEFINE_integer("tp_world", None, "Processes/devices to use (default: every GPU, or 4 on "
                      "CPU). TP sizes are the powers of two up to it.")
 flags.DEFINE_list("tp_stages", "comm,torch_mlp,torch_overlap,dtensor,ddp,pipeline,torch_block,"
-                  "jax", "Stages to run (jax covers JAX TP, DP, block and the XLA-flag variants).")
+                  "torch_sp,jax", "Stages to run (jax covers JAX TP, DP, block and the XLA-flag "
+                  "variants; torch_sp the sequence-parallel torch MLP and block).")
 flags.DEFINE_bool("tp_jax_variants", True, "Also time the JAX MLP with the latency-hiding "
                   "scheduler forced on and off (one extra subprocess each).")
 flags.DEFINE_integer("tp_iters", None, "Timed iterations per case (default: the preset's).")
@@ -122,17 +128,27 @@ def mlp_param_bytes(spec, p: int, layout: str = "tp") -> int:
 def mlp_saved_bytes(spec, p: int, layout: str = "tp") -> int:
     """Bytes autograd saves for backward in the MLP per GPU (parameters excluded): the input
     ``[T, d]`` (replicated under TP), fc1's output (GELU's input) and GELU's output
-    ``[T, ff / p]``. Under DP each GPU holds T / p tokens of the full width."""
+    ``[T, ff / p]``. Under DP each GPU holds T / p tokens of the full width. Under SP (with the
+    default overlapped backward, which re-gathers the input) only the input shard
+    ``[T / p, d]`` is kept."""
     t, d, ff, e = spec["batch"] * spec["seq_len"], spec["d_model"], spec["d_ff"], \
         _ELEM[spec["dtype"]]
     if layout == "tp":
         return e * (t * d + 2 * t * ff // p)
+    if layout == "sp":
+        return e * (t // p * d + 2 * t * ff // p)
     return e * (t // p) * (d + 2 * ff)
 
 
 def comm_bytes(spec, layout: str, mode: str, p: int, param_bytes: int = 0) -> dict:
     """Communication of one step: message bytes per collective and bytes each GPU sends (ring
-    all-reduce: ``2 (p - 1) / p`` of the message; pipeline: activations fwd, gradients bwd)."""
+    all-reduce: ``2 (p - 1) / p`` of the message; pipeline: activations fwd, gradients bwd).
+
+    SP (the MLP, overlapped backward): forward an all-gather and a reduce-scatter of the
+    ``[T, d]`` message, each sending ``(p - 1) / p`` of it (together one all-reduce's bytes);
+    backward the all-gather of d(y), the re-gather of the input and the reduce-scatter of d(x),
+    plus the all-reduce of fc2's ``d``-element bias gradient (counted in collectives and bytes).
+    """
     t, d, ff, e = spec["batch"] * spec["seq_len"], spec["d_model"], spec["d_ff"], \
         _ELEM[spec["dtype"]]
     if p == 1:
@@ -140,6 +156,12 @@ def comm_bytes(spec, layout: str, mode: str, p: int, param_bytes: int = 0) -> di
     if layout == "tp":
         n = 1 if mode == "fwd" else 2
         msg = t * d * e
+    elif layout == "sp":
+        act = 2 if mode == "fwd" else 5
+        bias = 0 if mode == "fwd" else d * e
+        return dict(collectives=act + (0 if mode == "fwd" else 1), message_bytes=t * d * e,
+                    sent_per_gpu_bytes=int(act * t * d * e * (p - 1) / p
+                                           + bias * 2 * (p - 1) / p))
     elif layout == "dp":  # gradient all-reduce (backward only)
         n, msg = (0 if mode == "fwd" else 1), param_bytes
     else:  # pipeline: stage 0 sends [T, ff] forward, receives its gradient backward
@@ -411,11 +433,13 @@ def _torch_rank(rank, world, spec, stages, deadline, partial_path, q):
         q.put(("error", rank, traceback.format_exc()[-4000:]))
 
 
-def _tp_cases(rank, world, spec, device, groups, model, overlap_options):
+def _tp_cases(rank, world, spec, device, groups, model, overlap_options,
+              sequence_parallel=False):
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
     from sparsetp.backends.torch.block import TORCH_DTYPES, HybridBlock  # noqa: PLC0415
+    from sparsetp.backends.torch.comm import split_seq  # noqa: PLC0415
     from sparsetp.backends.torch.layers import ParallelMLP  # noqa: PLC0415
 
     dtype = TORCH_DTYPES[spec["dtype"]]
@@ -427,22 +451,31 @@ def _tp_cases(rank, world, spec, device, groups, model, overlap_options):
     for p, group in groups.items():
         if p == "solo":
             continue
+        sp = dict(model=model, sequence_parallel=True) if sequence_parallel else {}
         for overlap in overlap_options:
             if rank < p:
                 # A case that fails (say out of memory) is recorded and the rank still reaches
                 # the barrier below, so the other ranks and the later cases go on.
                 try:
+                    kw = dict(sequence_parallel=True) if sequence_parallel else {}
                     if model == "mlp":
                         m = ParallelMLP(spec["d_model"], spec["d_ff"], group=group, dtype=dtype,
-                                        device=device, seed=None, overlap_comm=overlap)
+                                        device=device, seed=None, overlap_comm=overlap, **kw)
                     else:
                         m = HybridBlock(_config(spec), group, seed=None, device=device,
-                                        overlap_comm=overlap)
+                                        overlap_comm=overlap, **kw)
                     _rand_(m, gen)
-                    meas = _measure_torch(m, x, dy, device, spec["iters"], spec["warmup"], group)
-                    rows.append(dict(p=p, overlap_comm=overlap, **meas))
+                    xs, dys = x, dy
+                    if sequence_parallel:  # this rank's T / p contiguous tokens
+                        # Cloned: at batch 1 the shard is a view of the full tensor, and the
+                        # saved-bytes probe counts whole storages; a real SP model owns it.
+                        xs, dys = (split_seq(a, group=group, name="the bench input").clone()
+                                   for a in (x, dy))
+                    meas = _measure_torch(m, xs, dys, device, spec["iters"], spec["warmup"],
+                                          group)
+                    rows.append(dict(p=p, overlap_comm=overlap, **sp, **meas))
                 except Exception:  # noqa: BLE001
-                    rows.append(dict(p=p, overlap_comm=overlap,
+                    rows.append(dict(p=p, overlap_comm=overlap, **sp,
                                      error=traceback.format_exc()[-3000:]))
                 m = None
                 if device.type == "cuda":
@@ -465,6 +498,15 @@ def _stage_torch_overlap(rank, world, spec, device, groups):
 
 def _stage_torch_block(rank, world, spec, device, groups):
     return _tp_cases(rank, world, spec, device, groups, "block", (True,))
+
+
+def _stage_torch_sp(rank, world, spec, device, groups):
+    """The MLP and the block with sequence parallelism at every TP size > 1 (on one rank SP is
+    the plain layer; its TP=1 time is the torch_mlp / torch_block one)."""
+    big = {p: g for p, g in groups.items() if p != "solo" and p > 1}
+    return [case for model in ("mlp", "block")
+            for case in _tp_cases(rank, world, spec, device, big, model, (True,),
+                                  sequence_parallel=True)]
 
 
 def _stage_comm(rank, world, spec, device, groups):
@@ -610,7 +652,7 @@ def _stage_pipeline(rank, world, spec, device, groups):
 _TORCH_STAGES = {"comm": _stage_comm, "torch_mlp": _stage_torch_mlp,
                  "torch_overlap": _stage_torch_overlap, "dtensor": _stage_dtensor,
                  "ddp": _stage_ddp, "pipeline": _stage_pipeline,
-                 "torch_block": _stage_torch_block}
+                 "torch_block": _stage_torch_block, "torch_sp": _stage_torch_sp}
 
 
 def _spawn_torch(world, spec, stages, deadline, run: _Run, timeout):
@@ -929,6 +971,8 @@ def _rows(result, spec) -> list[dict]:
                 if "temp_bytes" in case[mode]:
                     r["xla_temp_bytes"] = case[mode]["temp_bytes"]
                 layout = {"tp": "tp", "dp": "dp", "pp": "pp"}.get(parallelism)
+                if variant == "sp":
+                    layout = "sp"
                 if layout and model == "mlp":
                     r["comm"] = comm_bytes(spec, layout, mode, case["p"], r["param_bytes"] or 0)
                 rows.append(r)
@@ -936,6 +980,8 @@ def _rows(result, spec) -> list[dict]:
     add("torch_mlp", "torch", "mlp", "tp")
     add("torch_overlap", "torch", "mlp", "tp", "no_overlap", lambda c: not c["overlap_comm"])
     add("torch_block", "torch", "block", "tp")
+    add("torch_sp", "torch", "mlp", "tp", "sp", lambda c: c["model"] == "mlp")
+    add("torch_sp", "torch", "block", "tp", "sp", lambda c: c["model"] == "block")
     add("dtensor", "dtensor", "mlp", "tp")
     add("ddp", "torch", "mlp", "dp")
     add("jax:jax_mlp", "jax", "mlp", "tp")
@@ -955,13 +1001,15 @@ def _rows(result, spec) -> list[dict]:
                              param_bytes=max(c["param_bytes"] for c in per_rank),
                              flops=model_flops(spec, "mlp", "fwd_bwd"),
                              comm=comm_bytes(spec, "pp", "fwd_bwd", 2)))
-    # dtensor is compared with TP at the same p; its efficiency uses torch's TP=1 time.
+    # dtensor and torch SP are compared with TP at the same p; their efficiency uses torch's
+    # plain TP=1 time (SP on one rank is the plain layer, so it has no TP=1 row of its own).
     add_derived(rows, spec)
     t1 = {(r["model"], r["mode"]): r["median_ms"] for r in rows
           if r["framework"] == "torch" and r["parallelism"] == "tp" and r["p"] == 1
           and not r["variant"]}
     for r in rows:
-        if r["framework"] == "dtensor" and (r["model"], r["mode"]) in t1:
+        if ((r["framework"] == "dtensor" or (r["framework"] == "torch" and r["variant"] == "sp"))
+                and (r["model"], r["mode"]) in t1):
             r["efficiency"] = t1[(r["model"], r["mode"])] / (r["p"] * r["median_ms"])
     return rows
 
@@ -1072,7 +1120,8 @@ def main(argv=None) -> int:
         # The JAX stages get the last ~40% of the budget (process start and compiles).
         jax_share = 0.4 * budget if "jax" in stages else 0.0
         spec_t = dict(spec, port=_free_port(), pg_timeout_s=max(30.0, min(120.0, budget / 2)),
-                      stage_reserve_s={"torch_block": 10.0 if device == "cuda" else 3.0})
+                      stage_reserve_s={name: 10.0 if device == "cuda" else 3.0
+                                       for name in ("torch_block", "torch_sp")})
         try:
             _spawn_torch(world, spec_t, torch_stages, time.time() + run.left() - jax_share, run,
                          timeout=max(10.0, run.left() - jax_share + 15.0))

@@ -6,6 +6,13 @@ and the row-parallel output biases are replicated. Parameter names are the canon
 :mod:`sparsetp.core.config` (``block.named_parameters()`` yields ``attn.qkv.weight`` ...), each
 holding this rank's shard as described by ``sparsetp.core.partition_dim``.
 
+With ``sequence_parallel=True`` (Megatron-LM's sequence parallelism) the block's input and output
+are sequence shards ``[B, N / tp, d]`` (rank ``r`` holds tokens ``[r N / tp, (r + 1) N / tp)``):
+layer norms and residuals run on the shard, each parallel region opens with an all-gather and
+closes with a reduce-scatter (two of each forward and backward instead of two all-reduces each
+way), and the gradients of the replicated parameters (layer norms, row-parallel biases) are
+all-reduced in backward, so every rank's ``.grad`` is the full gradient, as without SP.
+
 >>> from sparsetp.core import HybridConfig, init_params, patterns as P
 >>> cfg = HybridConfig(d_model=32, num_heads=2, d_ff=64, pattern=P.causal(), block_size=32)
 >>> block = HybridBlock.from_params(cfg, init_params(cfg, seed=0))   # single process
@@ -19,9 +26,10 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from sparsetp.backends.torch.comm import all_gather_dim, group_size
+from sparsetp.backends.torch.comm import all_gather_dim, copy_to_region, group_size
 from sparsetp.backends.torch.layers import ParallelMLP, ParallelSparseAttention, _as_tensor
 from sparsetp.core.config import (
     HybridConfig,
@@ -49,22 +57,31 @@ class HybridBlock(nn.Module):
       device: where the parameters live.
       overlap_comm: overlap each column-parallel layer's backward all-reduce with its
         weight-gradient GEMM (bitwise the same numbers; see ``layers.ColumnParallelLinear``).
+      sequence_parallel: input and output are this rank's sequence shard (below).
 
     Raises ValueError when ``num_heads`` or ``d_ff`` is not divisible by the group size.
-    Input ``x [B, N, d_model]`` (the same on every rank), output ``[B, N, d_model]``.
+    Input ``x [B, N, d_model]`` (the same on every rank), output ``[B, N, d_model]``. With
+    ``sequence_parallel``: input ``[B, N / tp, d_model]``, this rank's contiguous tokens of the
+    ``N``-token sequence the attention sees, output the same tokens of the block's output. To
+    go from a replicated ``x`` and back (autograd-aware)::
+
+        x_shard = scatter_to_sequence_region(x, group)   # ValueError unless tp divides N
+        y = gather_from_sequence_region(block(x_shard), group)
     """
 
     def __init__(self, config: HybridConfig, group=None, *, seed: int | None = 0,
-                 device=None, overlap_comm: bool = True):
+                 device=None, overlap_comm: bool = True, sequence_parallel: bool = False):
         super().__init__()
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.config, self.group = config, group
         self.world_size = group_size(group)
+        self.sequence_parallel = bool(sequence_parallel)
         check_tp_size(config, self.world_size)
         dtype = TORCH_DTYPES[config.dtype]
         d = config.d_model
-        kw = dict(group=group, dtype=dtype, device=device, seed=None, overlap_comm=overlap_comm)
+        kw = dict(group=group, dtype=dtype, device=device, seed=None, overlap_comm=overlap_comm,
+                  sequence_parallel=self.sequence_parallel)
         self.ln1 = nn.LayerNorm(d, eps=config.norm_eps, dtype=dtype, device=device)
         self.attn = ParallelSparseAttention(d, config.num_heads, config.pattern,
                                             config.block_size, config.bias, **kw)
@@ -75,9 +92,11 @@ class HybridBlock(nn.Module):
 
     @classmethod
     def from_params(cls, config: HybridConfig, params: Mapping[str, object], group=None, *,
-                    device=None, overlap_comm: bool = True) -> HybridBlock:
+                    device=None, overlap_comm: bool = True,
+                    sequence_parallel: bool = False) -> HybridBlock:
         """A block holding this rank's shards of the canonical UNSHARDED ``params``."""
-        block = cls(config, group, seed=None, device=device, overlap_comm=overlap_comm)
+        block = cls(config, group, seed=None, device=device, overlap_comm=overlap_comm,
+                    sequence_parallel=sequence_parallel)
         block.load_params(params)
         return block
 
@@ -128,5 +147,15 @@ class HybridBlock(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(f"x must be [B, N, d_model={self.config.d_model}], got "
                              f"{tuple(x.shape)}")
-        y1 = x + self.attn(self.ln1(x))
-        return y1 + self.mlp(self.ln2(y1))
+        y1 = x + self.attn(self._norm(self.ln1, x))
+        return y1 + self.mlp(self._norm(self.ln2, y1))
+
+    def _norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return ln(x)
+        # Under SP each rank normalises only its own tokens, so the layer-norm parameter
+        # gradients are partial sums over N / tp tokens. copy_to_region (identity forward,
+        # all-reduce backward) makes every rank's .grad the full sum, so replicas stay equal
+        # with no extra call after backward. F.layer_norm is what nn.LayerNorm computes.
+        return F.layer_norm(x, ln.normalized_shape, copy_to_region(ln.weight, self.group),
+                            copy_to_region(ln.bias, self.group), ln.eps)

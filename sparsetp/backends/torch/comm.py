@@ -1,16 +1,41 @@
 """Tensor-parallel collectives as small autograd Functions (Megatron's "mappings").
 
-===========================  ==============================  ==============================
-function                     forward                         backward
-===========================  ==============================  ==============================
-``copy_to_region``           identity                        all-reduce (sum)
-``reduce_from_region``       all-reduce (sum)                identity
-``gather_from_region``       all-gather along the last dim   split the last dim (keep own)
-``scatter_to_region``        split the last dim (keep own)   all-gather along the last dim
-===========================  ==============================  ==============================
+================================  ================================  ================================
+function                          forward                           backward
+================================  ================================  ================================
+``copy_to_region``                identity                          all-reduce (sum)
+``reduce_from_region``            all-reduce (sum)                  identity
+``gather_from_region``            all-gather along the last dim     split the last dim (keep own)
+``scatter_to_region``             split the last dim (keep own)     all-gather along the last dim
+``all_gather_to_region``          all-gather along the sequence     reduce-scatter along the
+                                  dim (-2)                          sequence dim
+``reduce_scatter_from_region``    reduce-scatter along the          all-gather along the sequence
+                                  sequence dim (-2)                 dim
+``scatter_to_sequence_region``    split the sequence dim (keep      all-gather along the sequence
+                                  own)                              dim
+``gather_from_sequence_region``   all-gather along the sequence     split the sequence dim (keep
+                                  dim                               own)
+================================  ================================  ================================
 
 ``copy_to_region`` marks where a replicated activation enters a column-parallel region (every
 rank's partial input gradient must be summed); ``reduce_from_region`` ends a row-parallel region.
+
+Sequence parallelism (Megatron-LM, Korthikanti et al. 2022) keeps the activations *between*
+the tensor-parallel regions (layer norms, residuals) split along the sequence dim instead of
+replicated: ``all_gather_to_region`` enters a column-parallel region from sequence shards and
+``reduce_scatter_from_region`` leaves a row-parallel region into them, so the all-reduce of
+plain TP becomes an all-gather plus a reduce-scatter (the same bytes on a ring) and each rank
+stores and normalises only ``N / tp`` tokens. Rank ``r`` holds the contiguous tokens
+``[r * N / tp, (r + 1) * N / tp)``. ``scatter_to_sequence_region`` / ``gather_from_sequence_region``
+move between a replicated full sequence and the shards (the backward of the latter assumes the
+incoming gradient is the same on every rank, as ``gather_from_region``'s does).
+
+Reduce-scatter and the flat all-gather use ``torch.distributed.reduce_scatter_single`` /
+``all_gather_single`` (torch 2.13; ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` before
+it, the same collectives under their old names). NCCL runs a real reduce-scatter. gloo (CPU)
+has it too, but implements it as an all-reduce of the whole tensor followed by keeping this
+rank's chunk (twice the traffic of a real reduce-scatter): a documented backend difference in
+cost, not in the numbers (each rank gets the same sum of the same values).
 
 ``group=None`` means the default process group when ``torch.distributed`` is initialised and a
 single process otherwise; on a group of size 1 every function is the identity (no collective).
@@ -18,6 +43,8 @@ single process otherwise; on a group of size 1 every function is the identity (n
 >>> import torch
 >>> x = torch.ones(2, 4, requires_grad=True)
 >>> copy_to_region(x).shape    # single process: identity
+torch.Size([2, 4])
+>>> all_gather_to_region(x).shape   # likewise: one rank holds the whole sequence
 torch.Size([2, 4])
 """
 
@@ -28,8 +55,12 @@ import torch.distributed as dist
 
 __all__ = [
     "group_size", "group_rank", "copy_to_region", "reduce_from_region", "gather_from_region",
-    "scatter_to_region", "all_gather_dim", "all_reduce_async",
+    "scatter_to_region", "all_gather_dim", "all_reduce_async", "all_gather_to_region",
+    "reduce_scatter_from_region", "scatter_to_sequence_region", "gather_from_sequence_region",
+    "all_gather_seq", "reduce_scatter_seq", "split_seq", "SEQ_DIM",
 ]
+
+SEQ_DIM = -2  # the sequence dim of ``[..., T, features]`` activations that SP splits
 
 
 def _active(group) -> bool:
@@ -90,6 +121,91 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     return x[..., rank * size:(rank + 1) * size].contiguous()
 
 
+def _collective(name: str, old_name: str):
+    """``dist.<name>``, or its pre-2.13 spelling ``dist.<old_name>`` (same collective; 2.13
+    deprecates the old name with a FutureWarning). Looked up per call, not at import, so a test
+    that wraps the ``torch.distributed`` functions sees every call."""
+    fn = getattr(dist, name, None)
+    return fn if fn is not None else getattr(dist, old_name)
+
+
+def _seq_len(x: torch.Tensor, dim: int, world: int, name: str) -> tuple[int, int]:
+    """(normalised dim, length per rank); ValueError naming ``name`` unless ``world`` divides
+    the sequence length."""
+    d = dim % x.dim()
+    n = x.shape[d]
+    if n % world:
+        raise ValueError(f"sequence parallelism splits dim {dim} of {name} (length {n}) over the "
+                         f"tensor-parallel size {world}, which does not divide it")
+    return d, n // world
+
+
+def _all_gather_seq_start(x: torch.Tensor, group, async_op: bool):
+    """Start the flat all-gather of ``x`` into a rank-major buffer ``[world, *x.shape]``;
+    returns ``(buffer, handle)`` (``handle`` None unless ``async_op``). One flat collective
+    into one buffer, not ``world`` separate outputs and a ``cat`` (``all_gather_dim``)."""
+    x = x.contiguous()
+    buf = torch.empty((group_size(group), *x.shape), dtype=x.dtype, device=x.device)
+    # The collective wants the output as the inputs concatenated along dim 0 (gloo checks the
+    # shape): the same memory as ``buf``, viewed [world * x.shape[0], ...].
+    handle = _collective("all_gather_single", "all_gather_into_tensor")(
+        buf.flatten(0, 1), x, group=group, async_op=async_op)
+    return buf, (handle if async_op else None)
+
+
+def _rank_major_to_seq(buf: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[world, ..., t, ...]`` -> ``[..., world * t, ...]``, rank r's block at [r t, (r+1) t).
+    A view when every dim before ``dim`` has size 1 (Megatron's sequence-first layout, or
+    batch 1 here); otherwise ``flatten`` copies once."""
+    d = dim % (buf.dim() - 1)
+    return buf.movedim(0, d).flatten(d, d + 1)
+
+
+def all_gather_seq(x: torch.Tensor, dim: int = SEQ_DIM, group=None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order (no autograd); bitwise
+    :func:`all_gather_dim`, through one flat collective."""
+    if group_size(group) == 1:
+        return x
+    buf, _ = _all_gather_seq_start(x, group, async_op=False)
+    return _rank_major_to_seq(buf, dim)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, dim: int, group, async_op: bool, name: str):
+    world = group_size(group)
+    d, t = _seq_len(x, dim, world, name)
+    # Rank r's output is the sum of every rank's chunk r of ``dim``; the collective takes chunk
+    # r as the r-th contiguous slice of its input, so move the rank axis to the front (a copy
+    # only when a dim before ``dim`` is larger than 1).
+    x_rank_major = x.unflatten(d, (world, t)).movedim(d, 0).contiguous()
+    out = torch.empty(x_rank_major.shape[1:], dtype=x.dtype, device=x.device)
+    handle = _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, x_rank_major.flatten(0, 1), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return out, (handle if async_op else None)
+
+
+def reduce_scatter_seq(x: torch.Tensor, dim: int = SEQ_DIM, group=None,
+                       name: str = "x") -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's contiguous chunk of ``dim`` (no autograd).
+
+    ``x [..., T, ...]`` -> ``[..., T / world, ...]``; ValueError (naming ``name``) unless the
+    group size divides ``T``. On gloo the collective is an all-reduce plus a chunk inside
+    torch (see the module docstring): the same numbers, twice the traffic.
+    """
+    if group_size(group) == 1:
+        return x
+    return _reduce_scatter_seq(x, dim, group, async_op=False, name=name)[0]
+
+
+def split_seq(x: torch.Tensor, dim: int = SEQ_DIM, group=None, name: str = "x") -> torch.Tensor:
+    """This rank's contiguous chunk of ``dim`` (no communication, no autograd);
+    ValueError (naming ``name``) unless the group size divides the length."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    d, t = _seq_len(x, dim, world, name)
+    return x.narrow(d, group_rank(group) * t, t).contiguous()
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -133,6 +249,52 @@ class _ScatterToRegion(torch.autograd.Function):
         return all_gather_dim(grad, -1, ctx.group), None
 
 
+class _AllGatherToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather_seq(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's full-sequence input gradient is partial (its heads / hidden columns
+        # only): sum them and keep this rank's tokens in one collective.
+        return reduce_scatter_seq(grad, ctx.dim, ctx.group, name="the gradient"), None, None
+
+
+class _ReduceScatterFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter_seq(x, dim, group, name="x")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split_seq(x, dim, group, name="x")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather_seq(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_seq(grad, ctx.dim, ctx.group, name="the gradient"), None, None
+
+
 def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward."""
     return _CopyToRegion.apply(x, group)
@@ -151,3 +313,43 @@ def gather_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
 def scatter_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
     return _ScatterToRegion.apply(x, group)
+
+
+def all_gather_to_region(x: torch.Tensor, group=None, *, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Sequence shards in, the full sequence out (all-gather along ``dim``); backward
+    reduce-scatters the gradient. The sequence-parallel :func:`copy_to_region`: it opens a
+    column-parallel region.
+
+    >>> import torch
+    >>> all_gather_to_region(torch.randn(2, 5, 8)).shape   # single process
+    torch.Size([2, 5, 8])
+    """
+    return _AllGatherToRegion.apply(x, dim, group)
+
+
+def reduce_scatter_from_region(x: torch.Tensor, group=None, *,
+                               dim: int = SEQ_DIM) -> torch.Tensor:
+    """Partial sums over the full sequence in, this rank's summed tokens out (reduce-scatter
+    along ``dim``); backward all-gathers the gradient. The sequence-parallel
+    :func:`reduce_from_region`: it closes a row-parallel region. ValueError unless the group
+    size divides the sequence length."""
+    return _ReduceScatterFromRegion.apply(x, dim, group)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group=None, *,
+                               dim: int = SEQ_DIM) -> torch.Tensor:
+    """A replicated full sequence in, this rank's contiguous tokens out; backward all-gathers
+    the gradient. ValueError unless the group size divides the sequence length.
+
+    Under torch.distributed with 2 ranks: ``x [B, 128, d]`` -> ``[B, 64, d]`` holding tokens
+    ``[64 r, 64 (r + 1))``.
+    """
+    return _ScatterToSequenceRegion.apply(x, dim, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group=None, *,
+                                dim: int = SEQ_DIM) -> torch.Tensor:
+    """Sequence shards in, the full sequence (replicated) out; backward keeps this rank's
+    tokens of the gradient, which is right when that gradient is the same on every rank (a loss
+    computed identically everywhere), as for :func:`gather_from_region`."""
+    return _GatherFromSequenceRegion.apply(x, dim, group)

@@ -17,6 +17,17 @@ Weights are stored ``[in, out]`` like the canonical parameters of :mod:`sparsetp
 * :class:`ParallelSparseAttention` = column qkv (whole heads per rank) -> block-sparse attention
   of the local heads -> row out projection.
 
+Sequence parallelism (``sequence_parallel=True``, Megatron-LM's SP; off by default): activations
+outside the parallel regions are split along the sequence dim (-2; rank ``r`` holds tokens
+``[r T / tp, (r + 1) T / tp)``). The column layer all-gathers its input shard before the GEMM
+(backward: reduce-scatter of the input gradient) and the row layer reduce-scatters its output
+(backward: all-gather) instead of all-reducing it, then adds its replicated bias on the shard.
+Same bytes on the wire as the all-reduce, but layer norms and residuals work on ``T / tp``
+tokens and the activations between regions take ``1 / tp`` of the memory. With
+``overlap_comm`` the column backward re-gathers the input (saving only the shard) and overlaps
+the gather with the d(x) GEMM and the reduce-scatter with the d(W) GEMM
+(:class:`_ColumnLinearSequenceParallel`; bitwise the plain SP path, ``tests/torch_sp_test.py``).
+
 ``load_unsharded`` takes FULL tensors (numpy or torch) in the canonical layout and keeps this
 rank's shard; ``unsharded`` gathers them back (bitwise).
 
@@ -37,13 +48,20 @@ from torch import nn
 
 from sparsetp.backends.torch.attention import sparse_attention
 from sparsetp.backends.torch.comm import (
+    SEQ_DIM,
+    _all_gather_seq_start,
+    _rank_major_to_seq,
+    _reduce_scatter_seq,
     all_gather_dim,
+    all_gather_seq,
+    all_gather_to_region,
     all_reduce_async,
     copy_to_region,
     gather_from_region,
     group_rank,
     group_size,
     reduce_from_region,
+    reduce_scatter_from_region,
     scatter_to_region,
 )
 from sparsetp.core.layout import BlockLayout, make_layout
@@ -125,6 +143,61 @@ class _ColumnLinearAsyncGrad(torch.autograd.Function):
         return dx, dw, db, None
 
 
+class _ColumnLinearSequenceParallel(torch.autograd.Function):
+    """``y = all_gather(x_shard) @ W + b`` for a sequence-parallel input, Megatron's SP schedule.
+
+    ============================  =====================================================
+    forward                       all-gather ``x_shard`` along the sequence dim (-2);
+                                  ``x @ W + b``; save only ``x_shard`` and ``W``
+    backward                      start ``all_gather(x_shard)`` (async);
+                                  ``dx = dy @ W^T`` meanwhile; wait;
+                                  start ``reduce_scatter(dx)`` (async);
+                                  ``dW = x^T dy``, ``db = sum(dy)`` meanwhile; wait
+    ============================  =====================================================
+
+    Saving the shard and gathering it again costs one more all-gather per backward, but the
+    full ``[T, in]`` input is not held from forward to backward (``1 / tp`` of that memory),
+    and the gather hides behind the d(x) GEMM. The plain SP path (``all_gather_to_region``
+    then ``matmul``) keeps the gathered input for autograd and finishes both GEMMs before the
+    reduce-scatter, which then runs with nothing to overlap.
+
+    Numerics: the same GEMM calls on the same operands as :class:`_ColumnLinearAsyncGrad`
+    (itself bitwise autograd's), the re-gathered input is a copy of the same bits, and the
+    reduce-scatter is the plain path's helper on the same tensor: bitwise equal results.
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group):
+        ctx.save_for_backward(x_shard, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return _matmul_bias(all_gather_seq(x_shard, SEQ_DIM, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_shard, weight = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gathered = gather = None
+        if need_dw:
+            gathered, gather = _all_gather_seq_start(x_shard, ctx.group, async_op=True)
+        dx_shard = dx = reduce = None
+        if need_dx:
+            dx = torch.matmul(dy, weight.t())
+        if gather is not None:
+            gather.wait()  # before the reduce-scatter: one collective in flight at a time
+        if need_dx:
+            dx_shard, reduce = _reduce_scatter_seq(dx, SEQ_DIM, ctx.group, async_op=True,
+                                                   name="the input gradient")
+        dw = db = None
+        if need_dw:
+            x = _rank_major_to_seq(gathered, SEQ_DIM)
+            dw = x.reshape(-1, x.shape[-1]).t().mm(dy.reshape(-1, dy.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(dim=tuple(range(dy.dim() - 1)))
+        if reduce is not None:
+            reduce.wait()
+        return dx_shard, dw, db, None
+
+
 class _ParallelLinear(nn.Module):
     """Shared parts: a weight shard split on ``_split_dim`` (0 rows, 1 columns) and a bias."""
 
@@ -194,8 +267,9 @@ class _ParallelLinear(nn.Module):
         return w, b
 
     def extra_repr(self) -> str:
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, tp={self.world_size}, rank={self.rank}")
+                f"bias={self.bias is not None}, tp={self.world_size}, rank={self.rank}{sp}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -211,12 +285,19 @@ class ColumnParallelLinear(_ParallelLinear):
       seed: :meth:`reset_parameters` seed; None leaves the parameters uninitialised (for a caller
         that will :meth:`load_unsharded`).
       overlap_comm: overlap the backward all-reduce of the input gradient with the weight-gradient
-        GEMM (:class:`_ColumnLinearAsyncGrad`); bitwise the same numbers as False.
+        GEMM (:class:`_ColumnLinearAsyncGrad`); bitwise the same numbers as False. With
+        ``sequence_parallel``, overlap the input re-gather and the gradient reduce-scatter
+        (:class:`_ColumnLinearSequenceParallel`), also bitwise.
+      sequence_parallel: the input is this rank's contiguous chunk of the sequence dim (-2) of
+        ``[..., T, in]``; it is all-gathered to ``[..., T * tp, in]`` before the GEMM and the
+        input gradient is reduce-scattered back to ``[..., T, in]``.
 
     Example (under torch.distributed with 2 ranks, each rank keeps 8 output columns)::
 
         fc = ColumnParallelLinear(16, 16, gather_output=True)
         fc.load_unsharded(w_full, b_full)
+        sp = ColumnParallelLinear(16, 16, sequence_parallel=True)   # x_shard [B, T/2, 16]
+        sp(x_shard).shape                                           # [B, T, 8]
     """
 
     _split_dim = 1
@@ -224,12 +305,21 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, group=None, *, dtype: torch.dtype | None = None,
-                 device=None, seed: int | None = 0, overlap_comm: bool = True):
+                 device=None, seed: int | None = 0, overlap_comm: bool = True,
+                 sequence_parallel: bool = False):
         self.gather_output, self.overlap_comm = gather_output, bool(overlap_comm)
+        self.sequence_parallel = bool(sequence_parallel)
         super().__init__(in_features, out_features, bias, group, dtype, device, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.overlap_comm and self.world_size > 1:
+        if self.sequence_parallel:
+            if self.overlap_comm and self.world_size > 1:
+                y_local = _ColumnLinearSequenceParallel.apply(x, self.weight, self.bias,
+                                                              self.group)
+            else:
+                y_local = _matmul_bias(all_gather_to_region(x, self.group), self.weight,
+                                       self.bias)
+        elif self.overlap_comm and self.world_size > 1:
             y_local = _ColumnLinearAsyncGrad.apply(x, self.weight, self.bias, self.group)
         else:
             x_local = copy_to_region(x, self.group)
@@ -246,6 +336,10 @@ class RowParallelLinear(_ParallelLinear):
       input_is_parallel: the input is already this rank's ``[..., in / tp]`` slice (the output
         of a :class:`ColumnParallelLinear`); else the full input is split here.
       group, dtype, device, seed: as :class:`ColumnParallelLinear`.
+      sequence_parallel: reduce-scatter the output along the sequence dim (-2) instead of
+        all-reducing it: ``[..., T, in / tp]`` in, this rank's ``[..., T / tp, out]`` out
+        (ValueError unless ``tp`` divides ``T``); the bias is added on the shard. Needs
+        ``input_is_parallel``.
     """
 
     _split_dim = 0
@@ -253,11 +347,26 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = True, group=None, *,
-                 dtype: torch.dtype | None = None, device=None, seed: int | None = 0):
+                 dtype: torch.dtype | None = None, device=None, seed: int | None = 0,
+                 sequence_parallel: bool = False):
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input of "
+                             "a sequence-parallel row layer is a column layer's output slice)")
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = bool(sequence_parallel)
         super().__init__(in_features, out_features, bias, group, dtype, device, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            y_shard = reduce_scatter_from_region(torch.matmul(x, self.weight), self.group)
+            if self.bias is None:
+                return y_shard
+            # Each rank adds the replicated bias to its own tokens only, so its gradient here
+            # is a partial sum over T / tp tokens. copy_to_region (identity forward, all-reduce
+            # backward) makes .grad the full sum on every rank, so replicas stay equal under any
+            # optimizer without an extra call after backward (Megatron instead all-reduces such
+            # "sequence-parallel" parameters in its training loop).
+            return y_shard + copy_to_region(self.bias, self.group)
         x_local = x if self.input_is_parallel else scatter_to_region(x, self.group)
         y = reduce_from_region(torch.matmul(x_local, self.weight), self.group)
         return y if self.bias is None else y + self.bias
@@ -266,7 +375,10 @@ class RowParallelLinear(_ParallelLinear):
 class ParallelMLP(nn.Module):
     """``fc2(gelu_tanh(fc1(x)))``: fc1 column-parallel, fc2 row-parallel (``d_ff`` split).
 
-    One all-reduce forward (after fc2) and one backward (the input gradient, at fc1).
+    One all-reduce forward (after fc2) and one backward (the input gradient, at fc1). With
+    ``sequence_parallel=True`` input and output are this rank's sequence shard ``[..., T / tp,
+    d_model]``: an all-gather (fc1) and a reduce-scatter (fc2) forward, their mirrors backward,
+    plus the all-reduce of fc2's replicated-bias gradient (``d_model`` elements).
 
     >>> import torch
     >>> ParallelMLP(8, 32)(torch.randn(2, 3, 8)).shape
@@ -275,9 +387,9 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, group=None, *,
                  dtype: torch.dtype | None = None, device=None, seed: int | None = 0,
-                 overlap_comm: bool = True):
+                 overlap_comm: bool = True, sequence_parallel: bool = False):
         super().__init__()
-        kw = dict(group=group, dtype=dtype, device=device)
+        kw = dict(group=group, dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         self.fc1 = ColumnParallelLinear(d_model, d_ff, bias, gather_output=False,
                                         seed=None if seed is None else seed,
                                         overlap_comm=overlap_comm, **kw)
@@ -306,13 +418,18 @@ class ParallelSparseAttention(nn.Module):
       pattern: attention pattern, laid out per sequence length with ``block_size`` tiles.
       block_size, bias, group, dtype, device, seed: as above.
       overlap_comm: passed to the qkv :class:`ColumnParallelLinear`.
+      sequence_parallel: input and output are sequence shards (below); passed to both linears.
 
-    Input ``x [B, N, d_model]`` (replicated), output ``[B, N, d_model]`` (replicated).
+    Input ``x [B, N, d_model]`` (replicated), output ``[B, N, d_model]`` (replicated). With
+    ``sequence_parallel``: input ``[B, N / tp, d_model]`` (rank r's tokens), qkv all-gathers it,
+    the local heads attend over all ``N`` tokens, and ``out`` reduce-scatters back to
+    ``[B, N / tp, d_model]``.
     """
 
     def __init__(self, d_model: int, num_heads: int, pattern: Pattern, block_size: int = 64,
                  bias: bool = True, group=None, *, dtype: torch.dtype | None = None,
-                 device=None, seed: int | None = 0, overlap_comm: bool = True):
+                 device=None, seed: int | None = 0, overlap_comm: bool = True,
+                 sequence_parallel: bool = False):
         super().__init__()
         if not isinstance(pattern, Pattern):
             raise ValueError(f"pattern must be a sparsetp Pattern, got {pattern!r}")
@@ -324,7 +441,7 @@ class ParallelSparseAttention(nn.Module):
         self.local_heads = _divide("num_heads", num_heads, world)
         self.pattern, self.block_size = pattern, block_size
         self.head_start = group_rank(group) * self.local_heads
-        kw = dict(group=group, dtype=dtype, device=device)
+        kw = dict(group=group, dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         self.qkv = ColumnParallelLinear(d_model, 3 * d_model, bias, gather_output=False,
                                         seed=seed, overlap_comm=overlap_comm, **kw)
         self.out = RowParallelLinear(d_model, d_model, bias, input_is_parallel=True,
@@ -341,8 +458,8 @@ class ParallelSparseAttention(nn.Module):
         return lay
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        qkv_local = self.qkv(x)  # [B, N, Hl * 3 * hd]
+        qkv_local = self.qkv(x)  # [B, N, Hl * 3 * hd] (under SP, gathered from N / tp tokens)
+        b, n, _ = qkv_local.shape
         qkv_local = qkv_local.view(b, n, self.local_heads, 3, self.head_dim)
         q, k, v = (qkv_local[:, :, :, t].transpose(1, 2).contiguous() for t in range(3))
         o = sparse_attention(q, k, v, self.local_layout(n), scale=self.head_dim ** -0.5)
