@@ -64,6 +64,9 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
+from sparsetp.core.patterns import EMPTY
 from sparsetp.kernels import attention as _k
 
 __all__ = [
@@ -375,19 +378,29 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP,
 # 2.83 (2.77); strided 4.44 (4.46) / 4.37 (4.29); window 32: 7.42, 16: 10.17 ms.
 _TILE_MODEL = {128: (0.1673e-3, 0.004786), 64: (0.0578e-3, 0.004942),
                32: (0.0, 0.013504), 16: (0.0, 0.018791)}
-# Tiles smaller than the layout block only where the fit was measured (bf16/fp16 at D = 128);
-# elsewhere only larger tiles (a 16- or 32-token tile costs 2.7-3.8x a 64-token one per element
-# there, far beyond any plausible difference between dtypes or head dims).
-_REFINE_REGIME = {"head_dims": (128,), "dtypes": ("bfloat16", "float16")}
+# A tile smaller than the layout block only as measured: 64 for a block-128 layout with bf16/fp16
+# at D = 128. Larger tiles always count (a 16- or 32-token tile costs 2.7-3.8x a 64-token one per
+# element, far beyond any plausible difference between dtypes or head dims).
+_REFINE = {"from_block": 128, "to_block": 64, "head_dims": (128,),
+           "dtypes": ("bfloat16", "float16")}
 _KERNEL_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _layout_cost(layout) -> float:
-    """Modelled fwd+bwd ms of ``layout`` at its own block, per batch element."""
-    a, b = _TILE_MODEL[layout.block_size]
-    programs = layout.num_heads * layout.num_blocks
-    elements = float(layout.q_count.sum()) * layout.block_size ** 2 / 1e6
-    return a * programs + b * elements
+def _modelled_ms(pattern, seq_len: int, num_heads: int, block: int) -> float:
+    """Modelled fwd+bwd ms of ``pattern`` run at ``block``, per batch element. Tile counts come
+    from the pattern's structural block kinds (no element masks, no lists: ~20x cheaper than a
+    layout; tiles only "maybe" partial count as computed), so a first call does not build
+    layouts it will not run."""
+    a, b = _TILE_MODEL[block]
+    tiles_by_key: dict = {}
+    tiles = 0
+    for h in range(num_heads):
+        key = pattern.head_key(h)
+        if key not in tiles_by_key:
+            tiles_by_key[key] = int(np.count_nonzero(
+                np.asarray(pattern._block_kinds(h, block, seq_len)) != EMPTY))
+        tiles += tiles_by_key[key]
+    return a * num_heads * -(-seq_len // block) + b * tiles * block * block / 1e6
 
 
 def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
@@ -396,8 +409,8 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
     block when :data:`_TILE_MODEL` says that is faster (same token mask, same attention).
 
     Policy (``_OPTIONS["kernel_tile"]``, default ``"auto"``): on CUDA, the block with the least
-    modelled time among the layout's own, every larger one, and, for ``head_dim`` 128 with
-    bfloat16/float16 (where the model was measured), every smaller one; in the interpreter the
+    modelled time among the layout's own, every larger one, and, for a block-128 layout with
+    ``head_dim`` 128 and bfloat16/float16 (where the model was measured), 64; in the interpreter the
     layout itself, so CPU tests run the kernels at every block. A layout without a pattern
     (built by hand) is launched as it is. Both frontends call this with the same arguments, so
     torch and JAX launch the same tiles. The other layouts are built once per layout (cached
@@ -416,26 +429,34 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
             or getattr(layout, "pattern", None) is None):
         return layout
     if mode == "auto":
-        refine = (head_dim in _REFINE_REGIME["head_dims"]
-                  and dtype is not None and check_dtype(dtype) in _REFINE_REGIME["dtypes"])
-        blocks = [b for b in SUPPORTED_BLOCK_SIZES
-                  if b != layout.block_size and (refine or b > layout.block_size)]
+        blocks = [b for b in SUPPORTED_BLOCK_SIZES if b > layout.block_size]
+        if (layout.block_size == _REFINE["from_block"] and head_dim in _REFINE["head_dims"]
+                and dtype is not None and check_dtype(dtype) in _REFINE["dtypes"]):
+            blocks.append(_REFINE["to_block"])
     else:
         blocks = [mode] if mode > layout.block_size else []
     if not blocks:
         return layout
     cache = _KERNEL_LAYOUTS.setdefault(layout, {})
-    key = (mode, tuple(blocks), tuple(sorted(_TILE_MODEL.items())))
+    key = (mode, tuple(blocks))
     if key not in cache:
-        from sparsetp.core.layout import make_layout  # noqa: PLC0415 (numpy-only spec layer)
+        best = layout.block_size
+        if mode == "auto":
+            args = (layout.pattern, layout.seq_len, layout.num_heads)
+            cost = {b: _modelled_ms(*args, b) for b in blocks}
+            a, b = _TILE_MODEL[layout.block_size]  # the layout's own: its exact tile counts
+            cost[layout.block_size] = (a * layout.num_heads * layout.num_blocks
+                                       + b * float(layout.q_count.sum())
+                                       * layout.block_size ** 2 / 1e6)
+            best = min(cost, key=lambda b: (cost[b], b != layout.block_size))
+        else:
+            best = mode
+        if best == layout.block_size:
+            cache[key] = layout
+        else:
+            from sparsetp.core.layout import make_layout  # noqa: PLC0415 (numpy-only spec)
 
-        best, best_cost = layout, _layout_cost(layout) if mode == "auto" else float("inf")
-        for b in blocks:
-            cand = make_layout(layout.pattern, layout.seq_len, layout.num_heads, b)
-            cost = _layout_cost(cand)
-            if cost < best_cost:
-                best, best_cost = cand, cost
-        cache[key] = best
+            cache[key] = make_layout(layout.pattern, layout.seq_len, layout.num_heads, best)
     return cache[key]
 
 

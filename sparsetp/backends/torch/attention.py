@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -118,6 +119,36 @@ def _new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
+# Launch descriptions, cached. Building one (argument list, strides, checks) takes tens of
+# microseconds of host time, and at small N the host is what a call waits on (an H200 host spent
+# ~230 us in the three-kernel backward at N=1024, most of it in the builders and Triton's launch;
+# benchmarks/results/gpu_attention_check_h200_s4_run3.json, host_overhead). The key holds
+# everything a description depends on: the builder, the metadata tensors (the entry keeps them
+# alive, so their ids stay unique), each tensor's shape/stride/dtype/device, the strides and
+# keyword arguments, and the launch options; a hit only swaps in this call's tensors.
+_CALLS: dict = {}
+_CALLS_MAX = 1024
+
+
+def _described(builder, tensors: tuple, meta, strides: dict, **kw) -> L.KernelCall:
+    """``builder(*tensors[, meta], strides=strides, **kw)`` (a ``launch.*_call``), cached."""
+    key = (builder, None if meta is None else tuple(map(id, meta.values())),
+           tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
+           tuple(strides.items()), tuple(kw.items()),
+           tuple(L._OPTIONS.items()), tuple(L._OVERRIDES.items()))
+    hit = _CALLS.get(key)
+    if hit is None:
+        call = builder(*tensors, *(() if meta is None else (meta,)), strides=strides, **kw)
+        # Builders put their tensor arguments first, in order (launch's module docstring).
+        assert all(a is t for a, t in zip(call.args, tensors, strict=False))
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[key] = hit = (call, meta)
+        return call
+    call = hit[0]
+    return dataclasses.replace(call, args=(*tensors, *call.args[len(tensors):]))
+
+
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -142,9 +173,9 @@ def _forward(q, k, v, layout, scale):
                                 strides={"out": out.stride(), "lse": lse.stride()})
         _launch(call, (out, lse), kind)
         return out, lse
-    call = L.fwd_call(q, k, v, meta, scale=scale, dtype=dtype, device_kind=kind,
-                      strides={"q": q.stride(), "k": k.stride(), "v": v.stride(),
-                               "out": out.stride(), "lse": lse.stride()})
+    call = _described(L.fwd_call, (q, k, v), meta,
+                      {"q": q.stride(), "k": k.stride(), "v": v.stride(), "out": out.stride(),
+                       "lse": lse.stride()}, scale=scale, dtype=dtype, device_kind=kind)
     _launch(call, (out, lse), kind)
     return out, lse
 
@@ -195,10 +226,9 @@ def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
     b, h, n, d = q.shape
     meta = _metadata(layout, q, kind)
     delta = _new_output((b, h, n), lse.dtype, q.device)
-    pre = L.bwd_preprocess_call(out, d_out, block_size=int(meta["masks"].shape[1]),
-                                dtype=dtype, device_kind=kind,
-                                strides={"out": out.stride(), "d_out": d_out.stride(),
-                                         "delta": delta.stride()})
+    pre = _described(L.bwd_preprocess_call, (out, d_out), None,
+                     {"out": out.stride(), "d_out": d_out.stride(), "delta": delta.stride()},
+                     block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind)
     strides = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
                "lse": lse.stride()}
     dq = _new_output(q.shape, q.dtype, q.device)
@@ -206,12 +236,12 @@ def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
     dv = _new_output(v.shape, v.dtype, v.device)
 
     def grad_calls(delta):
-        return ((L.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
-                               device_kind=kind, strides={**strides, "dq": dq.stride()}),
+        ins = (q, k, v, d_out, lse, delta)
+        kw = dict(scale=scale, dtype=dtype, device_kind=kind)
+        return ((_described(L.bwd_dq_call, ins, meta, {**strides, "dq": dq.stride()}, **kw),
                  (dq,)),
-                (L.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
-                                 device_kind=kind,
-                                 strides={**strides, "dk": dk.stride(), "dv": dv.stride()}),
+                (_described(L.bwd_dkdv_call, ins, meta,
+                            {**strides, "dk": dk.stride(), "dv": dv.stride()}, **kw),
                  (dk, dv)))
 
     calls = grad_calls(delta)
