@@ -389,10 +389,14 @@ def _bwd_cfgs(sub, warps, stages):
 # this list checks the new defaults against their predecessors in one run.
 SWEEP = [
     ("default", None, {}),
-    ("bwd sub64 w8 s2 (old default)", None, _bwd_cfgs(64, 8, 2)),
-    ("bwd sub64 w8 s4", None, _bwd_cfgs(64, 8, 4)),
-    ("fwd sub64 w8 s4", None, {"fwd": L.TileConfig(128, 128, 8, 4, sub=64)}),
-    ("fwd sub64 w8 s2", None, {"fwd": L.TileConfig(128, 128, 8, 2, sub=64)}),
+    # Two [128, 128] fp32 accumulators (dK, dV) are 128 registers per thread at 8 warps, next
+    # to the [128, 64] score tiles: 16 warps halve that (FlexAttention's newer Hopper default
+    # for D=128 is 64 x 128 tiles with 16 warps).
+    ("bwd sub64 w16 s3", None, _bwd_cfgs(64, 16, 3)),
+    ("bwd sub64 w16 s2", None, _bwd_cfgs(64, 16, 2)),
+    ("bwd sub32 w16 s3", None, _bwd_cfgs(32, 16, 3)),
+    ("fwd sub64 w16 s3", None, {"fwd": L.TileConfig(128, 128, 16, 3, sub=64)}),
+    ("fwd sub128 w16 s2", None, {"fwd": L.TileConfig(128, 128, 16, 2, sub=128)}),
 ]
 
 
