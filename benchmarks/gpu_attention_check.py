@@ -410,7 +410,9 @@ def sweep():
                for nm in ("causal", "window", "bigbird", "strided_causal")}
     for label, order, cfgs in SWEEP:
         is_fwd = "fwd" in cfgs
-        with L._override(work_order=order, **cfgs):
+        # Tile-config overrides name block 128: pin the kernel tile to the layout's (the
+        # default policy may run a block-128 layout in 64-token tiles).
+        with L._override(work_order=order, kernel_tile="layout" if cfgs else None, **cfgs):
             tag = f"sweep {label}"
             if over_budget(tag):
                 continue
