@@ -389,10 +389,11 @@ def _bwd_cfgs(sub, warps, stages):
 # this list checks the new defaults against their predecessors in one run.
 SWEEP = [
     ("default", None, {}),
-    # EVEN_N (N % BLOCK == 0: unpredicated loads, no select on full tiles) off: the A/B.
-    ("even_n=False", None, {"even_n": False}),
+    ("bwd sub64 w8 s2 (old default)", None, _bwd_cfgs(64, 8, 2)),
     # Measured in session 4 (gpu_attention_check_h200_s4_run5): 16 warps ran the backward
-    # 1.7-2x and the forward 1.6-1.9x slower than 8 warps; not swept again.
+    # 1.7-2x and the forward 1.6-1.9x slower than 8 warps; not swept again. Run 6 tried an
+    # EVEN_N constexpr (unpredicated loads, no bounds select on full tiles when N % BLOCK == 0):
+    # slower (causal fwd 12.17 vs 10.07 ms, BigBird bwd 2.69 vs 2.15), reverted.
 ]
 
 
@@ -406,11 +407,9 @@ def sweep():
                for nm in ("causal", "window", "bigbird", "strided_causal")}
     for label, order, cfgs in SWEEP:
         is_fwd = "fwd" in cfgs
-        opts = {k: cfgs.pop(k) for k in list(cfgs) if k == "even_n"}
         # Tile-config overrides name block 128: pin the kernel tile to the layout's (the
         # default policy may run a block-128 layout in 64-token tiles).
-        with L._override(work_order=order, kernel_tile="layout" if cfgs else None, **opts,
-                         **cfgs):
+        with L._override(work_order=order, kernel_tile="layout" if cfgs else None, **cfgs):
             tag = f"sweep {label}"
             if over_budget(tag):
                 continue

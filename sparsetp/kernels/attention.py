@@ -23,8 +23,7 @@ Conventions shared by the four kernels
   sub-tile walked per loop step (``SUB_N`` keys in forward/dQ, ``SUB_M`` queries in dK/dV),
   the number of int32 mask words per tile row (``MASK_WORDS``), the tl.dot input precision,
   ``DOT_UPCAST`` (an interpreter-only bf16 workaround, see :func:`_dot`), the work-order
-  switches ``ORDERED``/``BH_FIRST`` (:func:`_program`), ``ALIGNED`` (:func:`_hint16`) and
-  ``EVEN_N`` (``N % BLOCK == 0``: no bounds predicates on loads, no select on full tiles). None
+  switches ``ORDERED``/``BH_FIRST`` (:func:`_program`) and ``ALIGNED`` (:func:`_hint16`). None
   depends on the pattern's values, so a new pattern never recompiles.
 * Every kernel bounds its loads by ``N``: full tiles of the ragged last tile row/column carry no
   mask bits, so ``offs < N`` is always part of the validity mask.
@@ -156,25 +155,18 @@ def _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, sub, offs_d, N, qk_scale,
               stride_kn, stride_kd, stride_vn, stride_vd,
               masks, mask_id, stride_mu, stride_mr, stride_mw,
               BLOCK: tl.constexpr, SUB_N: tl.constexpr, PARTIAL: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_N: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """One online-softmax step over sub-tile ``sub`` (keys ``[sub*SUB_N, +SUB_N)``) of key tile
     ``kb`` (shapes in :func:`_attn_fwd_kernel`)."""
     offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
-    k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    if EVEN_N:  # every key < N: unpredicated loads, and a full tile needs no select at all
-        k_t = tl.load(k_ptrs)  # [HEAD_DIM, SUB_N] = K^T
-    else:
-        k_t = tl.load(k_ptrs, mask=offs_n[None, :] < N, other=0.0)
+    k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                  mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, SUB_N] = K^T
     qk = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # base-2 scores [BLOCK, SUB_N]
+    valid = offs_n[None, :] < N
     if PARTIAL:
-        valid = _mask_bits(masks, mask_id, 0, sub * SUB_N, stride_mu, stride_mr, stride_mw,
-                           BLOCK, SUB_N, False)
-        if not EVEN_N:
-            valid = valid & (offs_n[None, :] < N)
-        qk = tl.where(valid, qk, float("-inf"))
-    elif not EVEN_N:
-        qk = tl.where(offs_n[None, :] < N, qk, float("-inf"))
+        valid = valid & _mask_bits(masks, mask_id, 0, sub * SUB_N, stride_mu, stride_mr,
+                                   stride_mw, BLOCK, SUB_N, False)
+    qk = tl.where(valid, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # A row that has seen no allowed key yet has m_new = -inf; exp2(-inf - -inf) would be NaN.
     # Subtracting 0 instead gives alpha = exp2(-inf) = 0 and p = exp2(-inf) = 0: the row stays
@@ -183,10 +175,8 @@ def _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, sub, offs_d, N, qk_scale,
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if EVEN_N:
-        v = tl.load(v_ptrs)  # [SUB_N, HEAD_DIM]
-    else:
-        v = tl.load(v_ptrs, mask=offs_n[:, None] < N, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=offs_n[:, None] < N, other=0.0)  # [SUB_N, HEAD_DIM]
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return acc, m_new, l_i
 
@@ -208,7 +198,6 @@ def _attn_fwd_kernel(
     BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
-    EVEN_N: tl.constexpr,
 ):
     """Forward: Out = softmax(Q K^T * sm_scale, masked) V and LSE = logsumexp of the scores.
 
@@ -262,13 +251,13 @@ def _attn_fwd_kernel(
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, it % (BLOCK // SUB_N),
                                   offs_d, N, qk_scale, stride_kn, stride_kd, stride_vn,
                                   stride_vd, masks, mid, stride_mu, stride_mr, stride_mw,
-                                  BLOCK, SUB_N, True, DOT_PRECISION, DOT_UPCAST, EVEN_N)
+                                  BLOCK, SUB_N, True, DOT_PRECISION, DOT_UPCAST)
     for it in range(n_partial * (BLOCK // SUB_N), count * (BLOCK // SUB_N)):
         kb = tl.load(q_index + row + (it // (BLOCK // SUB_N)) * stride_ik)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, it % (BLOCK // SUB_N),
                                   offs_d, N, qk_scale, stride_kn, stride_kd, stride_vn,
                                   stride_vd, masks, 0, stride_mu, stride_mr, stride_mw,
-                                  BLOCK, SUB_N, False, DOT_PRECISION, DOT_UPCAST, EVEN_N)
+                                  BLOCK, SUB_N, False, DOT_PRECISION, DOT_UPCAST)
 
     # Rows with no allowed key (l = 0): divide by 1 so acc = 0 gives output 0, not 0/0 = NaN.
     has_key = l_i > 0.0
@@ -324,31 +313,22 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, N, qk_scal
              stride_kn, stride_kd, stride_vn, stride_vd,
              masks, mask_id, stride_mu, stride_mr, stride_mw,
              BLOCK: tl.constexpr, SUB_N: tl.constexpr, PARTIAL: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_N: tl.constexpr):
+             DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """dQ contribution of sub-tile ``sub`` (keys ``[sub*SUB_N, +SUB_N)``) of key tile ``kb``
     (shapes in :func:`_attn_bwd_dq_kernel`)."""
     offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
-    if EVEN_N:
-        k = tl.load(k_ptrs)  # [SUB_N, HEAD_DIM]
-        v_t = tl.load(v_ptrs)  # [HEAD_DIM, SUB_N] = V^T
-    else:
-        k = tl.load(k_ptrs, mask=offs_n[:, None] < N, other=0.0)
-        v_t = tl.load(v_ptrs, mask=offs_n[None, :] < N, other=0.0)
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=offs_n[:, None] < N, other=0.0)  # [SUB_N, HEAD_DIM]
+    v_t = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
+                  mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, SUB_N] = V^T
     qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK, SUB_N]
-    # Recompute P from the saved base-2 LSE. tl.where *selects*, so an overflowing exp2 of a
-    # masked-out score never reaches the sums. A full tile with every key < N (EVEN_N) has
-    # nothing to select: its rows' LSE bounds every score, so exp2 cannot overflow.
-    p = tl.math.exp2(qk - lse2[:, None])
+    valid = offs_n[None, :] < N
     if PARTIAL:
-        valid = _mask_bits(masks, mask_id, 0, sub * SUB_N, stride_mu, stride_mr, stride_mw,
-                           BLOCK, SUB_N, False)
-        if not EVEN_N:
-            valid = valid & (offs_n[None, :] < N)
-        p = tl.where(valid, p, 0.0)
-    elif not EVEN_N:
-        p = tl.where(offs_n[None, :] < N, p, 0.0)
+        valid = valid & _mask_bits(masks, mask_id, 0, sub * SUB_N, stride_mu, stride_mr,
+                                   stride_mw, BLOCK, SUB_N, False)
+    # Recompute P from the saved base-2 LSE. tl.where *selects*, so an overflowing exp2 of a
+    # masked-out score never reaches the sums.
+    p = tl.where(valid, tl.math.exp2(qk - lse2[:, None]), 0.0)
     dp = _dot(do, v_t, DOT_PRECISION, DOT_UPCAST)
     ds = p * (dp - delta[:, None])
     dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
@@ -373,7 +353,6 @@ def _attn_bwd_dq_kernel(
     BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
-    EVEN_N: tl.constexpr,
 ):
     """dQ = sm_scale * sum_j dS_ij K_j with dS = P * (dO V^T - Delta), over the query-major lists.
 
@@ -427,13 +406,13 @@ def _attn_bwd_dq_kernel(
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, it % (BLOCK // SUB_N), offs_d,
                       N, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                       masks, mid, stride_mu, stride_mr, stride_mw,
-                      BLOCK, SUB_N, True, DOT_PRECISION, DOT_UPCAST, EVEN_N)
+                      BLOCK, SUB_N, True, DOT_PRECISION, DOT_UPCAST)
     for it in range(n_partial * (BLOCK // SUB_N), count * (BLOCK // SUB_N)):
         kb = tl.load(q_index + row + (it // (BLOCK // SUB_N)) * stride_ik)
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, it % (BLOCK // SUB_N), offs_d,
                       N, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                       masks, 0, stride_mu, stride_mr, stride_mw,
-                      BLOCK, SUB_N, False, DOT_PRECISION, DOT_UPCAST, EVEN_N)
+                      BLOCK, SUB_N, False, DOT_PRECISION, DOT_UPCAST)
     # dS is the gradient w.r.t. the *natural* scaled scores, hence sm_scale (not qk_scale).
     dq = dq * sm_scale
     tl.store(DQ + off_b * _hint16(stride_dqb, ALIGNED) + off_h64 * _hint16(stride_dqh, ALIGNED)
@@ -446,7 +425,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, off
                qk_scale, stride_qn, stride_qd, stride_don, stride_dod, stride_ln,
                masks, mask_id, stride_mu, stride_mr, stride_mw,
                BLOCK: tl.constexpr, SUB_M: tl.constexpr, PARTIAL: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, EVEN_N: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """dK/dV contribution of sub-tile ``sub`` (queries ``[sub*SUB_M, +SUB_M)``) of query tile
     ``qb`` (shapes in :func:`_attn_bwd_dkdv_kernel`).
 
@@ -455,31 +434,21 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, off
     """
     offs_m = qb * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)  # query tokens (columns of S^T)
     col_ok = offs_m < N
-    q_ptrs = q_base + offs_m[None, :] * stride_qn + offs_d[:, None] * stride_qd
-    do_ptrs = do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod
-    if EVEN_N:  # every query < N: unpredicated loads, no select on full tiles
-        q_t = tl.load(q_ptrs)  # [HEAD_DIM, SUB_M] = Q^T
-        do = tl.load(do_ptrs)  # [SUB_M, HEAD_DIM]
-        lse = tl.load(lse_base + offs_m * stride_ln)
-        delta = tl.load(delta_base + offs_m * stride_ln)
-    else:
-        q_t = tl.load(q_ptrs, mask=col_ok[None, :], other=0.0)
-        do = tl.load(do_ptrs, mask=col_ok[:, None], other=0.0)
-        lse = tl.load(lse_base + offs_m * stride_ln, mask=col_ok, other=float("-inf"))
-        delta = tl.load(delta_base + offs_m * stride_ln, mask=col_ok, other=0.0)
+    q_t = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None] * stride_qd,
+                  mask=col_ok[None, :], other=0.0)  # [HEAD_DIM, SUB_M] = Q^T
+    do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                 mask=col_ok[:, None], other=0.0)  # [SUB_M, HEAD_DIM]
+    lse = tl.load(lse_base + offs_m * stride_ln, mask=col_ok, other=float("-inf"))
+    delta = tl.load(delta_base + offs_m * stride_ln, mask=col_ok, other=0.0)
     # As in the dQ kernel: -inf LSE (row with no key, or padding) -> +inf so P^T is 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     qk_t = _dot(k, q_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK keys, SUB_M queries]
-    p_t = tl.math.exp2(qk_t - lse2[None, :])
+    valid = col_ok[None, :]
     if PARTIAL:
         # Mask rows are queries (axis 1 here), bits keys (axis 0 here): the transposed slice.
-        valid = _mask_bits(masks, mask_id, sub * SUB_M, 0, stride_mu, stride_mr, stride_mw,
-                           SUB_M, BLOCK, True)
-        if not EVEN_N:
-            valid = valid & col_ok[None, :]
-        p_t = tl.where(valid, p_t, 0.0)
-    elif not EVEN_N:
-        p_t = tl.where(col_ok[None, :], p_t, 0.0)
+        valid = valid & _mask_bits(masks, mask_id, sub * SUB_M, 0, stride_mu, stride_mr,
+                                   stride_mw, SUB_M, BLOCK, True)
+    p_t = tl.where(valid, tl.math.exp2(qk_t - lse2[None, :]), 0.0)
     dv += _dot(p_t.to(do.dtype), do, DOT_PRECISION, DOT_UPCAST)
     dp_t = _dot(v, tl.trans(do), DOT_PRECISION, DOT_UPCAST)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -506,7 +475,6 @@ def _attn_bwd_dkdv_kernel(
     BLOCK: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
-    EVEN_N: tl.constexpr,
 ):
     """dV = sum_i P_i^T dO_i and dK = sm_scale * sum_i dS_i^T Q_i over the key-major lists.
 
@@ -562,13 +530,13 @@ def _attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb,
                             it % (BLOCK // SUB_M), offs_d, N, qk_scale, stride_qn, stride_qd,
                             stride_don, stride_dod, stride_ln, masks, mid, stride_mu, stride_mr,
-                            stride_mw, BLOCK, SUB_M, True, DOT_PRECISION, DOT_UPCAST, EVEN_N)
+                            stride_mw, BLOCK, SUB_M, True, DOT_PRECISION, DOT_UPCAST)
     for it in range(n_partial * (BLOCK // SUB_M), count * (BLOCK // SUB_M)):
         qb = tl.load(k_index + row + (it // (BLOCK // SUB_M)) * stride_ik)
         dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb,
                             it % (BLOCK // SUB_M), offs_d, N, qk_scale, stride_qn, stride_qd,
                             stride_don, stride_dod, stride_ln, masks, 0, stride_mu, stride_mr,
-                            stride_mw, BLOCK, SUB_M, False, DOT_PRECISION, DOT_UPCAST, EVEN_N)
+                            stride_mw, BLOCK, SUB_M, False, DOT_PRECISION, DOT_UPCAST)
     dk = dk * sm_scale  # gradient w.r.t. natural scaled scores, as in dQ
     tl.store(DK + off_b * _hint16(stride_dkb, ALIGNED) + off_h64 * _hint16(stride_dkh, ALIGNED)
              + offs_n[:, None] * _hint16(stride_dkn, ALIGNED) + offs_d[None, :] * stride_dkd,
@@ -611,7 +579,6 @@ def _attn_fwd_split_kernel(
     BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
-    EVEN_N: tl.constexpr,
 ):
     """Forward chunk: the unnormalised online-softmax state of one chunk of one row.
 
@@ -678,14 +645,14 @@ def _attn_fwd_split_kernel(
                                       it % (BLOCK // SUB_N), offs_d, N, qk_scale, stride_kn,
                                       stride_kd, stride_vn, stride_vd, masks, mid, stride_mu,
                                       stride_mr, stride_mw, BLOCK, SUB_N, True, DOT_PRECISION,
-                                      DOT_UPCAST, EVEN_N)
+                                      DOT_UPCAST)
         for it in range(tl.maximum(e0, n_partial) * (BLOCK // SUB_N), e1 * (BLOCK // SUB_N)):
             kb = tl.load(q_index + row + (it // (BLOCK // SUB_N)) * stride_ik)
             acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb,
                                       it % (BLOCK // SUB_N), offs_d, N, qk_scale, stride_kn,
                                       stride_kd, stride_vn, stride_vd, masks, 0, stride_mu,
                                       stride_mr, stride_mw, BLOCK, SUB_N, False, DOT_PRECISION,
-                                      DOT_UPCAST, EVEN_N)
+                                      DOT_UPCAST)
         s64 = s.to(tl.int64)
         tl.store(AccP + off_b * stride_pb + off_h64 * stride_ph + s64 * stride_ps
                  + offs_m[:, None] * stride_pn + offs_d[None, :] * stride_pd,

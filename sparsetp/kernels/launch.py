@@ -319,18 +319,15 @@ WORK_ORDERS = ("natural", "longest_first", "longest_first_bh")
 #               "layout"            always the layout's own block;
 #               16 / 32 / 64 / 128  that kernel tile wherever it is >= the layout block (tests
 #                                   and benchmarks; the interpreter too).
-#   even_n:     True (default)      EVEN_N = (N % BLOCK == 0): no bounds predicates on loads and
-#                                   no select on full tiles when every tile is whole;
-#               False               always the bounded code (the A/B of the GPU check).
 _OPTIONS: dict[str, Any] = {"work_order": "longest_first_bh", "split_cap": None,
-                            "kernel_tile": "auto", "even_n": True}
+                            "kernel_tile": "auto"}
 _KEEP = object()
 _OVERRIDES: dict[str, TileConfig] = {}
 
 
 @contextlib.contextmanager
 def _override(work_order: str | None = None, split_cap: Any = _KEEP,
-              kernel_tile: Any = None, even_n: bool | None = None, **configs: TileConfig):
+              kernel_tile: Any = None, **configs: TileConfig):
     """Temporarily change the work order, the forward's split cap (an int >= 1, or None for
     off), the kernel-tile policy (see :func:`kernel_layout`) and/or the tile config of kernels
     by name, e.g.
@@ -357,8 +354,6 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP,
             _OPTIONS["split_cap"] = split_cap
         if kernel_tile is not None:
             _OPTIONS["kernel_tile"] = kernel_tile
-        if even_n is not None:
-            _OPTIONS["even_n"] = bool(even_n)
         _OVERRIDES.update(configs)
         yield
     finally:
@@ -543,14 +538,13 @@ def dot_upcast(dtype: str, device_kind: str) -> bool:
 
 
 def _constexprs(block_size, d, dtype, device_kind, cfg: TileConfig, sub_name: str,
-                is_aligned: bool, seq_len: int):
+                is_aligned: bool):
     order = _OPTIONS["work_order"]
     return {"BLOCK": block_size, sub_name: cfg.sub, "HEAD_DIM": d,
             "MASK_WORDS": mask_words(block_size), "DOT_PRECISION": dot_precision(dtype),
             "DOT_UPCAST": dot_upcast(dtype, device_kind),
             "ORDERED": order != "natural", "BH_FIRST": order == "longest_first_bh",
-            "ALIGNED": is_aligned,
-            "EVEN_N": _OPTIONS["even_n"] and int(seq_len) % block_size == 0}
+            "ALIGNED": is_aligned}
 
 
 def _grid(b, h, n, bs):
@@ -581,7 +575,7 @@ def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, devi
     return KernelCall("fwd", _KERNELS["fwd"], _grid(b, h, n, bs), args,
                       (OutputSpec("out", shape, dtype),
                        OutputSpec("lse", lse_shape, stats_dtype(dtype))),
-                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st), n),
+                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
                       cfg.num_warps, cfg.num_stages)
 
 
@@ -612,7 +606,7 @@ def _bwd_list_call(name, major, out_names, sub_name, q, k, v, d_out, lse, delta,
             *(x for o in out_names for x in st[o]))
     return KernelCall(name, _KERNELS[name], _grid(b, h, n, bs), args,
                       tuple(OutputSpec(o, shape, dtype) for o in out_names),
-                      _constexprs(bs, d, dtype, device_kind, cfg, sub_name, aligned(n, st), n),
+                      _constexprs(bs, d, dtype, device_kind, cfg, sub_name, aligned(n, st)),
                       cfg.num_warps, cfg.num_stages)
 
 
@@ -674,7 +668,7 @@ def fwd_split_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str
     return KernelCall("fwd_split", _KERNELS["fwd_split"], _split_grid(b, h, tiles, slots), args,
                       (OutputSpec("acc_p", acc_shape, sd), OutputSpec("m_p", stat_shape, sd),
                        OutputSpec("l_p", stat_shape, sd)),
-                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st), n),
+                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
                       cfg.num_warps, cfg.num_stages)
 
 
