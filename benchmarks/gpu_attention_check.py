@@ -563,6 +563,18 @@ def tile_sweep():
     save()
 
 
+def _host_us(fn, calls: int = 200, warmup: int = 20) -> float:
+    """Host microseconds per call of ``fn`` over ``calls`` back-to-back calls and one sync."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def host_overhead():
     """Host time per call where the GPU has almost nothing to do (N = 1024, window, one head):
     what a small-N backward pays before any kernel runs (launch descriptions, Triton's
@@ -577,16 +589,8 @@ def host_overhead():
            "fwd_bwd": lambda: tattn.sparse_attention(qg, kg, vg, layout).backward(d_out)}
     out = {}
     for name, fn in fns.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        out[f"{name}_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
-        gpu = bench(fn, [qg, kg, vg] if name == "fwd_bwd" else None)
-        out[f"{name}_gpu_ms_do_bench"] = gpu
+        out[f"{name}_us_per_call"] = _host_us(fn)
+        out[f"{name}_gpu_ms_do_bench"] = bench(fn, [qg, kg, vg] if name == "fwd_bwd" else None)
     # The autograd path vs the direct calls: time spent inside the frontend's backward while
     # autograd drives it, and a forward that records the graph.
     inside = []
@@ -599,36 +603,14 @@ def host_overhead():
         return r
 
     with mock.patch.object(tattn, "_backward", timed_backward):
-        for _ in range(20):
-            fns["fwd_bwd"]()
-        torch.cuda.synchronize()
-        inside.clear()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fns["fwd_bwd"]()
-        torch.cuda.synchronize()
-        out["fwd_bwd_patched_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
-    out["backward_inside_autograd_us"] = sum(inside) / len(inside) * 1e6
-    fg = lambda: tattn.sparse_attention(qg, kg, vg, layout)
-    for _ in range(20):
-        fg()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(200):
-        fg()
-    torch.cuda.synchronize()
-    out["fwd_recording_graph_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
-    # Autograd's own cost with a trivial op of the same arity: q * 1 chains, backward.
-    triv = lambda: (qg * 1.0 + kg * 1.0 + vg * 1.0).backward(d_out)
-    for _ in range(20):
-        triv()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(200):
-        triv()
-    torch.cuda.synchronize()
-    out["trivial_autograd_fwd_bwd_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
-    # Where the host time goes: the top functions of 50 fwd+bwd calls by own time.
+        out["fwd_bwd_patched_us_per_call"] = _host_us(fns["fwd_bwd"])
+    out["backward_inside_autograd_us"] = sum(inside[20:]) / len(inside[20:]) * 1e6
+    out["fwd_recording_graph_us_per_call"] = _host_us(
+        lambda: tattn.sparse_attention(qg, kg, vg, layout))
+    # Autograd's own cost with trivial ops on the same leaves: q * 1 chains, backward.
+    out["trivial_autograd_fwd_bwd_us_per_call"] = _host_us(
+        lambda: (qg * 1.0 + kg * 1.0 + vg * 1.0).backward(d_out))
+    # Where the host time goes: the top functions of 50 backward calls by own time.
     import cProfile
     import io
     import pstats
@@ -637,14 +619,7 @@ def host_overhead():
     # frontend's backward directly (the same code) in this thread.
     out_, lse_ = tattn._forward(q, k, v, layout, d ** -0.5)
     bwd = lambda: tattn._backward(q, k, v, out_, lse_, d_out, None, layout, d ** -0.5)
-    for _ in range(20):
-        bwd()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(200):
-        bwd()
-    torch.cuda.synchronize()
-    out["direct_backward_us_per_call"] = (time.perf_counter() - t0) / 200 * 1e6
+    out["direct_backward_us_per_call"] = _host_us(bwd)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):
