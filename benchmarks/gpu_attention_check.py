@@ -502,7 +502,7 @@ def tile_sweep():
     """Kernel tiles (issue #8 target: blocks 64 and 32 at most 25% slower per computed element
     than block 128 on the window). The window |i - j| < 512 at N = 32768 laid out at blocks
     128 / 64 / 32 / 16, each run at its own block (kernel_tile="layout": the per-element costs
-    behind launch._ELEMENT_COST) and with the default policy (kernel_tile="auto": the tile
+    behind launch._TILE_MODEL) and with the default policy (kernel_tile="auto": the tile
     launch.kernel_layout picks). Each (block, policy) is first checked against the float32
     reference at N = 2048 with poisoned outputs. "Per computed element" always counts the
     elements of the layout as given (its block), whatever tile the kernels ran."""
@@ -518,7 +518,9 @@ def tile_sweep():
         elems = b * int(layout.q_count.sum()) * bs * bs
         for mode in ("layout", "auto"):
             label = f"tiles {name} block={bs} kernel_tile={mode}"
-            if (mode == "auto" and L.kernel_layout(layout, "cuda") is layout) or over_budget(label):
+            tile_of = lambda lay=layout: L.kernel_layout(lay, "cuda", head_dim=d,
+                                                         dtype="bfloat16")
+            if (mode == "auto" and tile_of() is layout) or over_budget(label):
                 continue  # auto == layout: already timed
             with L._override(kernel_tile=mode):
                 try:
@@ -531,7 +533,7 @@ def tile_sweep():
                     if not ok:
                         log(f"FAIL {label}: not timed")
                         continue
-                    kblock = L.kernel_layout(layout, "cuda").block_size
+                    kblock = tile_of().block_size
                     f = lambda: tattn.sparse_attention(q, k, v, layout)
                     fb = lambda: tattn.sparse_attention(qg, kg, vg, layout).backward(d_out)
                     e = {"impl": "sparsetp", "sweep": label, "pattern": name, "N": n,

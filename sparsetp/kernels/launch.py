@@ -280,13 +280,14 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
     # and 3 stages needs 288 B (dK/dV) and 16 B (dQ). 4 warps, as the tutorial uses at D=64,
     # cannot hold two [128, 128] fp32 accumulators (256 registers per thread): 8 warps at D>=64.
     # H200 sweep (session 3, bf16, D=128, N=32768, benchmarks/results/
-    # gpu_attention_check_h200_run4.json): 64-row sub-tiles with 2 stages beat 32 / 3 on fwd+bwd
-    # by 4% (causal), 7% (window), 4% (strided); sub 16 and the whole-tile step lose 20-50%.
-    # The next sweep (session 3, run5, same shapes; benchmarks/KERNEL_NOTES.md) put 3 stages
-    # ahead of 2 at sub 64: fwd+bwd causal 40.81 vs 44.54 ms, bigbird 2.82 vs 3.16, strided
-    # 4.42 vs 4.70, window 3.66 vs 3.68. (3 stages of [64, 128] Q and dO tiles are 96 KB of
-    # shared memory, within the H100/H200's 227 KB.) FlexAttention's H100 default for D=128 is
-    # the same shape: 64 x 128, 8 warps, 3 stages.
+    # gpu_attention_check_h200_run4.json): against 64-row sub-tiles with 2 stages, 16-row
+    # sub-tiles lost 28-35% fwd+bwd and the whole-tile step 44-63%. The next sweeps (session 3
+    # run5, its file lost; session 4 gpu_attention_check_h200_s4_run1.json) put 3 stages ahead
+    # of 2 at sub 64: fwd+bwd causal 42.11 vs 44.80 ms, bigbird 2.85 vs 3.15, strided 4.42 vs
+    # 4.73, window 3.66 vs 3.69 (4 stages: causal 41.44, the others equal or slower; 16 warps:
+    # 1.6-2x slower, s4_run5). 3 stages of [64, 128] Q and dO tiles are 96 KB of shared memory,
+    # within the H100/H200's 227 KB. FlexAttention's H100 default for D=128 is the same shape:
+    # 64 x 128, 8 warps, 3 stages.
     if bs >= 128 and head_dim == 128 and not wide:
         return TileConfig(bs, bs, 8, 3, sub=64)
     if bs >= 128:
