@@ -7,6 +7,7 @@ fusions). Run each XLA-flag variant in its own process:
 
     python benchmarks/jax_mlp_probe.py
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/jax_mlp_probe.py
+    XLA_FLAGS=--xla_gpu_enable_cublaslt=true python benchmarks/jax_mlp_probe.py --variants=library
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ flags.DEFINE_integer("t", 8192, "tokens")
 flags.DEFINE_integer("d", 8192, "model width")
 flags.DEFINE_integer("ff", 32768, "hidden width")
 flags.DEFINE_integer("iters", 20, "timed iterations")
+flags.DEFINE_list("variants", None, "variants to time (default: all)")
 FLAGS = flags.FLAGS
 
 
@@ -72,6 +74,8 @@ def main(_):
                 # Tokens as one 2-D [T, d] operand (no leading batch dim in the dot_generals).
                 "x2d": lambda w1, b1, w2, b2, x: layers.parallel_mlp(
                     x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, axis_name=None).reshape(x.shape)}
+    if FLAGS.variants:
+        variants = {n: variants[n] for n in FLAGS.variants}
     for name, f in variants.items():
         def fb(a, dy, f=f):
             y, vjp = jax.vjp(f, *a)
