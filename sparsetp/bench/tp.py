@@ -259,12 +259,22 @@ def _time(fn, device, iters, warmup, barrier_group=None):
     return dict(median_ms=times[len(times) // 2], min_ms=times[0], iters=iters)
 
 
+def _input_leaf(x):
+    """``x`` as a leaf that requires grad. A layer inside a model always owes its input a
+    gradient: without it autograd skips the first layer's input-gradient GEMM and, under TP,
+    the backward all-reduce (the collective that overlap_comm hides), and every torch fwd+bwd
+    would time 5 of the MLP's 6 GEMMs while JAX's vjp (taken w.r.t. x too) times all 6 (the
+    torch rows of sessions 1-4 did exactly that)."""
+    return x.detach().requires_grad_(True)
+
+
 def _interleaved(models: dict, x, dy, device, rounds: int, group, burst: int = 4) -> dict:
     """A/B timing: each round times a burst of ``burst`` fwd+bwd steps (one sync at each end)
     of every model in turn, so clock and neighbour drift hit all of them alike. Returns the
     median per-step ms of each model and the median of the per-round ratios to the first."""
     import torch.distributed as dist  # noqa: PLC0415
 
+    x = _input_leaf(x)
     steps = {}
     for name, m in models.items():
         params = list(m.parameters())
@@ -272,6 +282,7 @@ def _interleaved(models: dict, x, dy, device, rounds: int, group, burst: int = 4
         def step(m=m, params=params):
             for q in params:
                 q.grad = None
+            x.grad = None
             m(x).backward(dy)
         steps[name] = step
         step()  # warm-up
@@ -328,6 +339,7 @@ def _measure_torch(model, x, dy, device, iters, warmup, group, forward=None):
     forward = forward or model
     params = list(model.parameters())
     out = dict(param_bytes=sum(p.numel() * p.element_size() for p in params))
+    x = _input_leaf(x)
 
     def fwd():
         with torch.no_grad():
@@ -336,6 +348,7 @@ def _measure_torch(model, x, dy, device, iters, warmup, group, forward=None):
     def step():
         for p in params:
             p.grad = None
+        x.grad = None
         forward(x).backward(dy)
 
     out["fwd"] = _time(fwd, device, iters, warmup, group)
