@@ -55,7 +55,8 @@ import torch.distributed as dist
 
 __all__ = [
     "group_size", "group_rank", "copy_to_region", "reduce_from_region", "gather_from_region",
-    "scatter_to_region", "all_gather_dim", "all_reduce_async", "all_gather_to_region",
+    "scatter_to_region", "all_gather_dim", "all_reduce_", "all_reduce_async",
+    "all_gather_to_region",
     "reduce_scatter_from_region", "scatter_to_sequence_region", "gather_from_sequence_region",
     "all_gather_seq", "reduce_scatter_seq", "split_seq", "SEQ_DIM",
 ]
@@ -84,6 +85,16 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous().clone()  # never reduce into a tensor autograd (or the caller) still holds
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def all_reduce_(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum all-reduce of ``x`` in place (no autograd, no copy); returns ``x``. ``x`` must be
+    contiguous and owned by the caller (e.g. a GEMM's fresh output)."""
+    if group_size(group) > 1:
+        if not x.is_contiguous():
+            raise ValueError("all_reduce_ needs a contiguous tensor")
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
