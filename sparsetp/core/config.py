@@ -16,13 +16,13 @@ name                   shape          tensor-parallel split (``partition_dim``)
 ``attn.qkv.weight``    ``[d, 3d]``    output columns (1): whole heads per rank
 ``attn.qkv.bias``      ``[3d]``       output columns (0)
 ``attn.out.weight``    ``[d, d]``     input rows (0): whole heads per rank
-``attn.out.bias``      ``[d]``        replicated (added once, after the all-reduce)
+``attn.out.bias``      ``[d]``        replicated (added once to the summed output)
 ``ln2.weight``         ``[d]``        replicated
 ``ln2.bias``           ``[d]``        replicated
 ``mlp.fc1.weight``     ``[d, ff]``    output columns (1)
 ``mlp.fc1.bias``       ``[ff]``       output columns (0)
 ``mlp.fc2.weight``     ``[ff, d]``    input rows (0)
-``mlp.fc2.bias``       ``[d]``        replicated (added once, after the all-reduce)
+``mlp.fc2.bias``       ``[d]``        replicated (added once to the summed output)
 =====================  =============  ==========================================
 
 ``qkv`` columns are head-major and interleaved (Megatron's layout): column
