@@ -62,6 +62,8 @@ flags.DEFINE_list("tile_blocks", ["128", "64", "32", "16"],
 flags.DEFINE_list("tile_patterns", ["causal", "bigbird", "strided_causal"],
                   "patterns also timed at layout blocks 128 and 64 in the kernel-tile sweep")
 flags.DEFINE_bool("host_overhead", True, "measure host time per call at N=1024")
+flags.DEFINE_bool("direct_launch", True, "direct launch: bitwise check and host time both ways")
+flags.DEFINE_bool("bwd_kernels", False, "time each backward kernel alone under config variants")
 flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off)")
 flags.DEFINE_integer("cold_child", None, "internal: run one cold-start child and exit")
 
@@ -637,6 +639,161 @@ def host_overhead():
     save()
 
 
+def _grads_both_ways(q, k, v, layout, d_out, d_lse):
+    """out, lse, dq, dk, dv through Triton's JIT entry point and through the direct launch
+    (each path warmed first, so the second call of each is the one compared), plus the number
+    of JIT-entry launches the direct path's timed call made (0 when it really ran direct)."""
+    def once():
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = tattn.sparse_attention(qg, kg, vg, layout, return_lse=True)
+        torch.autograd.backward((out, lse), (d_out, d_lse))
+        return [out.detach(), lse.detach(), qg.grad, kg.grad, vg.grad]
+
+    results, jit_calls = {}, {}
+    real = tattn._launch
+    for direct in (False, True):
+        calls = []
+
+        def counted(*a, **kw):
+            calls.append(1)
+            return real(*a, **kw)
+
+        with mock.patch.object(tattn, "_DIRECT_LAUNCH", direct):
+            once()
+            with mock.patch.object(tattn, "_launch", counted):
+                results[direct] = once()
+        jit_calls[direct] = len(calls)
+    return results, jit_calls
+
+
+def direct_launch():
+    """Direct launches of the compiled kernels (``attention._DIRECT_LAUNCH``): bitwise equal to
+    the JIT entry point (aligned and misaligned inputs, an LSE cotangent), then host time per
+    call both ways (N = 1024, window, one head) and do_bench of fwd+bwd at N = 8192."""
+    out = {"cases": []}
+    h, d = 2, 128
+    for name, n, offset in (("window", 2048, 0), ("bigbird", 2048, 0), ("strided_causal", 1000, 0),
+                            ("window", 2048, 1)):
+        tag = f"direct launch {name} N={n} storage offset {offset}"
+        if over_budget(tag):
+            continue
+        try:
+            layout = make_layout(anchor_pattern(name), n, h, 128)
+            g = torch.Generator(device="cuda").manual_seed(7)
+            base = [torch.randn(1 * h * n * d + offset, device="cuda", generator=g)
+                    .to(torch.bfloat16) for _ in range(4)]
+            # offset 1 element (2 bytes): pointers not 16-byte aligned, another specialisation
+            q, k, v, d_out = (x[offset:].view(1, h, n, d) for x in base)
+            d_lse = torch.randn(1, h, n, device="cuda", generator=g)
+            res, jit_calls = _grads_both_ways(q, k, v, layout, d_out, d_lse)
+            same = {nm: bool(torch.equal(a, b)) for nm, a, b in zip(
+                ("out", "lse", "dq", "dk", "dv"), res[False], res[True], strict=True)}
+            e = {"case": tag, "bitwise_equal": same, "jit_entry_calls": jit_calls,
+                 "pass": all(same.values()) and jit_calls[True] == 0 and jit_calls[False] == 4}
+            RESULTS["correctness"].append({"kind": "direct launch vs JIT entry (bitwise)", **e})
+            out["cases"].append(e)
+            log(f"{'ok  ' if e['pass'] else 'FAIL'} {tag}: {same} jit calls {jit_calls}")
+        except Exception as ex:
+            RESULTS["errors"].append({"case": tag, "error": traceback.format_exc()})
+            log(f"ERROR {tag}: {ex!r}")
+        save()
+    if over_budget("direct launch host time"):
+        return
+    for direct in (False, True):
+        with mock.patch.object(tattn, "_DIRECT_LAUNCH", direct):
+            n, h1 = 1024, 1
+            layout = make_layout(anchor_pattern("window"), n, h1, 128)
+            g = torch.Generator(device="cuda").manual_seed(4)
+            q, k, v, d_out = (torch.randn(1, h1, n, d, device="cuda", dtype=torch.bfloat16,
+                                          generator=g) for _ in range(4))
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            out_, lse_ = tattn._forward(q, k, v, layout, d ** -0.5)
+            e = {"fwd_us_per_call": _host_us(lambda: tattn.sparse_attention(q, k, v, layout)),
+                 "direct_backward_us_per_call": _host_us(
+                     lambda: tattn._backward(q, k, v, out_, lse_, d_out, None, layout,
+                                             d ** -0.5)),
+                 "fwd_bwd_us_per_call": _host_us(
+                     lambda: tattn.sparse_attention(qg, kg, vg, layout).backward(d_out))}
+            for nm in ("window", "strided_causal", "bigbird"):
+                n8, h16 = 8192, 16
+                lay = make_layout(anchor_pattern(nm), n8, h16, 128)
+                q8, k8, v8, do8 = (torch.randn(1, h16, n8, d, device="cuda",
+                                               dtype=torch.bfloat16, generator=g)
+                                   for _ in range(4))
+                qg8, kg8, vg8 = (t.clone().requires_grad_() for t in (q8, k8, v8))
+                e[f"{nm}_N8192_fwd_ms"] = bench(
+                    lambda: tattn.sparse_attention(q8, k8, v8, lay))
+                e[f"{nm}_N8192_fwd_bwd_ms"] = bench(
+                    lambda: tattn.sparse_attention(qg8, kg8, vg8, lay).backward(do8),
+                    [qg8, kg8, vg8])
+            out["direct" if direct else "jit_entry"] = e
+            log(f"host/launch {'direct' if direct else 'JIT entry'}: {e}")
+    RESULTS["direct_launch"] = out
+    save()
+
+
+# Backward kernel configs timed one kernel at a time (block 128, D=128, bf16): (sub, warps,
+# stages). The default is (64, 8, 3) for both; each alternative changes one kernel.
+BWD_KERNEL_CONFIGS = [("bwd_dq", (64, 8, 3)), ("bwd_dq", (64, 8, 4)), ("bwd_dq", (32, 8, 4)),
+                      ("bwd_dq", (64, 8, 2)), ("bwd_dkdv", (64, 8, 4)), ("bwd_dkdv", (32, 8, 4)),
+                      ("bwd_dkdv", (64, 8, 2))]
+flags.DEFINE_list("bwd_kernel_patterns", ["causal", "window", "strided_causal"],
+                  "patterns of the per-kernel backward timings")
+
+
+def bwd_kernels():
+    """GPU time of each backward kernel alone (preprocess, dQ, dK/dV) at N = 32768, block 128,
+    under the default config and the alternatives in BWD_KERNEL_CONFIGS (each first checked
+    against the fp32 reference at N = 2048): which kernel the backward's time goes to, and
+    whether dQ and dK/dV want different configs."""
+    n, b, h, d = 32768, 1, 16, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, d_out = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                      for _ in range(4))
+    layouts = {nm: make_layout(anchor_pattern(nm), n, h, 128) for nm in FLAGS.bwd_kernel_patterns}
+    fwd = {nm: tattn._forward(q, k, v, lay, d ** -0.5) for nm, lay in layouts.items()}
+    rows = []
+    for kname, (sub, warps, stages) in BWD_KERNEL_CONFIGS:
+        cfg = L.TileConfig(128, 128, warps, stages, sub=sub)
+        tag = f"bwd kernels {kname} sub{sub} w{warps} s{stages}"
+        if over_budget(tag):
+            continue
+        try:
+            with L._override(kernel_tile="layout", **{kname: cfg}):
+                r, _ = check_gpu_size("causal", anchor_pattern("causal"), 2048, 128, 2, 128,
+                                      "bfloat16")
+                ok = all(x <= 1.0 for x in r.values())
+                RESULTS["correctness"].append({"kind": "float32 torch reference",
+                                               "case": f"{tag} causal N=2048", "ratio": r,
+                                               "pass": ok})
+                if not ok:
+                    log(f"FAIL {tag}")
+                    continue
+                for nm, layout in layouts.items():
+                    launches = []
+                    real_run = tattn._run
+
+                    def record(desc, tensors, outputs, kind, real_run=real_run):
+                        launches.append((desc, tensors, outputs))
+                        return real_run(desc, tensors, outputs, kind)
+
+                    out_, lse_ = fwd[nm]
+                    with mock.patch.object(tattn, "_run", record):
+                        tattn._backward(q, k, v, out_, lse_, d_out, None, layout, d ** -0.5)
+                    e = {"pattern": nm, "N": n, "kernel": kname, "sub": sub, "warps": warps,
+                         "stages": stages}
+                    for desc, tensors, outputs in launches:
+                        e[f"{desc.call.name}_ms"] = bench(
+                            lambda: real_run(desc, tensors, outputs, "cuda"))
+                    rows.append(e)
+                    log(f"{tag}: {e}")
+        except Exception as ex:
+            RESULTS["errors"].append({"case": tag, "error": traceback.format_exc()})
+            log(f"ERROR {tag}: {ex!r}")
+        RESULTS["bwd_kernels"] = rows
+        save()
+
+
 def cold_child(parallel: bool):
     """In a fresh process with an empty Triton cache: wall time of the first forward and the
     first backward of the window at N = 8192 (bf16, D = 128, block 128)."""
@@ -717,8 +874,12 @@ def main(argv):
     timing()
     if FLAGS.tile_blocks:
         tile_sweep()
+    if FLAGS.direct_launch:
+        direct_launch()
     if FLAGS.host_overhead:
         host_overhead()
+    if FLAGS.bwd_kernels:
+        bwd_kernels()
     if FLAGS.sweep:
         split_sweep()
         sweep()

@@ -549,6 +549,13 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
     if cfg.device == "cpu" and layout.nnz_blocks * case["B"] > cfg.max_interp_tiles:
         raise Skip(f"interpreter: {layout.nnz_blocks * case['B']} tiles > max_interp_tiles="
                    f"{cfg.max_interp_tiles}")
+    from sparsetp.kernels import launch  # noqa: PLC0415
+
+    # The tile the kernels run at (the layout's block, or the same pattern re-laid at another
+    # block by launch.kernel_layout's cost model on CUDA).
+    rec["kernel_block"] = launch.kernel_layout(
+        layout, "cuda" if cfg.device != "cpu" else "interpreter", head_dim=case["D"],
+        dtype=case["dtype"]).block_size
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
     f, fb, g = _torch_pair(lambda q, k, v: sparse_attention(q, k, v, layout), sets)
     return Prepared(f, fb, g)

@@ -37,6 +37,8 @@ from sparsetp.core.layout import BlockLayout, make_layout
 from sparsetp.core.patterns import Pattern
 from sparsetp.kernels import launch as L
 
+import triton  # noqa: E402  (after sparsetp.kernels: _runtime decides the interpreter first)
+
 __all__ = ["sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -100,18 +102,20 @@ def _metadata(layout: BlockLayout, q: torch.Tensor, kind: str) -> dict[str, torc
 
 
 def _launch(call: L.KernelCall, outputs, device_kind: str):
+    """Launch ``call`` through Triton's JIT entry point; returns Triton's compiled kernel (None
+    in the interpreter)."""
     kern = call.kernel[call.grid]
     if device_kind == "interpreter":
         with _INTERPRET_LOCK:
             kern(*call.args, *outputs, **call.constexprs)
-        return
+        return None
     # jax_triton 0.3.1 sets TRITON_CACHE_DIR="" for the whole process, which makes Triton fail
     # to create its cache; an empty value means "unset" to us.
     if os.environ.get("TRITON_CACHE_DIR", None) == "":
         del os.environ["TRITON_CACHE_DIR"]
     with torch.cuda.device(outputs[0].device):
-        kern(*call.args, *outputs, **call.constexprs, num_warps=call.num_warps,
-             num_stages=call.num_stages)
+        return kern(*call.args, *outputs, **call.constexprs, num_warps=call.num_warps,
+                    num_stages=call.num_stages)
 
 
 def _new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -128,9 +132,54 @@ def _new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
 # keyword arguments, and the launch options; a hit only swaps in this call's tensors.
 _CALLS: dict = {}
 _CALLS_MAX = 1024
+# Direct launches (CUDA): after Triton's JIT entry point has run a description once, later calls
+# hand the same argument values to the compiled kernel it returned, skipping the entry point's
+# per-call work (binding ~50 arguments, specialising each, hashing the cache key, checking
+# globals): about 40% of the backward's host time in the session-4 profile
+# (benchmarks/results/gpu_attention_check_h200_s4_run4.json, profile_backward_x50). Safe because
+# everything Triton specialises a kernel on is fixed by the description's key (dtypes, every
+# int argument, the constexprs, warps and stages, the device), except the 16-byte alignment of
+# the tensors swapped in per call, which is part of the direct path's own key. Tests and
+# benchmarks set it False to compare the two paths.
+_DIRECT_LAUNCH = True
 
 
-def _described(builder, tensors: tuple, meta, strides: dict, **kw) -> L.KernelCall:
+def _current_stream(device: int) -> int:
+    """The raw current CUDA stream of ``device``, as Triton's launcher obtains it."""
+    global _STREAM_OF
+    if _STREAM_OF is None:  # the driver initialises on first use: only on the CUDA path
+        from triton.runtime import driver
+        _STREAM_OF = driver.active.get_current_stream
+    return _STREAM_OF(device)
+
+
+_STREAM_OF = None
+
+
+class _Description:
+    """A cached launch description: the call as built (with the first caller's tensors), its
+    arguments after the per-call tensors, its constexpr values in signature order, and the
+    compiled kernels Triton returned for it, by the alignment of the per-call tensors."""
+
+    __slots__ = ("call", "n_tensors", "tail", "constexpr_values", "compiled", "meta")
+
+    def __init__(self, call: L.KernelCall, n_tensors: int, meta):
+        self.call = call
+        self.n_tensors = n_tensors
+        self.tail = call.args[n_tensors:]
+        names = call.kernel.arg_names[len(call.args) + len(call.outputs):]
+        if sorted(names) != sorted(call.constexprs):
+            raise AssertionError(f"{call.name}: constexprs {sorted(call.constexprs)} do not fill "
+                                 f"the kernel's trailing parameters {names}")
+        self.constexpr_values = tuple(call.constexprs[n] for n in names)
+        self.compiled: dict = {}
+        self.meta = meta  # keeps the metadata tensors (ids in the key) alive
+
+    def with_tensors(self, tensors) -> L.KernelCall:
+        return dataclasses.replace(self.call, args=(*tensors, *self.tail))
+
+
+def _described(builder, tensors: tuple, meta, strides: dict, **kw) -> _Description:
     """``builder(*tensors[, meta], strides=strides, **kw)`` (a ``launch.*_call``), cached."""
     key = (builder, None if meta is None else tuple(map(id, meta.values())),
            tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
@@ -143,10 +192,37 @@ def _described(builder, tensors: tuple, meta, strides: dict, **kw) -> L.KernelCa
         assert all(a is t for a, t in zip(call.args, tensors, strict=False))
         if len(_CALLS) >= _CALLS_MAX:
             _CALLS.clear()
-        _CALLS[key] = hit = (call, meta)
-        return call
-    call = hit[0]
-    return dataclasses.replace(call, args=(*tensors, *call.args[len(tensors):]))
+        _CALLS[key] = hit = _Description(call, len(tensors), meta)
+    return hit
+
+
+def _run(desc: _Description, tensors: tuple, outputs: tuple, device_kind: str) -> None:
+    """Launch ``desc`` with this call's ``tensors`` (same shapes/strides/dtypes/device as the
+    description's) writing ``outputs``: directly into the compiled kernel when Triton has
+    compiled it for these alignments and the tensors' device is current, else through
+    :func:`_launch` (which compiles on a miss)."""
+    if device_kind == "cuda":
+        align = tuple(t.data_ptr() % 16 == 0 for t in (*tensors, *outputs))
+        compiled = desc.compiled.get(align)
+        device = outputs[0].device.index
+        if (compiled is not None and _DIRECT_LAUNCH
+                and torch.cuda.current_device() == device):
+            # What triton.runtime.jit.JITFunction.run does after its cache lookup (Triton 3.6
+            # and 3.9 alike): the bound argument values, constexprs included, in signature order.
+            args = (*tensors, *desc.tail, *outputs, *desc.constexpr_values)
+            stream = _current_stream(device)
+            enter = triton.knobs.runtime.launch_enter_hook
+            leave = triton.knobs.runtime.launch_exit_hook
+            grid = desc.call.grid
+            metadata = None if enter is None else compiled.launch_metadata(grid, stream, *args)
+            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
+                         compiled.packed_metadata, metadata, enter, leave, *args)
+            return
+        compiled = _launch(desc.with_tensors(tensors), outputs, device_kind)
+        if compiled is not None:
+            desc.compiled[align] = compiled
+        return
+    _launch(desc.with_tensors(tensors), outputs, device_kind)
 
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -173,10 +249,10 @@ def _forward(q, k, v, layout, scale):
                                 strides={"out": out.stride(), "lse": lse.stride()})
         _launch(call, (out, lse), kind)
         return out, lse
-    call = _described(L.fwd_call, (q, k, v), meta,
+    desc = _described(L.fwd_call, (q, k, v), meta,
                       {"q": q.stride(), "k": k.stride(), "v": v.stride(), "out": out.stride(),
                        "lse": lse.stride()}, scale=scale, dtype=dtype, device_kind=kind)
-    _launch(call, (out, lse), kind)
+    _run(desc, (q, k, v), (out, lse), kind)
     return out, lse
 
 
@@ -234,27 +310,29 @@ def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
     dq = _new_output(q.shape, q.dtype, q.device)
     dk = _new_output(k.shape, k.dtype, k.device)
     dv = _new_output(v.shape, v.dtype, v.device)
+    kw = dict(scale=scale, dtype=dtype, device_kind=kind)
 
-    def grad_calls(delta):
-        ins = (q, k, v, d_out, lse, delta)
-        kw = dict(scale=scale, dtype=dtype, device_kind=kind)
+    def grad_descriptions(ins):
         return ((_described(L.bwd_dq_call, ins, meta, {**strides, "dq": dq.stride()}, **kw),
                  (dq,)),
                 (_described(L.bwd_dkdv_call, ins, meta,
-                            {**strides, "dk": dk.stride(), "dv": dv.stride()}, **kw),
-                 (dk, dv)))
+                            {**strides, "dk": dk.stride(), "dv": dv.stride()}, **kw), (dk, dv)))
 
-    calls = grad_calls(delta)
-    _compile_together(((pre, (delta,)), *calls), kind)
-    _launch(pre, (delta,), kind)
+    ins = (q, k, v, d_out, lse, delta)
+    grads = grad_descriptions(ins)
+    if not (pre.compiled and all(desc.compiled for desc, _ in grads)):
+        _compile_together(((pre.with_tensors((out, d_out)), (delta,)),
+                           *((desc.with_tensors(ins), outs) for desc, outs in grads)), kind)
+    _run(pre, (out, d_out), (delta,), kind)
     if d_lse is not None:
         # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as
         # Delta - d_lse. Rows with no key have P = 0, so their (possibly inf) entries are moot;
         # mask them so no inf - inf NaN ever reaches the kernels.
         delta = delta - torch.where(torch.isfinite(lse), d_lse.to(delta.dtype), 0.0)
-        calls = grad_calls(delta)
-    for call, outputs in calls:
-        _launch(call, outputs, kind)
+        ins = (q, k, v, d_out, lse, delta)
+        grads = grad_descriptions(ins)
+    for desc, outs in grads:
+        _run(desc, ins, outs, kind)
     return dq, dk, dv
 
 
