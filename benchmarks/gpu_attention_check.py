@@ -732,20 +732,24 @@ def direct_launch():
     save()
 
 
-# Backward kernel configs timed one kernel at a time (block 128, D=128, bf16): (sub, warps,
-# stages). The default is (64, 8, 3) for both; each alternative changes one kernel.
-BWD_KERNEL_CONFIGS = [("bwd_dq", (64, 8, 3)), ("bwd_dq", (64, 8, 4)), ("bwd_dq", (32, 8, 4)),
-                      ("bwd_dq", (64, 8, 2)), ("bwd_dkdv", (64, 8, 4)), ("bwd_dkdv", (32, 8, 4)),
-                      ("bwd_dkdv", (64, 8, 2))]
-flags.DEFINE_list("bwd_kernel_patterns", ["causal", "window", "strided_causal"],
+# Backward kernel configs timed one kernel at a time (D=128, bf16): (kernel tile, kernel,
+# (sub, warps, stages)); kernel None = the defaults at that tile. Each alternative changes one
+# kernel's config.
+BWD_KERNEL_CONFIGS = [
+    (128, None, None), (128, "bwd_dq", (64, 8, 4)), (128, "bwd_dkdv", (64, 8, 2)),
+    (64, None, None), (64, "bwd_dq", (64, 4, 3)), (64, "bwd_dq", (32, 8, 3)),
+    (64, "bwd_dq", (64, 8, 3)), (64, "bwd_dkdv", (64, 4, 3)), (64, "bwd_dkdv", (32, 8, 3)),
+    (64, "bwd_dkdv", (64, 8, 3)), (64, "bwd_dkdv", (32, 4, 4)),
+]
+flags.DEFINE_list("bwd_kernel_patterns", ["causal", "window", "strided_causal", "bigbird"],
                   "patterns of the per-kernel backward timings")
 
 
 def bwd_kernels():
-    """GPU time of each backward kernel alone (preprocess, dQ, dK/dV) at N = 32768, block 128,
-    under the default config and the alternatives in BWD_KERNEL_CONFIGS (each first checked
-    against the fp32 reference at N = 2048): which kernel the backward's time goes to, and
-    whether dQ and dK/dV want different configs."""
+    """GPU time of each backward kernel alone (preprocess, dQ, dK/dV) at N = 32768 for layouts
+    at block 128 run at kernel tiles 128 and 64, under the default configs and the alternatives
+    in BWD_KERNEL_CONFIGS (each first checked against the fp32 reference at N = 2048): which
+    kernel the backward's time goes to, and whether dQ and dK/dV want different tiles/configs."""
     n, b, h, d = 32768, 1, 16, 128
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v, d_out = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -753,13 +757,13 @@ def bwd_kernels():
     layouts = {nm: make_layout(anchor_pattern(nm), n, h, 128) for nm in FLAGS.bwd_kernel_patterns}
     fwd = {nm: tattn._forward(q, k, v, lay, d ** -0.5) for nm, lay in layouts.items()}
     rows = []
-    for kname, (sub, warps, stages) in BWD_KERNEL_CONFIGS:
-        cfg = L.TileConfig(128, 128, warps, stages, sub=sub)
-        tag = f"bwd kernels {kname} sub{sub} w{warps} s{stages}"
+    for tile, kname, c in BWD_KERNEL_CONFIGS:
+        cfgs = {} if kname is None else {kname: L.TileConfig(tile, tile, c[1], c[2], sub=c[0])}
+        tag = f"bwd kernels tile {tile} {kname or 'default'} {c or ''}"
         if over_budget(tag):
             continue
         try:
-            with L._override(kernel_tile="layout", **{kname: cfg}):
+            with L._override(kernel_tile=tile, **cfgs):
                 r, _ = check_gpu_size("causal", anchor_pattern("causal"), 2048, 128, 2, 128,
                                       "bfloat16")
                 ok = all(x <= 1.0 for x in r.values())
@@ -780,11 +784,16 @@ def bwd_kernels():
                     out_, lse_ = fwd[nm]
                     with mock.patch.object(tattn, "_run", record):
                         tattn._backward(q, k, v, out_, lse_, d_out, None, layout, d ** -0.5)
-                    e = {"pattern": nm, "N": n, "kernel": kname, "sub": sub, "warps": warps,
-                         "stages": stages}
+                    e = {"pattern": nm, "N": n, "tile": tile, "kernel": kname,
+                         "config": None if c is None else {"sub": c[0], "warps": c[1],
+                                                           "stages": c[2]}}
                     for desc, tensors, outputs in launches:
                         e[f"{desc.call.name}_ms"] = bench(
                             lambda: real_run(desc, tensors, outputs, "cuda"))
+                        e[f"{desc.call.name}_config"] = (desc.call.constexprs.get("SUB_M")
+                                                         or desc.call.constexprs.get("SUB_N"),
+                                                         desc.call.num_warps,
+                                                         desc.call.num_stages)
                     rows.append(e)
                     log(f"{tag}: {e}")
         except Exception as ex:
