@@ -736,8 +736,7 @@ def direct_launch():
 # (sub, warps, stages)); kernel None = the defaults at that tile. Each alternative changes one
 # kernel's config.
 BWD_KERNEL_CONFIGS = [
-    (128, None, None), (128, "bwd_dq", (64, 8, 4)), (128, "bwd_dkdv", (64, 8, 2)),
-    (64, None, None), (64, "bwd_dq", (64, 4, 3)), (64, "bwd_dq", (32, 8, 3)),
+    (128, None, None), (64, None, None), (64, "bwd_dq", (64, 4, 3)), (64, "bwd_dq", (32, 8, 3)),
     (64, "bwd_dq", (64, 8, 3)), (64, "bwd_dkdv", (64, 4, 3)), (64, "bwd_dkdv", (32, 8, 3)),
     (64, "bwd_dkdv", (64, 8, 3)), (64, "bwd_dkdv", (32, 4, 4)),
 ]
@@ -754,17 +753,22 @@ def bwd_kernels():
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v, d_out = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
                       for _ in range(4))
-    layouts = {nm: make_layout(anchor_pattern(nm), n, h, 128) for nm in FLAGS.bwd_kernel_patterns}
-    fwd = {nm: tattn._forward(q, k, v, lay, d ** -0.5) for nm, lay in layouts.items()}
+    # The same token masks laid out at each tile (what launch.kernel_layout does), run at
+    # exactly that tile.
+    tiles = sorted({t for t, _, _ in BWD_KERNEL_CONFIGS}, reverse=True)
+    by_tile = {t: {nm: make_layout(anchor_pattern(nm), n, h, t)
+                   for nm in FLAGS.bwd_kernel_patterns} for t in tiles}
+    fwd = {nm: tattn._forward(q, k, v, lay, d ** -0.5) for nm, lay in by_tile[128].items()}
     rows = []
     for tile, kname, c in BWD_KERNEL_CONFIGS:
+        layouts = by_tile[tile]
         cfgs = {} if kname is None else {kname: L.TileConfig(tile, tile, c[1], c[2], sub=c[0])}
         tag = f"bwd kernels tile {tile} {kname or 'default'} {c or ''}"
         if over_budget(tag):
             continue
         try:
-            with L._override(kernel_tile=tile, **cfgs):
-                r, _ = check_gpu_size("causal", anchor_pattern("causal"), 2048, 128, 2, 128,
+            with L._override(kernel_tile="layout", **cfgs):
+                r, _ = check_gpu_size("causal", anchor_pattern("causal"), 2048, tile, 2, 128,
                                       "bfloat16")
                 ok = all(x <= 1.0 for x in r.values())
                 RESULTS["correctness"].append({"kind": "float32 torch reference",
