@@ -62,7 +62,8 @@ def ours(n: int) -> list[dict]:
     h, d = 16, 128
     layout = make_layout(P.causal(), n, h, 128)
     q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    q.requires_grad_()
+    for t in (q, k, v):
+        t.requires_grad_()
     tattn.sparse_attention(q, k, v, layout).backward(do)
     torch.cuda.synchronize()
     rows, tmp = [], tempfile.mkdtemp()
@@ -96,7 +97,8 @@ def flex(n: int) -> list[dict]:
     mask = create_block_mask(lambda b, hh, qi, ki: qi >= ki, 1, h, n, n, device="cuda",
                              BLOCK_SIZE=128)
     q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    q.requires_grad_()
+    for t in (q, k, v):  # all three: Flex drops the dK computation when k needs no gradient
+        t.requires_grad_()
     fn = torch.compile(flex_attention)
     fn(q, k, v, block_mask=mask).backward(do)
     torch.cuda.synchronize()
