@@ -736,9 +736,8 @@ def direct_launch():
 # (sub, warps, stages)); kernel None = the defaults at that tile. Each alternative changes one
 # kernel's config.
 BWD_KERNEL_CONFIGS = [
-    (128, None, None), (64, None, None), (64, "bwd_dq", (64, 4, 3)), (64, "bwd_dq", (32, 8, 3)),
-    (64, "bwd_dq", (64, 8, 3)), (64, "bwd_dkdv", (64, 4, 3)), (64, "bwd_dkdv", (32, 8, 3)),
-    (64, "bwd_dkdv", (64, 8, 3)), (64, "bwd_dkdv", (32, 4, 4)),
+    (128, None, None), (128, None, None, "longest_first"), (128, None, None, "natural"),
+    (64, None, None), (64, None, None, "longest_first"), (64, None, None, "natural"),
 ]
 flags.DEFINE_list("bwd_kernel_patterns", ["causal", "window", "strided_causal", "bigbird"],
                   "patterns of the per-kernel backward timings")
@@ -755,19 +754,20 @@ def bwd_kernels():
                       for _ in range(4))
     # The same token masks laid out at each tile (what launch.kernel_layout does), run at
     # exactly that tile.
-    tiles = sorted({t for t, _, _ in BWD_KERNEL_CONFIGS}, reverse=True)
+    tiles = sorted({c[0] for c in BWD_KERNEL_CONFIGS}, reverse=True)
     by_tile = {t: {nm: make_layout(anchor_pattern(nm), n, h, t)
                    for nm in FLAGS.bwd_kernel_patterns} for t in tiles}
     fwd = {nm: tattn._forward(q, k, v, lay, d ** -0.5) for nm, lay in by_tile[128].items()}
     rows = []
-    for tile, kname, c in BWD_KERNEL_CONFIGS:
+    for tile, kname, c, *order in BWD_KERNEL_CONFIGS:
+        order = order[0] if order else None
         layouts = by_tile[tile]
         cfgs = {} if kname is None else {kname: L.TileConfig(tile, tile, c[1], c[2], sub=c[0])}
-        tag = f"bwd kernels tile {tile} {kname or 'default'} {c or ''}"
+        tag = f"bwd kernels tile {tile} {kname or 'default'} {c or ''} order {order or 'default'}"
         if over_budget(tag):
             continue
         try:
-            with L._override(kernel_tile="layout", **cfgs):
+            with L._override(kernel_tile="layout", work_order=order, **cfgs):
                 r, _ = check_gpu_size("causal", anchor_pattern("causal"), 2048, tile, 2, 128,
                                       "bfloat16")
                 ok = all(x <= 1.0 for x in r.values())
@@ -788,10 +788,16 @@ def bwd_kernels():
                     out_, lse_ = fwd[nm]
                     with mock.patch.object(tattn, "_run", record):
                         tattn._backward(q, k, v, out_, lse_, d_out, None, layout, d ** -0.5)
+                    fwd_desc = []
+                    with mock.patch.object(tattn, "_run", lambda *a: fwd_desc.append(a)
+                                           or real_run(*a)):
+                        tattn._forward(q, k, v, layout, d ** -0.5)
+                    launches += fwd_desc
                     e = {"pattern": nm, "N": n, "tile": tile, "kernel": kname,
+                         "work_order": order or L._OPTIONS["work_order"],
                          "config": None if c is None else {"sub": c[0], "warps": c[1],
                                                            "stages": c[2]}}
-                    for desc, tensors, outputs in launches:
+                    for desc, tensors, outputs, *_ in launches:
                         e[f"{desc.call.name}_ms"] = bench(
                             lambda: real_run(desc, tensors, outputs, "cuda"))
                         e[f"{desc.call.name}_config"] = (desc.call.constexprs.get("SUB_M")
