@@ -736,8 +736,8 @@ def direct_launch():
 # (sub, warps, stages)); kernel None = the defaults at that tile. Each alternative changes one
 # kernel's config.
 BWD_KERNEL_CONFIGS = [
-    (128, None, None), (128, None, None, "longest_first"), (128, None, None, "natural"),
-    (64, None, None), (64, None, None, "longest_first"), (64, None, None, "natural"),
+    (128, None, None), (128, None, None, "longest_first_bh"),
+    (64, None, None), (64, None, None, "longest_first_bh"),
 ]
 flags.DEFINE_list("bwd_kernel_patterns", ["causal", "window", "strided_causal", "bigbird"],
                   "patterns of the per-kernel backward timings")

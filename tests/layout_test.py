@@ -10,7 +10,7 @@ from absl.testing import absltest, parameterized
 from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
-from sparsetp.core.layout import work_order
+from sparsetp.core.layout import heads_first, work_order
 
 
 def _random_spec(per_row, block, seed):
@@ -252,6 +252,28 @@ class PatternTest(parameterized.TestCase):
         self.assertIn("q_order", lay.metadata())
         self.assertIn("k_order", lay.metadata())
         self.assertEqual(work_order(np.array([[2, 5, 2, 5, 1]])).tolist(), [[1, 3, 0, 2, 4]])
+
+    def test_heads_first(self):
+        """Heads interleaved only where one view's lists are skewed (longest >= 4x the mean):
+        BigBird's global rows and columns, strided's vertical columns (key-major only); causal
+        and window run the heads one after another. Head slices keep the whole layout's
+        choice, so tensor-parallel ranks launch alike."""
+        bigbird = make_layout(P.bigbird(64, 3, 1, 2, seed=0), 4096, 2, 64)
+        self.assertEqual((bigbird.q_heads_first, bigbird.k_heads_first), (True, True))
+        strided = make_layout((P.block_local(64, 3, 0) | P.strided(16, 64, per_head_offset=True))
+                              & P.causal(), 4096, 2, 64)
+        self.assertEqual((strided.q_heads_first, strided.k_heads_first), (False, True))
+        for pattern in (P.causal(), P.local(255, 255)):
+            lay = make_layout(pattern, 4096, 2, 64)
+            self.assertEqual((lay.q_heads_first, lay.k_heads_first), (False, False))
+        mix = make_layout(P.per_head([P.local(63, 63), P.global_tokens(64)]), 4096, 2, 64)
+        self.assertTrue(mix.q_heads_first)
+        self.assertTrue(mix.heads(0, 1).q_heads_first)  # alone, head 0 (a window) says False
+        self.assertFalse(make_layout(P.local(63, 63), 4096, 1, 64).q_heads_first)
+        self.assertFalse(make_layout(P.causal(), 4096, 1, 64).q_heads_first)
+        self.assertEqual(heads_first(np.zeros((2, 3))), False)  # nothing to order
+        self.assertTrue(heads_first(np.array([[1] * 7 + [9]])))  # max 9 >= 4 * mean 2
+        self.assertFalse(heads_first(np.array([[2] * 7 + [9]])))  # 9 < 4 * mean 3.125
 
     def test_block_size_accepts_numpy_ints(self):
         lay = make_layout(P.causal(), 64, 1, np.int64(32))

@@ -215,6 +215,34 @@ class TorchLaunchConfigTest(parameterized.TestCase):
         for g_name, t, r in zip(("dq", "dk", "dv"), (tq, tk, tv), refs, strict=True):
             tu.assert_close(_np(t.grad), r, dtype, grad=True, what=f"{name} {g_name}")
 
+    def test_auto_work_order_follows_the_layout(self):
+        """Under the default work order "auto", each launch takes its view's head order from
+        the layout (query-major: forward and dQ; key-major: dK/dV): grid (B*H, tiles) where it
+        interleaves heads, the one-axis grid (B*H*tiles,) otherwise. A mapping without the
+        flags interleaves heads; the other work orders force their order."""
+        self.assertEqual(L._OPTIONS["work_order"], "auto")
+        lay = make_layout((P.block_local(64, 3, 0) | P.strided(8, 64)) & P.causal(), 2048, 2, 64)
+        self.assertEqual((lay.q_heads_first, lay.k_heads_first), (False, True))
+        meta = {**lay.metadata(), "q_heads_first": lay.q_heads_first,
+                "k_heads_first": lay.k_heads_first}
+        x = np.zeros((3, 2, 2048, 32), np.float32)  # launch reads shapes only
+        kw = dict(scale=1.0, dtype="float32", device_kind="cuda")
+        fwd = L.fwd_call(x, x, x, meta, **kw)
+        dq = L.bwd_dq_call(x, x, x, x, x[..., 0], x[..., 0], meta, **kw)
+        dkdv = L.bwd_dkdv_call(x, x, x, x, x[..., 0], x[..., 0], meta, **kw)
+        heads_first, one_axis = (6, 32, 1), (192, 1, 1)  # B*H = 6, 32 tiles
+        for call, grid in ((fwd, one_axis), (dq, one_axis), (dkdv, heads_first)):
+            self.assertEqual(call.grid, grid, call.name)
+            self.assertTrue(call.constexprs["ORDERED"], call.name)
+        # The order is the grid's shape only: the kernels compile the same either way.
+        self.assertEqual(fwd.constexprs, L.fwd_call(x, x, x, lay.metadata(), **kw).constexprs)
+        self.assertEqual(L.fwd_call(x, x, x, lay.metadata(), **kw).grid, heads_first)
+        with L._override(work_order="longest_first_bh"):
+            self.assertEqual(L.fwd_call(x, x, x, meta, **kw).grid, heads_first)
+        with L._override(work_order="longest_first"):
+            self.assertEqual(L.bwd_dkdv_call(x, x, x, x, x[..., 0], x[..., 0], meta,
+                                             **kw).grid, one_axis)
+
     def test_override_restores_and_validates(self):
         before = L.tile_config("bwd_dkdv", head_dim=64, dtype="bfloat16", block_size=128,
                                device_kind="cuda")

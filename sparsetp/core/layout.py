@@ -22,6 +22,9 @@ Work order (both views): ``q_order[h, r]`` / ``k_order[h, r]`` (int32) is the ti
 ``r`` of head ``h`` processes: tiles sorted by list length, longest first (stable, so equal
 lengths keep tile order). Launching long rows first keeps them from forming the tail of the
 launch (causal's last rows, BigBird's global rows). A permutation of ``range(num_blocks)``.
+``q_heads_first`` / ``k_heads_first`` (bool) say how the launch interleaves heads: True
+dispatches rank ``r`` of every head before rank ``r + 1`` of any head, False runs the heads one
+after another (each longest first). See :func:`heads_first`.
 
 ``masks[u, r, w]`` (int32)
     The element mask of partial tiles as a compact bitmask: bit ``c % 32`` of word ``c // 32`` of
@@ -59,7 +62,7 @@ from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
 
-__all__ = ["BlockLayout", "make_layout", "work_order", "SUPPORTED_BLOCK_SIZES"]
+__all__ = ["BlockLayout", "make_layout", "work_order", "heads_first", "SUPPORTED_BLOCK_SIZES"]
 
 
 def work_order(count: np.ndarray) -> np.ndarray:
@@ -70,6 +73,31 @@ def work_order(count: np.ndarray) -> np.ndarray:
     """
     count = np.asarray(count)
     return np.argsort(-count.astype(np.int64), axis=-1, kind="stable").astype(np.int32)
+
+
+# A view's longest list at least this many times its mean list length: rows that long must
+# start before any head's short rows (heads first), or the last head's long rows form the tail
+# of the launch. H200 per-kernel timings, N = 32768, bf16, D = 128
+# (benchmarks/results/gpu_attention_check_h200_s5_run6.json): heads one after another won where
+# the skew (longest / mean list) is low - causal (skew 2.0): forward 10.09 vs 10.38 ms, dQ 11.77
+# vs 12.05 (tile 128), 10.12 vs 10.63 and 12.19 vs 12.59 (tile 64); window (1.0) at tile 64:
+# forward 0.753 vs 0.867 - because the programs running together then share one head's K/V (or
+# Q/dO) in L2; and lost badly where it is high - BigBird (skew 37): forward 1.22 vs 0.70,
+# strided causal's key-major view (skew 22): dK/dV 2.90 vs 2.02.
+HEADS_FIRST_SKEW = 4.0
+
+
+def heads_first(count: np.ndarray) -> bool:
+    """Whether a launch over lists of lengths ``count[h, I]`` should interleave the heads
+    (True) or run them one after another (False): True when the longest list is at least
+    :data:`HEADS_FIRST_SKEW` times the mean one.
+
+    >>> heads_first(np.array([[1, 2, 3, 4]])), heads_first(np.array([[1, 1, 1, 1, 1, 1, 1, 9]]))
+    (False, True)
+    """
+    count = np.asarray(count)
+    mean = float(count.mean()) if count.size else 0.0
+    return bool(mean > 0 and count.max() >= HEADS_FIRST_SKEW * mean)
 
 
 def _words(block_size: int) -> int:
@@ -97,11 +125,18 @@ class BlockLayout:
     # Derived from the counts when not given (see the module docstring).
     q_order: np.ndarray | None = None
     k_order: np.ndarray | None = None
+    # Derived from the whole layout's counts when not given; head slices (:meth:`heads`) keep
+    # the whole layout's choice, so every tensor-parallel rank launches alike.
+    q_heads_first: bool | None = None
+    k_heads_first: bool | None = None
 
     def __post_init__(self):
         for name in ("q_order", "k_order"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, work_order(getattr(self, name[0] + "_count")))
+        for name in ("q_heads_first", "k_heads_first"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, heads_first(getattr(self, name[0] + "_count")))
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, np.ndarray):

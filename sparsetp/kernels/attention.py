@@ -23,8 +23,9 @@ Conventions shared by the four kernels
   sub-tile walked per loop step (``SUB_N`` keys in forward/dQ, ``SUB_M`` queries in dK/dV),
   the number of int32 mask words per tile row (``MASK_WORDS``), the tl.dot input precision,
   ``DOT_UPCAST`` (an interpreter-only bf16 workaround, see :func:`_dot`), the work-order
-  switches ``ORDERED``/``BH_FIRST`` (:func:`_program`) and ``ALIGNED`` (:func:`_hint16`). None
-  depends on the pattern's values, so a new pattern never recompiles.
+  switch ``ORDERED`` (:func:`_program`) and ``ALIGNED`` (:func:`_hint16`). None depends on the
+  pattern's values, so a new pattern never recompiles. (How heads are interleaved, which the
+  layout decides, is read off the grid's shape at run time: see :func:`_program`.)
 * Every kernel bounds its loads by ``N``: full tiles of the ragged last tile row/column carry no
   mask bits, so ``offs < N`` is always part of the validity mask.
 * Softmax runs in fp32 (fp64 for fp64 inputs) in base 2: scores are multiplied by
@@ -73,20 +74,24 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _program(order, stride_ch, stride_cm, H, ORDERED: tl.constexpr, BH_FIRST: tl.constexpr):
-    """(tile, b * H + h) of this program.
+def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: tl.constexpr):
+    """(tile, b * H + h) of this program, out of ``ranks`` per (batch, head).
 
-    The grid is (ranks, B*H), or (B*H, ranks) when ``BH_FIRST`` (so that rank r of every head is
-    dispatched before rank r + 1 of any head). With ``ORDERED`` the rank is mapped through the
-    layout's per-head work order (``order[h, rank]`` = tile, longest list first, so long rows
-    start early instead of forming the tail of the launch); otherwise rank = tile.
+    Two grids, told apart at run time so that the head order a layout asks for never costs a
+    compile: (B*H, ranks) dispatches rank r of every head before rank r + 1 of any head
+    ("heads first"); the one-axis grid (B*H*ranks,) runs the heads one after another, ranks
+    fastest. With one rank per head both give rank 0 of head ``program_id(0)``. With
+    ``ORDERED`` the rank is mapped through the layout's per-head work order (``order[h, rank]``
+    = tile, longest list first, so long rows start early instead of forming the tail of the
+    launch); otherwise rank = tile.
     """
-    if BH_FIRST:
+    if tl.num_programs(1) == 1:
+        g = tl.program_id(0)
+        off_bh = g // ranks
+        rank = g % ranks
+    else:
         off_bh = tl.program_id(0)
         rank = tl.program_id(1)
-    else:
-        rank = tl.program_id(0)
-        off_bh = tl.program_id(1)
     if ORDERED:
         tile = tl.load(order + (off_bh % H) * stride_ch + rank * stride_cm)
     else:
@@ -197,7 +202,7 @@ def _attn_fwd_kernel(
     Out, LSE,
     BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
+    ORDERED: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Forward: Out = softmax(Q K^T * sm_scale, masked) V and LSE = logsumexp of the scores.
 
@@ -212,7 +217,7 @@ def _attn_fwd_kernel(
     tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, ORDERED, BH_FIRST)
+    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK), ORDERED)
     N = _hint16(N, ALIGNED)
     # int64 batch/head offsets: B*H*N*D overflows int32 from ~2^31 elements (e.g. B=8, H=32,
     # N=64k, D=128).
@@ -352,7 +357,7 @@ def _attn_bwd_dq_kernel(
     DQ,
     BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
+    ORDERED: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """dQ = sm_scale * sum_j dS_ij K_j with dS = P * (dO V^T - Delta), over the query-major lists.
 
@@ -365,7 +370,7 @@ def _attn_bwd_dq_kernel(
     tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, ORDERED, BH_FIRST)
+    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK), ORDERED)
     N = _hint16(N, ALIGNED)
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H
@@ -474,7 +479,7 @@ def _attn_bwd_dkdv_kernel(
     DK, DV,
     BLOCK: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
+    ORDERED: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """dV = sum_i P_i^T dO_i and dK = sm_scale * sum_i dS_i^T Q_i over the key-major lists.
 
@@ -490,7 +495,7 @@ def _attn_bwd_dkdv_kernel(
     tl.static_assert(SUB_M >= 16 and BLOCK % SUB_M == 0, "query sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    start_n, off_bh = _program(k_order, stride_ch, stride_cm, H, ORDERED, BH_FIRST)
+    start_n, off_bh = _program(k_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK), ORDERED)
     N = _hint16(N, ALIGNED)
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H
@@ -578,27 +583,23 @@ def _attn_fwd_split_kernel(
     AccP, MP, LP,
     BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ORDERED: tl.constexpr, BH_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
+    ORDERED: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Forward chunk: the unnormalised online-softmax state of one chunk of one row.
 
     Inputs as :func:`_attn_fwd_kernel`; ``cap`` = C list entries per chunk, ``slots`` = S chunk
     slots per row. AccP: [B, H, S, N, HEAD_DIM], MP, LP: [B, H, S, N] (fp32, fp64 for fp64
     inputs); MP is the running max in base 2 (-inf where the chunk saw no key), LP the sum of
-    exp2(score - MP). Grid (tiles * S, B*H), or (B*H, tiles * S) with BH_FIRST; program id
-    rank * S + s, so the chunks of the longest rows (ORDERED) are dispatched first. Slot 0 is
+    exp2(score - MP). Grid (B*H, tiles * S), or (B*H*tiles*S,) with the heads one after
+    another (see :func:`_program`); program id rank * S + s, so the chunks of the longest rows (ORDERED) are dispatched first. Slot 0 is
     always written (an empty row gives acc 0, m -inf, l 0); slots s >= ceil(count / C) are not.
     """
     tl.static_assert(BLOCK >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    if BH_FIRST:
-        off_bh = tl.program_id(0)
-        pid = tl.program_id(1)
-    else:
-        pid = tl.program_id(0)
-        off_bh = tl.program_id(1)
+    # Program (rank, slot) of (b, h) is rank * slots + slot of that head's tiles * slots.
+    pid, off_bh = _program(q_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK) * slots, False)
     rank = pid // slots
     s = pid % slots
     off_h = off_bh % H

@@ -37,7 +37,9 @@ Arguments
 :meth:`sparsetp.core.layout.BlockLayout.metadata` (``q_count``, ``q_partial``, ``q_index``,
 ``q_mask_id``, ``q_order``, ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id``, ``k_order``,
 ``masks``), already on
-the device and **C-contiguous** (their strides are computed from their shapes). ``strides`` maps
+the device and **C-contiguous** (their strides are computed from their shapes), and optionally
+the layout's Python bools ``q_heads_first`` / ``k_heads_first`` (how launches order heads, see
+:func:`heads_first`; missing means True). ``strides`` maps
 tensor names to element strides; a name left out means C-contiguous. Names: ``q k v out lse``
 (forward), ``out d_out delta`` (preprocess), ``q k v d_out lse dq`` (dQ; ``delta`` shares the
 ``lse`` strides), ``q k v d_out lse dk dv`` (dK/dV; same). ``lse`` and ``delta`` are
@@ -301,26 +303,34 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
 # Launch options the benchmarks and tests change through :func:`_override` (never a public API:
 # they exist so one GPU run can measure alternatives, and so the interpreter can run
 # non-default sub-tile configs).
-#   work_order: "natural"           grid (tiles, B*H), tile = program id;
-#               "longest_first"     grid (tiles, B*H), tile = layout.{q,k}_order[h, rank]: each
+#   work_order: "auto" (default)    per view (query-major: forward, dQ, split forward;
+#                                   key-major: dK/dV), "longest_first_bh" where the layout's
+#                                   lists are skewed (``{q,k}_heads_first`` in the metadata, see
+#                                   sparsetp.core.layout.heads_first), else "longest_first";
+#               "natural"           one-axis grid (B*H*tiles,), heads one after another, tile =
+#                                   rank;
+#               "longest_first"     one-axis grid, tile = layout.{q,k}_order[h, rank]: each
 #                                   head's longest lists start first;
 #               "longest_first_bh"  grid (B*H, tiles), same order, heads fastest: rank r of every
 #                                   head is dispatched before rank r + 1 of any head.
+#               (:func:`list_grid`; the kernels read the order off the grid's shape, so no order
+#               compiles anything.)
 #   split_cap:  None (default)      the forward runs one program per query row;
 #               C >= 1              rows with more than C list entries are split into chunks of
 #                                   C entries (fwd_split_call + fwd_merge_call, issue #8). Off
 #                                   by default until the GPU sweep measures it.
-WORK_ORDERS = ("natural", "longest_first", "longest_first_bh")
-# Default work order: heads-fastest longest-first. On the H200 sweep (run4 above, N=32768) it
-# took BigBird's forward from 1.24 to 0.70 ms (its global rows no longer trail at the end of the
-# grid) and fwd+bwd from 5.36 to 3.02 ms, strided from 5.71 to 4.81, causal 45.8 -> 44.6, window
-# unchanged (its rows are all alike).
+WORK_ORDERS = ("auto", "natural", "longest_first", "longest_first_bh")
+# Heads fastest took BigBird's forward from 1.24 to 0.70 ms on the H200 (session-3 run4 sweep,
+# N=32768: its global rows no longer trail at the end of the grid) and fwd+bwd from 5.36 to
+# 3.02 ms, strided from 5.71 to 4.81; one head after another is faster where no list stands
+# out (causal forward 10.09 vs 10.38 ms, window forward at tile 64 0.753 vs 0.867: session-5
+# per-kernel timings, see sparsetp.core.layout.HEADS_FIRST_SKEW). "auto" picks per view.
 #   kernel_tile: "auto" (default)   :func:`kernel_layout`'s cost model on CUDA; the layout's
 #                                   own block in the interpreter (CPU tests run every block);
 #               "layout"            always the layout's own block;
 #               16 / 32 / 64 / 128  that kernel tile wherever it is >= the layout block (tests
 #                                   and benchmarks; the interpreter too).
-_OPTIONS: dict[str, Any] = {"work_order": "longest_first_bh", "split_cap": None,
+_OPTIONS: dict[str, Any] = {"work_order": "auto", "split_cap": None,
                             "kernel_tile": "auto"}
 _KEEP = object()
 _OVERRIDES: dict[str, TileConfig] = {}
@@ -461,12 +471,20 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
     return cache[key]
 
 
-def grid(batch: int, heads: int, seq_len: int, block_size: int,
-         bh_first: bool = False) -> tuple[int, int, int]:
-    """Launch grid of the attention kernels: (tiles along N, B * H, 1), or (B * H, tiles, 1)
-    with ``bh_first`` (the ``longest_first_bh`` work order)."""
+def grid(batch: int, heads: int, seq_len: int, block_size: int) -> tuple[int, int, int]:
+    """Launch grid of the preprocess and merge kernels: (tiles along N, B * H, 1)."""
     tiles = -(-int(seq_len) // int(block_size))
-    return (int(batch) * int(heads), tiles, 1) if bh_first else (tiles, int(batch) * int(heads), 1)
+    return (tiles, int(batch) * int(heads), 1)
+
+
+def list_grid(batch: int, heads: int, ranks: int, bh_first: bool) -> tuple[int, int, int]:
+    """Launch grid of the list kernels (forward, dQ, dK/dV, split forward), ``ranks`` programs
+    per (batch, head): (B * H, ranks, 1) dispatches rank r of every head before rank r + 1 of
+    any head (``bh_first``); (B * H * ranks, 1, 1) runs the heads one after another. The
+    kernels tell the two apart at run time (``attention._program``), so the choice never
+    recompiles them."""
+    bh = int(batch) * int(heads)
+    return (bh, int(ranks), 1) if bh_first else (bh * int(ranks), 1, 1)
 
 
 def aligned(seq_len: int, strides: Mapping[str, tuple[int, ...]]) -> bool:
@@ -538,18 +556,22 @@ def dot_upcast(dtype: str, device_kind: str) -> bool:
     return device_kind == "interpreter" and check_dtype(dtype) == "bfloat16"
 
 
+def heads_first(meta: Mapping[str, Any], major: str) -> bool:
+    """Whether launches over the ``major`` ("q"/"k") lists interleave the heads: the layout's
+    ``{major}_heads_first`` (:func:`sparsetp.core.layout.heads_first`) under the default work
+    order ``"auto"``, True if the mapping lacks it; forced by the other work orders."""
+    order = _OPTIONS["work_order"]
+    if order == "auto":
+        return bool(meta.get(f"{major}_heads_first", True))
+    return order == "longest_first_bh"
+
+
 def _constexprs(block_size, d, dtype, device_kind, cfg: TileConfig, sub_name: str,
                 is_aligned: bool):
-    order = _OPTIONS["work_order"]
     return {"BLOCK": block_size, sub_name: cfg.sub, "HEAD_DIM": d,
             "MASK_WORDS": mask_words(block_size), "DOT_PRECISION": dot_precision(dtype),
             "DOT_UPCAST": dot_upcast(dtype, device_kind),
-            "ORDERED": order != "natural", "BH_FIRST": order == "longest_first_bh",
-            "ALIGNED": is_aligned}
-
-
-def _grid(b, h, n, bs):
-    return grid(b, h, n, bs, bh_first=_OPTIONS["work_order"] == "longest_first_bh")
+            "ORDERED": _OPTIONS["work_order"] != "natural", "ALIGNED": is_aligned}
 
 
 def _block_size(meta) -> int:
@@ -573,7 +595,8 @@ def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, devi
     st = _all_strides(strides, ("q", "k", "v", "out"), ("lse",), shape, lse_shape)
     args = (q, k, v, *arrays, float(scale), n, h, *st["q"], *st["k"], *st["v"], *st["out"],
             *st["lse"], *meta_strides)
-    return KernelCall("fwd", _KERNELS["fwd"], _grid(b, h, n, bs), args,
+    bh_first = heads_first(meta, "q")
+    return KernelCall("fwd", _KERNELS["fwd"], list_grid(b, h, tiles, bh_first), args,
                       (OutputSpec("out", shape, dtype),
                        OutputSpec("lse", lse_shape, stats_dtype(dtype))),
                       _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
@@ -605,7 +628,8 @@ def _bwd_list_call(name, major, out_names, sub_name, q, k, v, d_out, lse, delta,
     args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
             *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides,
             *(x for o in out_names for x in st[o]))
-    return KernelCall(name, _KERNELS[name], _grid(b, h, n, bs), args,
+    bh_first = heads_first(meta, major)
+    return KernelCall(name, _KERNELS[name], list_grid(b, h, -(-n // bs), bh_first), args,
                       tuple(OutputSpec(o, shape, dtype) for o in out_names),
                       _constexprs(bs, d, dtype, device_kind, cfg, sub_name, aligned(n, st)),
                       cfg.num_warps, cfg.num_stages)
@@ -642,11 +666,6 @@ def split_slots(width: int, cap: int) -> int:
     return max(1, -(-int(width) // int(cap)))
 
 
-def _split_grid(b, h, tiles, slots):
-    rs = tiles * slots
-    return (b * h, rs, 1) if _OPTIONS["work_order"] == "longest_first_bh" else (rs, b * h, 1)
-
-
 def fwd_split_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str,
                    device_kind: str, cap: int,
                    strides: Mapping[str, Any] | None = None) -> KernelCall:
@@ -666,7 +685,9 @@ def fwd_split_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str
     args = (q, k, v, *arrays, float(scale), n, h, int(cap), slots, *st["q"], *st["k"], *st["v"],
             *meta_strides, *contiguous_strides(acc_shape), *contiguous_strides(stat_shape))
     sd = stats_dtype(dtype)
-    return KernelCall("fwd_split", _KERNELS["fwd_split"], _split_grid(b, h, tiles, slots), args,
+    bh_first = heads_first(meta, "q")
+    return KernelCall("fwd_split", _KERNELS["fwd_split"],
+                      list_grid(b, h, tiles * slots, bh_first), args,
                       (OutputSpec("acc_p", acc_shape, sd), OutputSpec("m_p", stat_shape, sd),
                        OutputSpec("l_p", stat_shape, sd)),
                       _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),

@@ -73,6 +73,9 @@ class LayoutArrays:
     q_order: jax.Array
     k_order: jax.Array
     seq_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+    # How launches order heads (BlockLayout.q_heads_first / k_heads_first; static).
+    q_heads_first: bool = dataclasses.field(metadata=dict(static=True), default=True)
+    k_heads_first: bool = dataclasses.field(metadata=dict(static=True), default=True)
 
     @property
     def num_heads(self) -> int:
@@ -122,7 +125,8 @@ class LayoutArrays:
             for name in _PER_HEAD})
 
 
-jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META), meta_fields=["seq_len"])
+jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
+                                 meta_fields=["seq_len", "q_heads_first", "k_heads_first"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
@@ -145,7 +149,8 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
     layout = _kl.kernel_layout(layout, _device_kind(), head_dim=head_dim,
                                dtype=None if dtype is None else jnp.dtype(dtype).name)
     return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
-                        seq_len=layout.seq_len)
+                        seq_len=layout.seq_len, q_heads_first=layout.q_heads_first,
+                        k_heads_first=layout.k_heads_first)
 
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -227,22 +232,29 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     >>> out = sparse_attention(q, k, v, make_layout(P.causal(), 1024, 8))   # doctest: +SKIP
     """
     lay, scale = _check_inputs(q, k, v, layout, scale)
-    out, lse = _attention(q, k, v, lay.metadata(), scale=scale)
+    out, lse = _attention(q, k, v, lay.metadata(), scale=scale,
+                          heads_first=(lay.q_heads_first, lay.k_heads_first))
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("scale",))
-def _attention(q, k, v, meta, scale):  # scale: passed by name (nondiff_argnames)
-    return _fwd(q, k, v, meta, scale)
+def _with_order(meta, heads_first):
+    """The launch metadata: the arrays plus the layout's static head order (launch.heads_first)."""
+    return {**meta, "q_heads_first": heads_first[0], "k_heads_first": heads_first[1]}
 
 
-def _attention_fwd_rule(q, k, v, meta, scale):
-    out, lse = _fwd(q, k, v, meta, scale)
+@functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "heads_first"))
+def _attention(q, k, v, meta, scale, heads_first):  # scale, heads_first: by name (static)
+    return _fwd(q, k, v, _with_order(meta, heads_first), scale)
+
+
+def _attention_fwd_rule(q, k, v, meta, scale, heads_first):
+    out, lse = _fwd(q, k, v, _with_order(meta, heads_first), scale)
     return (out, lse), (q, k, v, out, lse, meta)
 
 
-def _attention_bwd_rule(scale, residuals, cotangents):
-    q, k, v, out, lse, meta = residuals
+def _attention_bwd_rule(scale, heads_first, residuals, cotangents):
+    q, k, v, out, lse, meta_arrays = residuals
+    meta = _with_order(meta_arrays, heads_first)
     d_out, d_lse = cotangents
     d_out = d_out.astype(q.dtype)
     dtype, kind = jnp.dtype(q.dtype).name, _device_kind()
@@ -257,7 +269,7 @@ def _attention_bwd_rule(scale, residuals, cotangents):
     dk, dv = _launch_call(_kl.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale,
                                             dtype=dtype, device_kind=kind))
     # Integer metadata has no cotangent (JAX's float0 zeros).
-    d_meta = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), meta)
+    d_meta = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), meta_arrays)
     return dq, dk, dv, d_meta
 
 

@@ -96,8 +96,9 @@ def _metadata(layout: BlockLayout, q: torch.Tensor, kind: str) -> dict[str, torc
     key = str(device)
     if key not in per_layout:
         per_layout[key] = {
-            name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C")).to(device)
-            for name, arr in layout.metadata().items()}
+            **{name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C")).to(device)
+               for name, arr in layout.metadata().items()},
+            "q_heads_first": layout.q_heads_first, "k_heads_first": layout.k_heads_first}
     return per_layout[key]
 
 
