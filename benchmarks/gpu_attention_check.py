@@ -64,6 +64,7 @@ flags.DEFINE_list("tile_patterns", ["causal", "bigbird", "strided_causal"],
 flags.DEFINE_bool("host_overhead", True, "measure host time per call at N=1024")
 flags.DEFINE_bool("direct_launch", True, "direct launch: bitwise check and host time both ways")
 flags.DEFINE_bool("bwd_kernels", False, "time each backward kernel alone under config variants")
+flags.DEFINE_bool("order_ab", False, "end-to-end A/B of the work orders, interleaved rounds")
 flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off)")
 flags.DEFINE_integer("cold_child", None, "internal: run one cold-start child and exit")
 
@@ -813,6 +814,38 @@ def bwd_kernels():
         save()
 
 
+def order_ab():
+    """End-to-end fwd and fwd+bwd (the targets' shapes: bf16, B=1, H=16, D=128, block 128,
+    kernel tiles by policy) under each work order, interleaved over rounds in one process (the
+    order is a grid shape, so switching compiles nothing): medians per (order, pattern, N)."""
+    orders = ("auto", "longest_first_bh", "longest_first")
+    rows = {}
+    for n in (8192, 32768):
+        g = torch.Generator(device="cuda").manual_seed(9)
+        q, k, v, d_out = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16,
+                                      generator=g) for _ in range(4))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        for nm in ("causal", "window", "bigbird", "strided_causal"):
+            lay = make_layout(anchor_pattern(nm), n, 16, 128)
+            for rnd in range(3):
+                for order in orders:
+                    if over_budget(f"order A/B {nm} N={n}"):
+                        return
+                    with L._override(work_order=order):
+                        f = bench(lambda: tattn.sparse_attention(q, k, v, lay))
+                        fb = bench(lambda: tattn.sparse_attention(qg, kg, vg, lay).backward(
+                            d_out), [qg, kg, vg])
+                    rows.setdefault(f"{nm} N={n} {order}", []).append((f, fb))
+            summary = {o: [float(np.median([r[i] for r in rows[f"{nm} N={n} {o}"]]))
+                           for i in (0, 1)] for o in orders}
+            log(f"order A/B {nm} N={n} (fwd, fwd+bwd ms medians of 3): {summary}")
+            RESULTS.setdefault("order_ab", {})[f"{nm} N={n}"] = {
+                "medians_fwd_fwd_bwd_ms": summary, "heads_first": [lay.q_heads_first,
+                                                                   lay.k_heads_first],
+                "raw": {o: rows[f"{nm} N={n} {o}"] for o in orders}}
+            save()
+
+
 def cold_child(parallel: bool):
     """In a fresh process with an empty Triton cache: wall time of the first forward and the
     first backward of the window at N = 8192 (bf16, D = 128, block 128)."""
@@ -899,6 +932,8 @@ def main(argv):
         host_overhead()
     if FLAGS.bwd_kernels:
         bwd_kernels()
+    if FLAGS.order_ab:
+        order_ab()
     if FLAGS.sweep:
         split_sweep()
         sweep()
