@@ -254,26 +254,25 @@ class PatternTest(parameterized.TestCase):
         self.assertEqual(work_order(np.array([[2, 5, 2, 5, 1]])).tolist(), [[1, 3, 0, 2, 4]])
 
     def test_heads_first(self):
-        """Heads interleaved only where one view's lists are skewed (longest >= 4x the mean):
-        BigBird's global rows and columns, strided's vertical columns (key-major only); causal
-        and window run the heads one after another. Head slices keep the whole layout's
-        choice, so tensor-parallel ranks launch alike."""
-        bigbird = make_layout(P.bigbird(64, 3, 1, 2, seed=0), 4096, 2, 64)
+        """Heads one after another only where the last head's longest list would not trail
+        the launch (layout.heads_first's tail model, 132 programs at once): causal with many
+        tiles per head, not with few; never BigBird (global rows). Head slices keep the whole
+        layout's choice, so tensor-parallel ranks launch alike."""
+        bigbird = make_layout(P.bigbird(16, 3, 1, 2, seed=0), 4096, 16, 16)
         self.assertEqual((bigbird.q_heads_first, bigbird.k_heads_first), (True, True))
-        strided = make_layout((P.block_local(64, 3, 0) | P.strided(16, 64, per_head_offset=True))
-                              & P.causal(), 4096, 2, 64)
-        self.assertEqual((strided.q_heads_first, strided.k_heads_first), (False, True))
-        for pattern in (P.causal(), P.local(255, 255)):
-            lay = make_layout(pattern, 4096, 2, 64)
-            self.assertEqual((lay.q_heads_first, lay.k_heads_first), (False, False))
-        mix = make_layout(P.per_head([P.local(63, 63), P.global_tokens(64)]), 4096, 2, 64)
-        self.assertTrue(mix.q_heads_first)
-        self.assertTrue(mix.heads(0, 1).q_heads_first)  # alone, head 0 (a window) says False
-        self.assertFalse(make_layout(P.local(63, 63), 4096, 1, 64).q_heads_first)
-        self.assertFalse(make_layout(P.causal(), 4096, 1, 64).q_heads_first)
-        self.assertEqual(heads_first(np.zeros((2, 3))), False)  # nothing to order
-        self.assertTrue(heads_first(np.array([[1] * 7 + [9]])))  # max 9 >= 4 * mean 2
-        self.assertFalse(heads_first(np.array([[2] * 7 + [9]])))  # 9 < 4 * mean 3.125
+        long_causal = make_layout(P.causal(), 4096, 16, 16)  # 256 tiles: tail 0.002
+        self.assertEqual((long_causal.q_heads_first, long_causal.k_heads_first), (False, False))
+        short_causal = make_layout(P.causal(), 1024, 16, 16)  # 64 tiles: tail 0.19
+        self.assertEqual((short_causal.q_heads_first, short_causal.k_heads_first), (True, True))
+        alone = make_layout(P.causal(), 4096, 1, 16)  # one head: tail 264 / 256 - 1 = 0.03
+        self.assertTrue(alone.q_heads_first)
+        self.assertFalse(long_causal.heads(0, 1).q_heads_first)
+        self.assertTrue(heads_first(np.zeros((2, 3))))  # nothing listed: the default
+        # tail = L_max * 132 / W - 1 / H: 9 * 132 / (16 * 256 * 9) - 1/16 < 0; with 64 tiles
+        # per head 0.129 - 0.0625 > 0.02.
+        self.assertFalse(heads_first(np.full((16, 256), 9)))
+        self.assertTrue(heads_first(np.full((16, 64), 9)))
+        self.assertFalse(heads_first(np.full((16, 64), 9), concurrent=64))
 
     def test_block_size_accepts_numpy_ints(self):
         lay = make_layout(P.causal(), 64, 1, np.int64(32))

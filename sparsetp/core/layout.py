@@ -22,9 +22,10 @@ Work order (both views): ``q_order[h, r]`` / ``k_order[h, r]`` (int32) is the ti
 ``r`` of head ``h`` processes: tiles sorted by list length, longest first (stable, so equal
 lengths keep tile order). Launching long rows first keeps them from forming the tail of the
 launch (causal's last rows, BigBird's global rows). A permutation of ``range(num_blocks)``.
-``q_heads_first`` / ``k_heads_first`` (bool) say how the launch interleaves heads: True
-dispatches rank ``r`` of every head before rank ``r + 1`` of any head, False runs the heads one
-after another (each longest first). See :func:`heads_first`.
+``q_heads_first`` / ``k_heads_first`` (bool) say how the launch orders heads: True dispatches
+rank ``r`` of every head before rank ``r + 1`` of any head, False runs the heads one after
+another (each longest first), which pays only when no list is long next to the whole launch.
+See :func:`heads_first`.
 
 ``masks[u, r, w]`` (int32)
     The element mask of partial tiles as a compact bitmask: bit ``c % 32`` of word ``c // 32`` of
@@ -75,29 +76,37 @@ def work_order(count: np.ndarray) -> np.ndarray:
     return np.argsort(-count.astype(np.int64), axis=-1, kind="stable").astype(np.int32)
 
 
-# A view's longest list at least this many times its mean list length: rows that long must
-# start before any head's short rows (heads first), or the last head's long rows form the tail
-# of the launch. H200 per-kernel timings, N = 32768, bf16, D = 128
-# (benchmarks/results/gpu_attention_check_h200_s5_run6.json): heads one after another won where
-# the skew (longest / mean list) is low - causal (skew 2.0): forward 10.09 vs 10.38 ms, dQ 11.77
-# vs 12.05 (tile 128), 10.12 vs 10.63 and 12.19 vs 12.59 (tile 64); window (1.0) at tile 64:
-# forward 0.753 vs 0.867 - because the programs running together then share one head's K/V (or
-# Q/dO) in L2; and lost badly where it is high - BigBird (skew 37): forward 1.22 vs 0.70,
-# strided causal's key-major view (skew 22): dK/dV 2.90 vs 2.02.
-HEADS_FIRST_SKEW = 4.0
+# Head order of a launch. Heads one after another keep the programs running together on one
+# head's K/V (or Q/dO), which L2 then serves; heads interleaved ("heads first") start every
+# head's longest lists before anyone's short ones. The cost of the first: the last head's longest
+# list starts after about (H - 1) / H of the work, so the launch ends about
+#     tail = L_max * P / W - 1 / H
+# of its ideal time late (W: listed tiles over all heads, L_max: the longest list, P: programs
+# running at once, one per SM at the default tiles: 132 on an H100/H200). Heads go one after
+# another only when that tail is below HEAD_MAJOR_TAIL. Interleaved A/B on an H100 (medians of
+# 3, fwd / fwd+bwd ms, bf16, H=16, D=128; benchmarks/results/gpu_attention_check_h100_s5_run9
+# .json): causal N=32768 (tail 0.002) 9.94 / 40.38 one head after another vs 10.63 / 41.08
+# interleaved, window N=32768 (< 0) 0.796 / 3.34 vs 0.816 / 3.44; causal N=8192 (tail 0.19)
+# 0.745 / 2.98 vs 0.672 / 2.73, and BigBird (global rows, tail >> 0) much slower one head after
+# another (N=32768: 1.00 / 4.28 vs 0.68 / 2.86).
+CONCURRENT_PROGRAMS = 132
+HEAD_MAJOR_TAIL = 0.02
 
 
-def heads_first(count: np.ndarray) -> bool:
+def heads_first(count: np.ndarray, concurrent: int = CONCURRENT_PROGRAMS) -> bool:
     """Whether a launch over lists of lengths ``count[h, I]`` should interleave the heads
-    (True) or run them one after another (False): True when the longest list is at least
-    :data:`HEADS_FIRST_SKEW` times the mean one.
+    (True) or run them one after another (False): True when the tail the latter would leave
+    (see ``HEAD_MAJOR_TAIL`` above) exceeds ``HEAD_MAJOR_TAIL``, or when nothing is listed.
 
-    >>> heads_first(np.array([[1, 2, 3, 4]])), heads_first(np.array([[1, 1, 1, 1, 1, 1, 1, 9]]))
+    >>> heads_first(np.full((16, 256), 9)), heads_first(np.full((16, 64), 9))
     (False, True)
     """
     count = np.asarray(count)
-    mean = float(count.mean()) if count.size else 0.0
-    return bool(mean > 0 and count.max() >= HEADS_FIRST_SKEW * mean)
+    work = float(count.sum())
+    if work <= 0 or count.ndim != 2:
+        return True
+    tail = float(count.max()) * concurrent / work - 1.0 / count.shape[0]
+    return bool(tail > HEAD_MAJOR_TAIL)
 
 
 def _words(block_size: int) -> int:

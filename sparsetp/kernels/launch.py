@@ -322,9 +322,9 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
 WORK_ORDERS = ("auto", "natural", "longest_first", "longest_first_bh")
 # Heads fastest took BigBird's forward from 1.24 to 0.70 ms on the H200 (session-3 run4 sweep,
 # N=32768: its global rows no longer trail at the end of the grid) and fwd+bwd from 5.36 to
-# 3.02 ms, strided from 5.71 to 4.81; one head after another is faster where no list stands
-# out (causal forward 10.09 vs 10.38 ms, window forward at tile 64 0.753 vs 0.867: session-5
-# per-kernel timings, see sparsetp.core.layout.HEADS_FIRST_SKEW). "auto" picks per view.
+# 3.02 ms, strided from 5.71 to 4.81; one head after another is faster where no list is long
+# next to the whole launch (causal N=32768 forward 9.94 vs 10.63 ms on an H100, interleaved A/B;
+# see sparsetp.core.layout.HEAD_MAJOR_TAIL). "auto" picks per view.
 #   kernel_tile: "auto" (default)   :func:`kernel_layout`'s cost model on CUDA; the layout's
 #                                   own block in the interpreter (CPU tests run every block);
 #               "layout"            always the layout's own block;
