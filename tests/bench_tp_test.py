@@ -95,6 +95,9 @@ class BenchTpTest(absltest.TestCase):
         stage_params = sorted(c["param_bytes"] for r in st["pipeline"]["ranks"]
                               for c in r["data"])
         self.assertEqual(stage_params, sorted([e * (d * ff + ff), e * (ff * d + d)]))
+        # Stage 0 computes its input gradient, as every torch step of the bench does.
+        self.assertEqual([c.get("input_grad") for r in st["pipeline"]["ranks"]
+                          for c in r["data"] if c["stage"] == 0], [True])
         for case in st["jax:jax_mlp"]["data"]:
             self.assertEqual(case["param_bytes"], tp.mlp_param_bytes(spec, case["p"]))
         for case in st["jax:jax_dp"]["data"]:

@@ -638,13 +638,17 @@ def _stage_pipeline(rank, world, spec, device, groups):
         mb = spec["microbatches"]
         stage = PipelineStage(sub, rank, 2, device, group=groups[2])
         sched = ScheduleGPipe(stage, mb, loss_fn=lambda out, target: (out * target).sum())
-        x = torch.randn(t, d, generator=gen, device=device, dtype=dtype)
+        # Stage 0's input a leaf that requires grad, like every other torch step here: the
+        # schedule then computes fc1's input-gradient GEMM as well (checked with gloo: x.grad
+        # is filled), so the pipeline row times the MLP's 6 GEMMs too.
+        x = _input_leaf(torch.randn(t, d, generator=gen, device=device, dtype=dtype))
         dy = torch.randn(t, d, generator=gen, device=device, dtype=dtype)
 
         def step():
             for p in sub.parameters():
                 p.grad = None
             if rank == 0:
+                x.grad = None
                 sched.step(x)
             else:
                 sched.step(target=dy, losses=[])
@@ -655,6 +659,8 @@ def _stage_pipeline(rank, world, spec, device, groups):
         timing = _time(step, device, spec["iters"], spec["warmup"], groups[2])
         row = dict(p=2, stage=rank, fwd_bwd=timing, microbatches=mb,
                    param_bytes=sum(p.numel() * p.element_size() for p in sub.parameters()))
+        if rank == 0:
+            row["input_grad"] = x.grad is not None  # the step computed fc1's input gradient
         if device.type == "cuda":
             row["peak_step_bytes_over_params"] = torch.cuda.max_memory_allocated() - before
         rows.append(row)
