@@ -103,6 +103,16 @@ class BenchTpTest(absltest.TestCase):
         for case in st["jax:jax_dp"]["data"]:
             self.assertEqual(case["param_bytes"], tp.mlp_param_bytes(spec, 1, "dp"))
 
+    def test_jax_block_params_in_the_compute_dtype(self):
+        """The JAX block stage holds its parameters in config.dtype, as torch does (float32
+        arrays made every bf16 step cast them and doubled the reported parameter bytes)."""
+        import numpy as np
+
+        cfg = tp._config({**self.spec, "dtype": "bfloat16"})
+        params = tp._jax_block_params(cfg, np.random.default_rng(0))
+        self.assertEqual({str(a.dtype) for a in params.values()}, {"bfloat16"})
+        self.assertEqual(float(params["ln1.weight"].astype("float32").min()), 1.0)
+
     def test_comm_table_and_volumes(self):
         comm = self.res["stages"]["comm"]["data"]
         self.assertEqual([c["bytes"] for c in comm], self.spec["comm_sizes"])

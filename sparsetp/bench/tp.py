@@ -881,23 +881,36 @@ def _jax_stage_dp(spec, world):
     return [dict(p=world, **_jax_measure(fwd, fwd_bwd, params, x, dy, spec))]
 
 
+def _jax_block_params(cfg, rng) -> dict:
+    """Random canonical block parameters (weights ~ N(0, 1/fan_in), norms at 1 / 0) held in
+    ``cfg.dtype``, as the torch block holds its parameters. Until session 5 they were float32:
+    every JAX block step then cast them to the compute dtype, its gradients came back in
+    float32, and the rows reported twice torch's parameter bytes (3.2 vs 1.6 GB at TP 1, bf16)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from sparsetp.core.config import param_shapes  # noqa: PLC0415
+
+    full = {}
+    for n, s in param_shapes(cfg).items():
+        if len(s) == 2:
+            v = rng.standard_normal(s, dtype=np.float32) * s[0] ** -0.5
+        else:
+            v = (np.ones(s, np.float32) if n.startswith("ln") and n.endswith("weight")
+                 else np.zeros(s, np.float32))
+        full[n] = jnp.asarray(v, cfg.dtype)
+    return full
+
+
 def _jax_stage_block(spec, world):
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
     from sparsetp.backends.jax.block import hybrid_block, make_mesh, shard_params  # noqa: PLC0415
-    from sparsetp.core.config import param_shapes  # noqa: PLC0415
 
     cfg = _config(spec)
     rng = np.random.default_rng(0)
-    # Random weights in float32 (cast to config.dtype inside the block); norms at 1/0.
-    full = {}
-    for n, s in param_shapes(cfg).items():
-        if len(s) == 2:
-            full[n] = (rng.standard_normal(s, dtype=np.float32) * s[0] ** -0.5)
-        else:
-            full[n] = (np.ones(s, np.float32) if n.startswith("ln") and n.endswith("weight")
-                       else np.zeros(s, np.float32))
+    full = _jax_block_params(cfg, rng)
     shape = (spec["batch"], spec["seq_len"], spec["d_model"])
     rows = []
     for p in tp_sizes(world):
