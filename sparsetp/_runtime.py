@@ -35,8 +35,14 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 
-__all__ = ["configure", "interpret_mode", "cuda_available"]
+__all__ = ["configure", "interpret_mode", "cuda_available", "INTERPRETER_LOCK"]
+
+# Triton's interpreter is not thread-safe (two JAX CPU devices calling back at once crashed a
+# process, GPU.md): every interpreted launch in the process, from either frontend, holds this
+# one lock. Re-entrant, so a launch may nest inside another frontend's locked section.
+INTERPRETER_LOCK = threading.RLock()
 
 _DECIDED: bool | None = None
 _CUDA: bool | None = None

@@ -18,6 +18,19 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 class RuntimeTest(absltest.TestCase):
+    def test_one_interpreter_lock_for_both_frontends(self):
+        """The interpreter is not thread-safe: torch's and JAX's interpreted launches must
+        exclude each other, so they hold the same (re-entrant) lock."""
+        r = _python("from sparsetp import _runtime\n"
+                    "from sparsetp.backends.torch import attention as t\n"
+                    "from sparsetp.backends.jax import launch as j\n"
+                    "assert t._INTERPRET_LOCK is j.INTERPRETER_LOCK is _runtime.INTERPRETER_LOCK\n"
+                    "with t._INTERPRET_LOCK:\n"
+                    "    with j.INTERPRETER_LOCK:\n"
+                    "        print('nested ok')\n", SPARSETP_INTERPRET="1")
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        self.assertIn("nested ok", r.stdout)
+
     def test_flag_parsing(self):
         self.assertIsNone(_runtime._flag(None))
         self.assertIsNone(_runtime._flag(" "))

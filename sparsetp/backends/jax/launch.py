@@ -29,19 +29,20 @@ their inputs are; :func:`call_kernel` marks them varying over every axis any ope
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from sparsetp import _runtime
 from sparsetp.backends.jax import compat
 
 __all__ = ["call_kernel", "is_interpreted", "INTERPRETER_LOCK"]
 
-# Serialises every interpreted launch in the process (see the module docstring).
-INTERPRETER_LOCK = threading.RLock()
+# Serialises every interpreted launch in the process, torch's included (see the module
+# docstring): one lock for both frontends lives in sparsetp._runtime.
+INTERPRETER_LOCK = _runtime.INTERPRETER_LOCK
 
 _INT_POISON = -(2**31)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,8 +41,9 @@ import triton  # noqa: E402  (after sparsetp.kernels: _runtime decides the inter
 __all__ = ["sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Triton's interpreter is not thread-safe (GPU.md): serialise interpreted launches.
-_INTERPRET_LOCK = threading.Lock()
+# Triton's interpreter is not thread-safe (GPU.md): interpreted launches of both frontends
+# hold one process-wide lock.
+_INTERPRET_LOCK = _runtime.INTERPRETER_LOCK
 # Per-layout device tensors; weak keys so a dropped layout frees its tensors.
 _META_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _NAIVE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
