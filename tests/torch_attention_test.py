@@ -22,6 +22,8 @@ from sparsetp.core import patterns as P
 from sparsetp.core.examples import example_pattern
 from sparsetp.kernels import launch as L
 
+import triton  # noqa: E402  (after sparsetp: _runtime chooses the interpreter first)
+
 DEVICE = "cpu" if _runtime.interpret_mode() else "cuda"
 
 
@@ -180,6 +182,109 @@ def _cfgs(bs, fwd, dq, dkdv):
     return {"fwd": L.TileConfig(bs, bs, 4, 2, sub=fwd),
             "bwd_dq": L.TileConfig(bs, bs, 4, 2, sub=dq),
             "bwd_dkdv": L.TileConfig(bs, bs, 4, 2, sub=dkdv)}
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: records the direct launches it receives."""
+
+    function, packed_metadata = "fn", "packed"
+
+    def __init__(self):
+        self.runs, self.metadata_calls = [], 0
+
+    def run(self, *a):
+        self.runs.append(a)
+
+    def launch_metadata(self, grid, stream, *args):
+        self.metadata_calls += 1
+        return "meta"
+
+
+class DirectLaunchTest(absltest.TestCase):
+    """The CUDA direct-launch path of ``attention._run`` without a GPU: the JIT entry point
+    (``_launch``) is replaced by a fake that returns a fake compiled kernel. The GPU check
+    (benchmarks/gpu_attention_check.py, direct_launch) compares the real paths bitwise."""
+
+    def setUp(self):
+        super().setUp()
+        layout = make_layout(P.causal(), 64, 2, 32)
+        self.q, self.k, self.v = (torch.zeros(1, 2, 64, 16) for _ in range(3))
+        self.out, self.lse = torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64)
+        meta = {**layout.metadata(), "q_heads_first": True, "k_heads_first": True}
+        strides = {n: t.stride() for n, t in (("q", self.q), ("k", self.k), ("v", self.v),
+                                              ("out", self.out), ("lse", self.lse))}
+        self.desc = tattn._Description(
+            L.fwd_call(self.q, self.k, self.v, meta, scale=0.25, dtype="float32",
+                       device_kind="cuda", strides=strides), 3, meta)
+        self.jit_calls, self.compiled = [], []
+
+        def fake_launch(call, outputs, kind):
+            self.jit_calls.append(call)
+            self.compiled.append(_FakeCompiled())
+            return self.compiled[-1]
+
+        for patcher in (mock.patch.object(tattn, "_launch", fake_launch),
+                        mock.patch.object(tattn, "_current_stream", lambda device: 7),
+                        # CPU tensors have device index None: make that the "current" one.
+                        mock.patch.object(torch.cuda, "current_device", lambda: None)):
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
+    def run_once(self, tensors=None):
+        tattn._run(self.desc, tensors or (self.q, self.k, self.v), (self.out, self.lse), "cuda")
+
+    def test_second_call_goes_direct_with_the_jit_argument_order(self):
+        self.run_once()
+        self.assertLen(self.jit_calls, 1)
+        self.assertIs(self.jit_calls[0].args[0], self.q)
+        self.run_once()
+        self.assertLen(self.jit_calls, 1)  # no second JIT launch
+        (args,) = self.compiled[0].runs
+        grid = self.desc.call.grid
+        hooks = triton.knobs.runtime  # Triton's own hook objects, passed through as the JIT does
+        meta = None if hooks.launch_enter_hook is None else "meta"
+        self.assertEqual(args[:7], (grid[0], grid[1], grid[2], 7, "fn", "packed", meta))
+        self.assertIs(args[7], hooks.launch_enter_hook)
+        self.assertIs(args[8], hooks.launch_exit_hook)
+        launched = args[9:]
+        call = self.desc.call
+        names = call.kernel.arg_names
+        # What JITFunction.run passes: every parameter's value in signature order.
+        self.assertLen(launched, len(names))
+        expect = (*call.args, self.out, self.lse, *(call.constexprs[n] for n in
+                                                   names[len(call.args) + 2:]))
+        for name, got, want in zip(names, launched, expect, strict=True):
+            if isinstance(want, (bool, int, float, str)):
+                self.assertEqual(got, want, name)
+            else:  # tensors and metadata arrays: the very objects
+                self.assertIs(got, want, name)
+
+    def test_other_alignment_disabled_or_other_device_uses_the_jit_entry(self):
+        self.run_once()
+        flat = torch.zeros(1 * 2 * 64 * 16 + 1)
+        misaligned = flat[1:].view(1, 2, 64, 16)  # 4-byte offset: another specialisation
+        self.run_once((misaligned, self.k, self.v))
+        self.assertLen(self.jit_calls, 2)
+        self.run_once((misaligned, self.k, self.v))
+        self.assertLen(self.jit_calls, 2)  # that alignment is cached too
+        self.assertLen(self.compiled[1].runs, 1)
+        with mock.patch.object(tattn, "_DIRECT_LAUNCH", False):
+            self.run_once()
+        self.assertLen(self.jit_calls, 3)
+        with mock.patch.object(torch.cuda, "current_device", lambda: 3):
+            self.run_once()
+        self.assertLen(self.jit_calls, 4)
+
+    def test_launch_metadata_only_for_an_enter_hook(self):
+        self.run_once()
+        with mock.patch.object(triton.knobs.runtime, "launch_enter_hook", None):
+            self.run_once()
+        self.assertEqual(self.compiled[0].metadata_calls, 0)
+        self.assertIsNone(self.compiled[0].runs[0][6])
+        with mock.patch.object(triton.knobs.runtime, "launch_enter_hook", lambda m: None):
+            self.run_once()
+        self.assertEqual(self.compiled[0].metadata_calls, 1)
+        self.assertEqual(self.compiled[0].runs[1][6], "meta")
 
 
 class TorchLaunchConfigTest(parameterized.TestCase):
