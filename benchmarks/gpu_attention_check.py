@@ -20,6 +20,11 @@ Sections, in order (a wall-clock budget skips what does not fit, and says so in 
    entries give bigbird / window forward TFLOP/s on computed blocks per (C, N), the default
    (unsplit) forward included as C = None. Target: >= 0.8.
 
+Optional sections (flags): ``--bwd_kernels`` (each backward kernel alone), ``--order_ab`` (work
+orders, interleaved), ``--kernel_ab=A.py,...`` (the tree's kernels against copies of
+``sparsetp/kernels/attention.py``, interleaved, each checked first), ``--bwd_streams`` (dQ and
+dK/dV on one stream vs two).
+
 Usage (repo root on PYTHONPATH; about 150 s on an H200 including Triton compiles)::
 
     python benchmarks/gpu_attention_check.py --out=$OUT/attn.json --budget_s=150
@@ -27,6 +32,7 @@ Usage (repo root on PYTHONPATH; about 150 s on an H200 including Triton compiles
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -65,6 +71,13 @@ flags.DEFINE_bool("host_overhead", True, "measure host time per call at N=1024")
 flags.DEFINE_bool("direct_launch", True, "direct launch: bitwise check and host time both ways")
 flags.DEFINE_bool("bwd_kernels", False, "time each backward kernel alone under config variants")
 flags.DEFINE_bool("order_ab", False, "end-to-end A/B of the work orders, interleaved rounds")
+flags.DEFINE_list("kernel_ab", [], "paths of variant copies of sparsetp/kernels/attention.py (e.g."
+                  " the baseline from git show; the first is the reference): end-to-end A/B of"
+                  " the current kernel sources against them, interleaved rounds in one process."
+                  " A name containing 'timing_only' skips the correctness check")
+flags.DEFINE_integer("kernel_ab_rounds", 3, "rounds of the kernel A/B")
+flags.DEFINE_bool("bwd_streams", False, "backward: dQ and dK/dV one after another vs at once on"
+                  " two streams (what a fused launch could gain), interleaved rounds")
 flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off)")
 flags.DEFINE_integer("cold_child", None, "internal: run one cold-start child and exit")
 
@@ -814,35 +827,185 @@ def bwd_kernels():
         save()
 
 
+def _interleaved(tag, arms, rounds, tensors, lay):
+    """Medians (fwd ms, fwd+bwd ms) per arm and the raw rows, the arms (name -> a function
+    returning the context to time under) interleaved over ``rounds``; None past the budget."""
+    q, k, v, qg, kg, vg, d_out = tensors
+    rows = {a: [] for a in arms}
+    for _ in range(rounds):
+        for a, context in arms.items():
+            if over_budget(tag):
+                return None
+            with context():
+                f = bench(lambda: tattn.sparse_attention(q, k, v, lay))
+                fb = bench(lambda: tattn.sparse_attention(qg, kg, vg, lay).backward(d_out),
+                           [qg, kg, vg])
+            rows[a].append((f, fb))
+    med = {a: [float(np.median([r[i] for r in rows[a]])) for i in (0, 1)] for a in arms}
+    return med, rows
+
+
+def _ab_tensors(n, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, d_out = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16,
+                                  generator=g) for _ in range(4))
+    return (q, k, v, *(t.clone().requires_grad_() for t in (q, k, v)), d_out)
+
+
 def order_ab():
     """End-to-end fwd and fwd+bwd (the targets' shapes: bf16, B=1, H=16, D=128, block 128,
     kernel tiles by policy) under each work order, interleaved over rounds in one process (the
     order is a grid shape, so switching compiles nothing): medians per (order, pattern, N)."""
     orders = ("auto", "longest_first_bh", "longest_first")
-    rows = {}
+    arms = {o: (lambda o=o: L._override(work_order=o)) for o in orders}
     for n in (8192, 32768):
-        g = torch.Generator(device="cuda").manual_seed(9)
-        q, k, v, d_out = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16,
-                                      generator=g) for _ in range(4))
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        tensors = _ab_tensors(n, 9)
         for nm in ("causal", "window", "bigbird", "strided_causal"):
             lay = make_layout(anchor_pattern(nm), n, 16, 128)
-            for rnd in range(3):
-                for order in orders:
-                    if over_budget(f"order A/B {nm} N={n}"):
-                        return
-                    with L._override(work_order=order):
-                        f = bench(lambda: tattn.sparse_attention(q, k, v, lay))
-                        fb = bench(lambda: tattn.sparse_attention(qg, kg, vg, lay).backward(
-                            d_out), [qg, kg, vg])
-                    rows.setdefault(f"{nm} N={n} {order}", []).append((f, fb))
-            summary = {o: [float(np.median([r[i] for r in rows[f"{nm} N={n} {o}"]]))
-                           for i in (0, 1)] for o in orders}
+            got = _interleaved(f"order A/B {nm} N={n}", arms, 3, tensors, lay)
+            if got is None:
+                return
+            summary, rows = got
             log(f"order A/B {nm} N={n} (fwd, fwd+bwd ms medians of 3): {summary}")
             RESULTS.setdefault("order_ab", {})[f"{nm} N={n}"] = {
                 "medians_fwd_fwd_bwd_ms": summary, "heads_first": [lay.q_heads_first,
                                                                    lay.k_heads_first],
-                "raw": {o: rows[f"{nm} N={n} {o}"] for o in orders}}
+                "raw": rows}
+            save()
+
+
+def kernel_ab():
+    """End-to-end fwd and fwd+bwd of the current kernel sources and of variant copies of
+    ``sparsetp/kernels/attention.py`` (``--kernel_ab``, named by file stem; the first is the
+    reference of the ratios), interleaved over rounds in one process (the targets' shapes: bf16,
+    B=1, H=16, D=128, block 128, default policy), after checking each variant against the float32
+    reference at N=2048 (causal, bigbird) and ragged N=2000 (window). Variants are swapped in
+    ``launch._KERNELS`` with the launch-description cache cleared; each compiles once (Triton
+    caches per kernel object)."""
+    import importlib.util
+
+    variants = {}
+    for path in FLAGS.kernel_ab:
+        name = os.path.splitext(os.path.basename(path))[0].lstrip(".")
+        spec = importlib.util.spec_from_file_location(f"sparsetp_kernels_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        variants[name] = {nm: getattr(mod, fn.fn.__name__) for nm, fn in L._KERNELS.items()}
+    ref = next(iter(variants))
+    variants["current"] = dict(L._KERNELS)
+    current = variants["current"]
+
+    def use(v):
+        L._KERNELS.update(variants[v])
+        tattn._CALLS.clear()
+
+    @contextlib.contextmanager
+    def swapped(v):
+        use(v)
+        yield
+
+    try:
+        failed = set()
+        for v in variants:
+            if "timing_only" in v:
+                continue
+            use(v)
+            for nm, n in (("causal", 2048), ("bigbird", 2048), ("window", 2000)):
+                r, _ = check_gpu_size(nm, anchor_pattern(nm), n, 128, 2, 128, "bfloat16")
+                ok = all(x <= 1.0 for x in r.values())
+                RESULTS["correctness"].append({"kind": "float32 torch reference",
+                                               "case": f"kernel A/B {v} {nm} N={n}",
+                                               "ratio": r, "pass": ok})
+                log(f"kernel A/B {v} {nm} N={n}: {r} {'ok' if ok else 'FAIL'}")
+                if not ok:
+                    failed.add(v)
+        if ref in failed:
+            log(f"kernel A/B: the reference {ref} failed its check; nothing timed")
+            return
+        # A variant that fails its check is not timed (timing_only ones are never checked).
+        arms = {v: (lambda v=v: swapped(v)) for v in variants if v not in failed}
+        for n in (8192, 32768):
+            tensors = _ab_tensors(n, 11)
+            for nm in ("causal", "window", "bigbird", "strided_causal"):
+                lay = make_layout(anchor_pattern(nm), n, 16, 128)
+                got = _interleaved(f"kernel A/B {nm} N={n}", arms, FLAGS.kernel_ab_rounds,
+                                   tensors, lay)
+                if got is None:
+                    return
+                med, rows = got
+                speed = {v: {w: med[ref][i] / med[v][i] for i, w in enumerate(("fwd", "fwd_bwd"))}
+                         for v in arms}
+                log(f"kernel A/B {nm} N={n} (fwd, fwd+bwd ms medians): {med}; "
+                    f"{ref}/variant {speed}")
+                RESULTS.setdefault("kernel_ab", {})[f"{nm} N={n}"] = {
+                    "medians_fwd_fwd_bwd_ms": med, f"{ref}_over_variant": speed, "raw": rows}
+                save()
+    finally:
+        L._KERNELS.update(current)
+        tattn._CALLS.clear()
+
+
+def bwd_streams():
+    """Would running dQ and dK/dV at the same time pay (Flex launches both in one kernel)?
+    The backward's three launches (preprocess, dQ, dK/dV) as the torch frontend builds them,
+    timed one after another on one stream and with dQ on a second stream concurrently with
+    dK/dV (after the preprocess), interleaved over 3 rounds (bf16, B=1, H=16, D=128, block 128,
+    default policy). The two-stream result is checked bitwise against the one-stream one."""
+    for n in (8192, 32768):
+        g = torch.Generator(device="cuda").manual_seed(13)
+        q, k, v, d_out = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16,
+                                      generator=g) for _ in range(4))
+        side = torch.cuda.Stream()
+        for nm in ("causal", "window", "bigbird", "strided_causal"):
+            if over_budget(f"bwd streams {nm} N={n}"):
+                return
+            lay = make_layout(anchor_pattern(nm), n, 16, 128)
+            out_, lse_ = tattn._forward(q, k, v, lay, 128 ** -0.5)
+            launches = []
+            real_run = tattn._run
+
+            def record(desc, tensors, outputs, kind, real_run=real_run):
+                launches.append((desc, tensors, outputs))
+                return real_run(desc, tensors, outputs, kind)
+
+            with mock.patch.object(tattn, "_run", record):
+                tattn._backward(q, k, v, out_, lse_, d_out, None, lay, 128 ** -0.5)
+            (pre, *grads) = launches
+            names = [d.call.name for d, *_ in launches]
+            assert names == ["bwd_preprocess", "bwd_dq", "bwd_dkdv"], names
+
+            def one_stream():
+                for desc, tensors, outputs in launches:
+                    real_run(desc, tensors, outputs, "cuda")
+
+            def two_streams():
+                real_run(*pre, "cuda")
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    real_run(*grads[0], "cuda")
+                real_run(*grads[1], "cuda")
+                torch.cuda.current_stream().wait_stream(side)
+
+            outs = [t for _, _, o in grads for t in o]
+            one_stream()
+            ref = [t.clone() for t in outs]
+            for t in outs:
+                t.fill_(float("nan"))
+            two_streams()
+            torch.cuda.synchronize()
+            same = all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
+            RESULTS["correctness"].append({"kind": "bitwise", "case":
+                                           f"bwd two streams vs one {nm} N={n}", "pass": same})
+            rows = {"one_stream": [], "two_streams": []}
+            for _ in range(3):
+                for key, fn in (("one_stream", one_stream), ("two_streams", two_streams)):
+                    rows[key].append(bench(fn))
+            med = {key: float(np.median(r)) for key, r in rows.items()}
+            log(f"bwd streams {nm} N={n}: bitwise={same} medians ms {med} "
+                f"one/two {med['one_stream'] / med['two_streams']:.3f}")
+            RESULTS.setdefault("bwd_streams", {})[f"{nm} N={n}"] = {"medians_ms": med,
+                                                                    "raw": rows,
+                                                                    "bitwise": same}
             save()
 
 
@@ -934,6 +1097,10 @@ def main(argv):
         bwd_kernels()
     if FLAGS.order_ab:
         order_ab()
+    if FLAGS.kernel_ab:
+        kernel_ab()
+    if FLAGS.bwd_streams:
+        bwd_streams()
     if FLAGS.sweep:
         split_sweep()
         sweep()
