@@ -32,7 +32,6 @@ Usage (repo root on PYTHONPATH; about 150 s on an H200 including Triton compiles
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -746,6 +745,21 @@ def direct_launch():
     save()
 
 
+def _captured(fn):
+    """``fn()`` run with every launch of the torch frontend recorded: the list of
+    ``(description, tensors, outputs)``, in order, for re-launching through ``tattn._run``."""
+    launches = []
+    real_run = tattn._run
+
+    def record(desc, tensors, outputs, kind):
+        launches.append((desc, tensors, outputs))
+        return real_run(desc, tensors, outputs, kind)
+
+    with mock.patch.object(tattn, "_run", record):
+        fn()
+    return launches
+
+
 # Backward kernel configs timed one kernel at a time (D=128, bf16): (kernel tile, kernel,
 # (sub, warps, stages)); kernel None = the defaults at that tile. Each alternative changes one
 # kernel's config.
@@ -792,28 +806,17 @@ def bwd_kernels():
                     log(f"FAIL {tag}")
                     continue
                 for nm, layout in layouts.items():
-                    launches = []
-                    real_run = tattn._run
-
-                    def record(desc, tensors, outputs, kind, real_run=real_run):
-                        launches.append((desc, tensors, outputs))
-                        return real_run(desc, tensors, outputs, kind)
-
                     out_, lse_ = fwd[nm]
-                    with mock.patch.object(tattn, "_run", record):
-                        tattn._backward(q, k, v, out_, lse_, d_out, None, layout, d ** -0.5)
-                    fwd_desc = []
-                    with mock.patch.object(tattn, "_run", lambda *a: fwd_desc.append(a)
-                                           or real_run(*a)):
-                        tattn._forward(q, k, v, layout, d ** -0.5)
-                    launches += fwd_desc
+                    launches = _captured(lambda: tattn._backward(
+                        q, k, v, out_, lse_, d_out, None, layout, d ** -0.5))
+                    launches += _captured(lambda: tattn._forward(q, k, v, layout, d ** -0.5))
                     e = {"pattern": nm, "N": n, "tile": tile, "kernel": kname,
                          "work_order": order or L._OPTIONS["work_order"],
                          "config": None if c is None else {"sub": c[0], "warps": c[1],
                                                            "stages": c[2]}}
-                    for desc, tensors, outputs, *_ in launches:
+                    for desc, tensors, outputs in launches:
                         e[f"{desc.call.name}_ms"] = bench(
-                            lambda: real_run(desc, tensors, outputs, "cuda"))
+                            lambda: tattn._run(desc, tensors, outputs, "cuda"))
                         e[f"{desc.call.name}_config"] = (desc.call.constexprs.get("SUB_M")
                                                          or desc.call.constexprs.get("SUB_N"),
                                                          desc.call.num_warps,
@@ -880,36 +883,17 @@ def kernel_ab():
     reference of the ratios), interleaved over rounds in one process (the targets' shapes: bf16,
     B=1, H=16, D=128, block 128, default policy), after checking each variant against the float32
     reference at N=2048 (causal, bigbird) and ragged N=2000 (window). Variants are swapped in
-    ``launch._KERNELS`` with the launch-description cache cleared; each compiles once (Triton
-    caches per kernel object)."""
-    import importlib.util
-
-    variants = {}
-    for path in FLAGS.kernel_ab:
-        name = os.path.splitext(os.path.basename(path))[0].lstrip(".")
-        spec = importlib.util.spec_from_file_location(f"sparsetp_kernels_{name}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        variants[name] = {nm: getattr(mod, fn.fn.__name__) for nm, fn in L._KERNELS.items()}
+    with ``launch._using_kernels``; each compiles once (Triton caches per kernel object)."""
+    variants = {os.path.splitext(os.path.basename(p))[0].lstrip("."): L._load_kernels(p)
+                for p in FLAGS.kernel_ab}
     ref = next(iter(variants))
     variants["current"] = dict(L._KERNELS)
-    current = variants["current"]
 
-    def use(v):
-        L._KERNELS.update(variants[v])
-        tattn._CALLS.clear()
-
-    @contextlib.contextmanager
-    def swapped(v):
-        use(v)
-        yield
-
-    try:
-        failed = set()
-        for v in variants:
-            if "timing_only" in v:
-                continue
-            use(v)
+    failed = set()
+    for v in variants:
+        if "timing_only" in v:
+            continue
+        with L._using_kernels(variants[v]):
             for nm, n in (("causal", 2048), ("bigbird", 2048), ("window", 2000)):
                 r, _ = check_gpu_size(nm, anchor_pattern(nm), n, 128, 2, 128, "bfloat16")
                 ok = all(x <= 1.0 for x in r.values())
@@ -919,30 +903,27 @@ def kernel_ab():
                 log(f"kernel A/B {v} {nm} N={n}: {r} {'ok' if ok else 'FAIL'}")
                 if not ok:
                     failed.add(v)
-        if ref in failed:
-            log(f"kernel A/B: the reference {ref} failed its check; nothing timed")
-            return
-        # A variant that fails its check is not timed (timing_only ones are never checked).
-        arms = {v: (lambda v=v: swapped(v)) for v in variants if v not in failed}
-        for n in (8192, 32768):
-            tensors = _ab_tensors(n, 11)
-            for nm in ("causal", "window", "bigbird", "strided_causal"):
-                lay = make_layout(anchor_pattern(nm), n, 16, 128)
-                got = _interleaved(f"kernel A/B {nm} N={n}", arms, FLAGS.kernel_ab_rounds,
-                                   tensors, lay)
-                if got is None:
-                    return
-                med, rows = got
-                speed = {v: {w: med[ref][i] / med[v][i] for i, w in enumerate(("fwd", "fwd_bwd"))}
-                         for v in arms}
-                log(f"kernel A/B {nm} N={n} (fwd, fwd+bwd ms medians): {med}; "
-                    f"{ref}/variant {speed}")
-                RESULTS.setdefault("kernel_ab", {})[f"{nm} N={n}"] = {
-                    "medians_fwd_fwd_bwd_ms": med, f"{ref}_over_variant": speed, "raw": rows}
-                save()
-    finally:
-        L._KERNELS.update(current)
-        tattn._CALLS.clear()
+    if ref in failed:
+        log(f"kernel A/B: the reference {ref} failed its check; nothing timed")
+        return
+    # A variant that fails its check is not timed (timing_only ones are never checked).
+    arms = {v: (lambda v=v: L._using_kernels(variants[v])) for v in variants if v not in failed}
+    for n in (8192, 32768):
+        tensors = _ab_tensors(n, 11)
+        for nm in ("causal", "window", "bigbird", "strided_causal"):
+            lay = make_layout(anchor_pattern(nm), n, 16, 128)
+            got = _interleaved(f"kernel A/B {nm} N={n}", arms, FLAGS.kernel_ab_rounds, tensors,
+                               lay)
+            if got is None:
+                return
+            med, rows = got
+            speed = {v: {w: med[ref][i] / med[v][i] for i, w in enumerate(("fwd", "fwd_bwd"))}
+                     for v in arms}
+            log(f"kernel A/B {nm} N={n} (fwd, fwd+bwd ms medians): {med}; "
+                f"{ref}/variant {speed}")
+            RESULTS.setdefault("kernel_ab", {})[f"{nm} N={n}"] = {
+                "medians_fwd_fwd_bwd_ms": med, f"{ref}_over_variant": speed, "raw": rows}
+            save()
 
 
 def bwd_streams():
@@ -952,38 +933,29 @@ def bwd_streams():
     dK/dV (after the preprocess), interleaved over 3 rounds (bf16, B=1, H=16, D=128, block 128,
     default policy). The two-stream result is checked bitwise against the one-stream one."""
     for n in (8192, 32768):
-        g = torch.Generator(device="cuda").manual_seed(13)
-        q, k, v, d_out = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16,
-                                      generator=g) for _ in range(4))
+        q, k, v, *_, d_out = _ab_tensors(n, 13)
         side = torch.cuda.Stream()
         for nm in ("causal", "window", "bigbird", "strided_causal"):
             if over_budget(f"bwd streams {nm} N={n}"):
                 return
             lay = make_layout(anchor_pattern(nm), n, 16, 128)
             out_, lse_ = tattn._forward(q, k, v, lay, 128 ** -0.5)
-            launches = []
-            real_run = tattn._run
-
-            def record(desc, tensors, outputs, kind, real_run=real_run):
-                launches.append((desc, tensors, outputs))
-                return real_run(desc, tensors, outputs, kind)
-
-            with mock.patch.object(tattn, "_run", record):
-                tattn._backward(q, k, v, out_, lse_, d_out, None, lay, 128 ** -0.5)
+            launches = _captured(lambda: tattn._backward(q, k, v, out_, lse_, d_out, None, lay,
+                                                         128 ** -0.5))
             (pre, *grads) = launches
             names = [d.call.name for d, *_ in launches]
             assert names == ["bwd_preprocess", "bwd_dq", "bwd_dkdv"], names
 
             def one_stream():
                 for desc, tensors, outputs in launches:
-                    real_run(desc, tensors, outputs, "cuda")
+                    tattn._run(desc, tensors, outputs, "cuda")
 
             def two_streams():
-                real_run(*pre, "cuda")
+                tattn._run(*pre, "cuda")
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    real_run(*grads[0], "cuda")
-                real_run(*grads[1], "cuda")
+                    tattn._run(*grads[0], "cuda")
+                tattn._run(*grads[1], "cuda")
                 torch.cuda.current_stream().wait_stream(side)
 
             outs = [t for _, _, o in grads for t in o]

@@ -59,24 +59,17 @@ def program(impl: str, n: int) -> None:
     for t in (q, k, v):  # all three: Flex drops the dK computation when k needs no gradient
         t.requires_grad_()
     if impl == "ours":
-        if FLAGS.variant:
-            import importlib.util
-
-            from sparsetp.kernels import launch as L
-
-            spec = importlib.util.spec_from_file_location("variant", FLAGS.variant)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            for name, fn in list(L._KERNELS.items()):
-                L._KERNELS[name] = getattr(mod, fn.fn.__name__)
         from sparsetp.backends.torch import attention as tattn
         from sparsetp.core import make_layout
         from sparsetp.core import patterns as P
+        from sparsetp.kernels import launch as L
 
         layout = make_layout(P.causal(), n, h, 128)
+        kernels = L._load_kernels(FLAGS.variant) if FLAGS.variant else {}
 
         def step():
-            tattn.sparse_attention(q, k, v, layout).backward(do)
+            with L._using_kernels(kernels):
+                tattn.sparse_attention(q, k, v, layout).backward(do)
     else:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

@@ -287,6 +287,45 @@ class DirectLaunchTest(absltest.TestCase):
         self.assertEqual(self.compiled[0].runs[1][6], "meta")
 
 
+class KernelSwapTest(absltest.TestCase):
+    """``launch._using_kernels`` (benchmarks' A/B of kernel versions): calls launch the swapped-in
+    kernel objects, the cached launch descriptions never mix the two sets, and leaving the
+    ``with`` restores the package's kernels."""
+
+    def test_swapped_kernels_are_launched_and_restored(self):
+        copy = L._load_kernels(L._k.__file__)  # a second copy of this package's kernels
+        self.assertEqual(set(copy), set(L._KERNELS))
+        self.assertNotIn(copy["fwd"], L._KERNELS.values())
+        layout = make_layout(P.causal(), 64, 1, 32)
+        q, k, v, d = (torch.from_numpy(a) for a in tu.random_inputs(4, (1, 1, 64, 16),
+                                                                    "float32"))
+
+        def launched():
+            kernels = []
+            real = tattn._run
+
+            def record(desc, *args):
+                kernels.append(desc.call.kernel)
+                return real(desc, *args)
+
+            with mock.patch.object(tattn, "_run", record):
+                out = tattn.sparse_attention(q, k, v, layout)
+            return out, kernels
+
+        before, k_before = launched()
+        with L._using_kernels(copy):
+            swapped, k_swapped = launched()
+        after, k_after = launched()
+        self.assertEqual(k_before, [L._KERNELS["fwd"]])
+        self.assertEqual(k_swapped, [copy["fwd"]])  # not the cached description of `before`
+        self.assertEqual(k_after, [L._KERNELS["fwd"]])
+        torch.testing.assert_close(swapped, before, rtol=0, atol=0)
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+        with self.assertRaisesRegex(ValueError, "kernel names"):
+            with L._using_kernels({"nope": copy["fwd"]}):
+                pass
+
+
 class TorchLaunchConfigTest(parameterized.TestCase):
     """Non-default sub-tiles and work orders (the interpreter's default walks whole tiles in
     tile order): every mask-slice path of ``_mask_bits`` (one word with and without a bit offset,

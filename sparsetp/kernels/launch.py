@@ -99,6 +99,46 @@ _KERNELS = {
 }
 
 
+# Identifies the kernel objects in use: launch-description caches key on it, so swapping in
+# another version of the kernels (benchmarks only, :func:`_using_kernels`) never reuses a
+# description built around the previous objects.
+_KERNELS_KEY = tuple(map(id, _KERNELS.values()))
+
+
+def _load_kernels(path: str) -> dict:
+    """The kernels, by :data:`_KERNELS` name, of a copy of ``sparsetp/kernels/attention.py`` at
+    ``path`` (e.g. ``git show <rev>:sparsetp/kernels/attention.py``): for benchmarks that time
+    kernel versions against each other. Use them with :func:`_using_kernels`."""
+    import importlib.util
+    import os
+
+    name = os.path.splitext(os.path.basename(path))[0].lstrip(".")
+    spec = importlib.util.spec_from_file_location(f"sparsetp_kernels_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return {nm: getattr(mod, fn.fn.__name__) for nm, fn in _KERNELS.items()}
+
+
+@contextlib.contextmanager
+def _using_kernels(kernels: Mapping[str, Any]):
+    """Temporarily launch ``kernels`` (name -> ``@triton.jit`` kernel, e.g. from
+    :func:`_load_kernels`) instead of this package's. Not thread-safe (benchmarks only); like
+    :func:`_override`, read when a call is built (at trace time under ``jax.jit``)."""
+    global _KERNELS_KEY
+    unknown = set(kernels) - set(_KERNELS)
+    if unknown:
+        raise ValueError(f"kernel names must be among {tuple(_KERNELS)}, got {sorted(unknown)}")
+    saved = dict(_KERNELS)
+    try:
+        _KERNELS.update(kernels)
+        _KERNELS_KEY = tuple(map(id, _KERNELS.values()))
+        yield
+    finally:
+        _KERNELS.clear()
+        _KERNELS.update(saved)
+        _KERNELS_KEY = tuple(map(id, _KERNELS.values()))
+
+
 def kernel(name: str):
     """The ``@triton.jit`` kernel object called ``name`` (one of :data:`KERNEL_NAMES`)."""
     try:

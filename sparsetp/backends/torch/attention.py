@@ -130,7 +130,8 @@ def _new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
 # benchmarks/results/gpu_attention_check_h200_s4_run3.json, host_overhead). The key holds
 # everything a description depends on: the builder, the metadata tensors (the entry keeps them
 # alive, so their ids stay unique), each tensor's shape/stride/dtype/device, the strides and
-# keyword arguments, and the launch options; a hit only swaps in this call's tensors.
+# keyword arguments, the launch options and the kernel objects in use; a hit only swaps in this
+# call's tensors.
 _CALLS: dict = {}
 _CALLS_MAX = 1024
 # Direct launches (CUDA): after Triton's JIT entry point has run a description once, later calls
@@ -185,7 +186,7 @@ def _described(builder, tensors: tuple, meta, strides: dict, **kw) -> _Descripti
     key = (builder, None if meta is None else tuple(map(id, meta.values())),
            tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
            tuple(strides.items()), tuple(kw.items()),
-           tuple(L._OPTIONS.items()), tuple(L._OVERRIDES.items()))
+           tuple(L._OPTIONS.items()), tuple(L._OVERRIDES.items()), L._KERNELS_KEY)
     hit = _CALLS.get(key)
     if hit is None:
         call = builder(*tensors, *(() if meta is None else (meta,)), strides=strides, **kw)
