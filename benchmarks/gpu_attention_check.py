@@ -75,6 +75,9 @@ flags.DEFINE_list("kernel_ab", [], "paths of variant copies of sparsetp/kernels/
                   " the current kernel sources against them, interleaved rounds in one process."
                   " A name containing 'timing_only' skips the correctness check")
 flags.DEFINE_integer("kernel_ab_rounds", 3, "rounds of the kernel A/B")
+flags.DEFINE_bool("tile_ab", False, "end-to-end A/B of kernel tiles 128 and 64 (explicit tile "
+                  "configs, interleaved rounds)")
+flags.DEFINE_integer("tile_ab_rounds", 3, "rounds of the tile A/B")
 flags.DEFINE_bool("bwd_streams", False, "backward: dQ and dK/dV one after another vs at once on"
                   " two streams (what a fused launch could gain), interleaved rounds")
 flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off)")
@@ -769,14 +772,21 @@ BWD_KERNEL_CONFIGS = [
 ]
 flags.DEFINE_list("bwd_kernel_patterns", ["causal", "window", "strided_causal", "bigbird"],
                   "patterns of the per-kernel backward timings")
+flags.DEFINE_list("bwd_kernel_n", ["32768"], "sequence lengths of the per-kernel timings")
 
 
 def bwd_kernels():
-    """GPU time of each backward kernel alone (preprocess, dQ, dK/dV) at N = 32768 for layouts
-    at block 128 run at kernel tiles 128 and 64, under the default configs and the alternatives
-    in BWD_KERNEL_CONFIGS (each first checked against the fp32 reference at N = 2048): which
-    kernel the backward's time goes to, and whether dQ and dK/dV want different tiles/configs."""
-    n, b, h, d = 32768, 1, 16, 128
+    """GPU time of each backward kernel alone (preprocess, dQ, dK/dV; and the forward) at the
+    ``--bwd_kernel_n`` lengths for layouts at block 128 run at kernel tiles 128 and 64, under
+    the default configs and the alternatives in BWD_KERNEL_CONFIGS (each first checked against
+    the fp32 reference at N = 2048): which kernel the backward's time goes to, and whether dQ
+    and dK/dV want different tiles/configs."""
+    for n in (int(x) for x in FLAGS.bwd_kernel_n):
+        _bwd_kernels_at(n)
+
+
+def _bwd_kernels_at(n):
+    b, h, d = 1, 16, 128
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v, d_out = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
                       for _ in range(4))
@@ -786,12 +796,13 @@ def bwd_kernels():
     by_tile = {t: {nm: make_layout(anchor_pattern(nm), n, h, t)
                    for nm in FLAGS.bwd_kernel_patterns} for t in tiles}
     fwd = {nm: tattn._forward(q, k, v, lay, d ** -0.5) for nm, lay in by_tile[128].items()}
-    rows = []
+    rows = RESULTS.setdefault("bwd_kernels", [])
     for tile, kname, c, *order in BWD_KERNEL_CONFIGS:
         order = order[0] if order else None
         layouts = by_tile[tile]
         cfgs = {} if kname is None else {kname: L.TileConfig(tile, tile, c[1], c[2], sub=c[0])}
-        tag = f"bwd kernels tile {tile} {kname or 'default'} {c or ''} order {order or 'default'}"
+        tag = (f"bwd kernels N={n} tile {tile} {kname or 'default'} {c or ''} "
+               f"order {order or 'default'}")
         if over_budget(tag):
             continue
         try:
@@ -826,26 +837,43 @@ def bwd_kernels():
         except Exception as ex:
             RESULTS["errors"].append({"case": tag, "error": traceback.format_exc()})
             log(f"ERROR {tag}: {ex!r}")
-        RESULTS["bwd_kernels"] = rows
         save()
 
 
 def _interleaved(tag, arms, rounds, tensors, lay):
     """Medians (fwd ms, fwd+bwd ms) per arm and the raw rows, the arms (name -> a function
-    returning the context to time under) interleaved over ``rounds``; None past the budget."""
+    returning the context to time under) interleaved over ``rounds``; None past the budget.
+    ``lay``: the layout, or a dict arm -> layout (arms that run other tiles)."""
     q, k, v, qg, kg, vg, d_out = tensors
     rows = {a: [] for a in arms}
     for _ in range(rounds):
         for a, context in arms.items():
             if over_budget(tag):
                 return None
+            la = lay[a] if isinstance(lay, dict) else lay  # one layout, or one per arm
             with context():
-                f = bench(lambda: tattn.sparse_attention(q, k, v, lay))
-                fb = bench(lambda: tattn.sparse_attention(qg, kg, vg, lay).backward(d_out),
+                f = bench(lambda: tattn.sparse_attention(q, k, v, la))
+                fb = bench(lambda: tattn.sparse_attention(qg, kg, vg, la).backward(d_out),
                            [qg, kg, vg])
             rows[a].append((f, fb))
     med = {a: [float(np.median([r[i] for r in rows[a]])) for i in (0, 1)] for a in arms}
     return med, rows
+
+
+def _ab_checked(label, bs, poison=False) -> bool:
+    """The correctness gate of an A/B arm, under the caller's context: causal and BigBird at
+    N=2048 and the window at ragged N=2000 (block ``bs``, H=2, D=128, bf16) against the float32
+    reference, each recorded in RESULTS. True when all three pass."""
+    passed = True
+    for nm, n in (("causal", 2048), ("bigbird", 2048), ("window", 2000)):
+        r, _ = check_gpu_size(nm, anchor_pattern(nm), n, bs, 2, 128, "bfloat16", poison=poison)
+        ok = all(x <= 1.0 for x in r.values())
+        case = f"{label} {nm} N={n}" + (" poisoned" if poison else "")
+        RESULTS["correctness"].append({"kind": "float32 torch reference", "case": case,
+                                       "ratio": r, "pass": ok})
+        log(f"{case}: {r} {'ok' if ok else 'FAIL'}")
+        passed &= ok
+    return passed
 
 
 def _ab_tensors(n, seed):
@@ -894,15 +922,8 @@ def kernel_ab():
         if "timing_only" in v:
             continue
         with L._using_kernels(variants[v]):
-            for nm, n in (("causal", 2048), ("bigbird", 2048), ("window", 2000)):
-                r, _ = check_gpu_size(nm, anchor_pattern(nm), n, 128, 2, 128, "bfloat16")
-                ok = all(x <= 1.0 for x in r.values())
-                RESULTS["correctness"].append({"kind": "float32 torch reference",
-                                               "case": f"kernel A/B {v} {nm} N={n}",
-                                               "ratio": r, "pass": ok})
-                log(f"kernel A/B {v} {nm} N={n}: {r} {'ok' if ok else 'FAIL'}")
-                if not ok:
-                    failed.add(v)
+            if not _ab_checked(f"kernel A/B {v}", 128):
+                failed.add(v)
     if ref in failed:
         log(f"kernel A/B: the reference {ref} failed its check; nothing timed")
         return
@@ -923,6 +944,61 @@ def kernel_ab():
                 f"{ref}/variant {speed}")
             RESULTS.setdefault("kernel_ab", {})[f"{nm} N={n}"] = {
                 "medians_fwd_fwd_bwd_ms": med, f"{ref}_over_variant": speed, "raw": rows}
+            save()
+
+
+def _tc(bs, warps, stages, sub):
+    return L.TileConfig(bs, bs, warps, stages, sub=sub)
+
+
+# (layout block, explicit configs of fwd / dQ / dK/dV): explicit so that the arms do not move
+# when the defaults do. "t128" is the session-6 default at block 128; "t64_s4" the session-4
+# defaults at 64; "t64" one warpgroup per program, two programs per SM (ncu, session 7 run 1:
+# causal N=8192 dK/dV 1.56 -> 1.26 ms, dQ 0.97 -> 0.91, forward 0.88 -> 0.78).
+TILE_AB = {
+    "t128": (128, {"fwd": _tc(128, 8, 3, 64), "bwd_dq": _tc(128, 8, 3, 64),
+                   "bwd_dkdv": _tc(128, 8, 3, 64)}),
+    "t64": (64, {"fwd": _tc(64, 4, 3, 64), "bwd_dq": _tc(64, 4, 2, 64),
+                 "bwd_dkdv": _tc(64, 4, 2, 64)}),
+    "t64_fwd_s2": (64, {"fwd": _tc(64, 4, 2, 64), "bwd_dq": _tc(64, 4, 2, 64),
+                        "bwd_dkdv": _tc(64, 4, 2, 64)}),
+    "t64_s4": (64, {"fwd": _tc(64, 4, 3, 64), "bwd_dq": _tc(64, 4, 3, 32),
+                    "bwd_dkdv": _tc(64, 4, 3, 32)}),
+}
+
+
+def tile_ab():
+    """End-to-end fwd and fwd+bwd of the target patterns (bf16, B=1, H=16, D=128) run at kernel
+    tile 128 and 64 under the explicit configs of :data:`TILE_AB` (the same token mask laid out
+    at each arm's block, pinned with ``kernel_tile="layout"``), interleaved over rounds in one
+    process, after a float32-reference check of every arm (causal and BigBird at N=2048,
+    the window at ragged N=2000, poisoned outputs)."""
+    def arm(name):
+        return lambda: L._override(kernel_tile="layout", **TILE_AB[name][1])
+
+    failed = set()
+    for a, (bs, _) in TILE_AB.items():
+        with arm(a)():
+            if not _ab_checked(f"tile A/B {a}", bs, poison=True):
+                failed.add(a)
+    arms = {a: arm(a) for a in TILE_AB if a not in failed}
+    for n in (8192, 32768):
+        tensors = _ab_tensors(n, 13)
+        for nm in ("causal", "window", "bigbird", "strided_causal"):
+            lays = {a: make_layout(anchor_pattern(nm), n, 16, TILE_AB[a][0]) for a in arms}
+            got = _interleaved(f"tile A/B {nm} N={n}", arms, FLAGS.tile_ab_rounds, tensors,
+                               lays)
+            if got is None:
+                return
+            med, rows = got
+            speed = {a: {w: med["t128"][i] / med[a][i] for i, w in enumerate(("fwd", "fwd_bwd"))}
+                     for a in arms} if "t128" in arms else {}
+            log(f"tile A/B {nm} N={n} (fwd, fwd+bwd ms medians): {med}; t128/arm {speed}")
+            RESULTS.setdefault("tile_ab", {})[f"{nm} N={n}"] = {
+                "medians_fwd_fwd_bwd_ms": med, "t128_over_arm": speed, "raw": rows,
+                "row_tiles": {a: lays[a].num_blocks for a in arms},
+                "computed_elements": {a: int(lays[a].q_count.sum()) * TILE_AB[a][0] ** 2
+                                      for a in arms}}
             save()
 
 
@@ -1047,7 +1123,7 @@ def main(argv):
 
     RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__,
                       "device": torch.cuda.get_device_name(0), "python": sys.version.split()[0],
-                      "command": " ".join(sys.argv)}
+                      "command": " ".join(sys.argv), "t0_unix": T0}
     log(f"env {RESULTS['env']}")
     save()
     RESULTS["default_configs"] = {
@@ -1071,6 +1147,8 @@ def main(argv):
         order_ab()
     if FLAGS.kernel_ab:
         kernel_ab()
+    if FLAGS.tile_ab:
+        tile_ab()
     if FLAGS.bwd_streams:
         bwd_streams()
     if FLAGS.sweep:

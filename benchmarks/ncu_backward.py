@@ -6,7 +6,7 @@ timings"). Static resources (``kernel_resources.py``) did not explain it; this r
 hardware counters say about each kernel: duration, SM and tensor-pipe throughput, issue-slot use,
 occupancy, L2/DRAM traffic, and the warp stall reasons.
 
-Two modes:
+Two modes (plus two options of the drive):
 
 * ``--impl=ours`` / ``--impl=flex``: the profiled program. It warms up (compiles) one causal
   fwd+bwd (bf16, B=1, H=16, D=128, block 128, N=``--n``), then runs one more between
@@ -43,11 +43,44 @@ flags.DEFINE_list("variants", [], "variant copies of sparsetp/kernels/attention.
                   "with each swapped in too (an A/B at ncu's fixed clocks)")
 flags.DEFINE_string("variant", None, "internal: the variant file the profiled program swaps in")
 flags.DEFINE_bool("flex", True, "profile FlexAttention too")
+flags.DEFINE_list("configs", [], "tile configs to profile ours with: tag:tile:kernel=sub/warps/"
+                  "stages[+kernel=...] (see parse_config)")
+flags.DEFINE_string("config", None, "internal: the config the profiled program runs")
+flags.DEFINE_bool("source", False, "per-instruction counters of the backward kernels (CSV + "
+                  "summary)")
+flags.DEFINE_list("source_tags", ["ours", "flex"], "runs (tags) whose per-instruction counters "
+                  "--source collects")
+flags.DEFINE_string("variant_config", None, "a config (see parse_config) the --variants run "
+                    "under")
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats",
             "Occupancy", "MemoryWorkloadAnalysis", "LaunchStats")
 # Kernels of interest: ours by name; Flex's attention kernels are Inductor templates.
 KERNEL_REGEX = {"ours": "regex:_attn_", "flex": "regex:triton_tem"}
+# Kernels whose per-instruction counters ``--source`` exports (tag suffix -> name filter).
+SOURCE_KERNELS = {"ours": {"dkdv": "regex:_attn_bwd_dkdv", "dq": "regex:_attn_bwd_dq"},
+                  "flex": {"bwd": "regex:triton_tem_fused_flex_attention_backward"}}
+
+
+def parse_config(spec: str):
+    """``tag:tile:kernel=sub/warps/stages[+kernel=sub/warps/stages...]`` -> (tag, tile,
+    {kernel: TileConfig}). ``tile`` is the block of the causal layout, run at that tile
+    (``layout`` = 128); kernels not named keep their default config at that tile.
+
+    >>> parse_config("t64:64:bwd_dkdv=64/4/2")[2]["bwd_dkdv"]
+    TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, sub=64)
+    """
+    from sparsetp.kernels import launch as L
+
+    tag, tile, *rest = spec.split(":")
+    tile = tile if tile == "layout" else int(tile)
+    cfgs = {}
+    for part in (rest[0].split("+") if rest and rest[0] else []):
+        name, vals = part.split("=")
+        sub, warps, stages = (int(x) for x in vals.split("/"))
+        bs = 128 if tile == "layout" else tile
+        cfgs[name] = L.TileConfig(bs, bs, warps, stages, sub=sub)
+    return tag, tile, cfgs
 
 
 def program(impl: str, n: int) -> None:
@@ -64,11 +97,16 @@ def program(impl: str, n: int) -> None:
         from sparsetp.core import patterns as P
         from sparsetp.kernels import launch as L
 
-        layout = make_layout(P.causal(), n, h, 128)
         kernels = L._load_kernels(FLAGS.variant) if FLAGS.variant else {}
+        _, tile, cfgs = parse_config(FLAGS.config) if FLAGS.config else (None, 128, {})
+        # The same causal mask laid out at the config's tile, run at that tile ("layout":
+        # the default policy may refine a block-128 layout, so it is pinned).
+        tile = 128 if tile == "layout" else tile
+        layout = make_layout(P.causal(), n, h, tile)
+        pin = "layout" if FLAGS.config else None
 
         def step():
-            with L._using_kernels(kernels):
+            with L._using_kernels(kernels), L._override(kernel_tile=pin, **cfgs):
                 tattn.sparse_attention(q, k, v, layout).backward(do)
     else:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -110,7 +148,9 @@ METRICS = ("regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
 SUMMARY = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "L2 Hit Rate",
            "DRAM Throughput", "Issue Slots Busy", "Executed Ipc Active", "Achieved Occupancy",
            "Registers Per Thread", "No Eligible", "Warp Cycles Per Issued Instruction",
-           "Avg. Active Threads Per Warp")
+           "Avg. Active Threads Per Warp", "Theoretical Occupancy", "Block Limit Registers",
+           "Block Limit Shared Mem", "Dynamic Shared Memory Per Block", "Grid Size",
+           "Block Size")
 
 
 def summarise(text: str) -> list[dict]:
@@ -129,6 +169,46 @@ def summarise(text: str) -> list[dict]:
     return list(kernels.values())
 
 
+def _num(x) -> float:
+    try:
+        return float(str(x).replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def summarise_source(text: str, top: int = 60) -> dict:
+    """From ``ncu --page source --csv --print-source sass``: warp-stall samples and executed
+    instructions by opcode, and the ``top`` instructions by samples (address, SASS, counts),
+    so that the hot spots of two kernels can be compared without the GUI."""
+    start = text.find('"Address"')
+    if start < 0:
+        start = text.find('"#"')
+    rows = list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
+    if not rows:
+        return {"error": "no source rows", "head": text[:2000]}
+    cols = list(rows[0])
+    samp = next((c for c in cols if c.startswith("Warp Stall Sampling (All")), None)
+    execd = next((c for c in cols if c == "Instructions Executed"), None)
+    src = next((c for c in cols if c == "Source"), cols[1] if len(cols) > 1 else cols[0])
+    by_op: dict = {}
+    for r in rows:
+        op = (r.get(src) or "").strip().split(" ")
+        op = [w for w in op if w and not w.startswith("@")]
+        name = op[0].split(".")[0] if op else "?"
+        e = by_op.setdefault(name, {"samples": 0.0, "executed": 0.0, "static": 0})
+        e["samples"] += _num(r.get(samp, 0)) if samp else 0.0
+        e["executed"] += _num(r.get(execd, 0)) if execd else 0.0
+        e["static"] += 1
+    total = sum(e["samples"] for e in by_op.values()) or 1.0
+    hot = sorted(rows, key=lambda r: -_num(r.get(samp, 0)) if samp else 0)[:top]
+    return {"columns": cols, "n_instructions": len(rows), "total_samples": total,
+            "by_opcode": dict(sorted(by_op.items(), key=lambda kv: -kv[1]["samples"])),
+            "hot": [{"address": r.get("Address", r.get("#")), "sass": r.get(src),
+                     "samples": _num(r.get(samp, 0)) if samp else None,
+                     "share": round(_num(r.get(samp, 0)) / total, 4) if samp else None,
+                     "executed": _num(r.get(execd, 0)) if execd else None} for r in hot]}
+
+
 def drive() -> None:
     out_dir = os.path.dirname(os.path.abspath(FLAGS.out))
     result = {"command": " ".join(sys.argv), "n": FLAGS.n, "runs": {}}
@@ -137,19 +217,29 @@ def drive() -> None:
     if ncu is None:
         result["error"] = "no ncu on this machine"
     else:
-        runs = [("ours", None)] + [("ours", v) for v in FLAGS.variants]
-        runs += [("flex", None)] if FLAGS.flex else []
-        for impl, variant in runs:
+        # The two references first: if the call runs out of time, the comparisons lose first.
+        runs = [("ours", None, None)] + ([("flex", None, None)] if FLAGS.flex else [])
+        runs += [("ours", None, c) for c in FLAGS.configs]
+        runs += [("ours", v, FLAGS.variant_config) for v in FLAGS.variants]
+        tmp = tempfile.mkdtemp()
+        for impl, variant, config in runs:
             tag = impl if variant is None else os.path.splitext(os.path.basename(variant))[0]
+            if config:
+                tag = (tag + "_" if variant else "") + parse_config(config)[0]
+            tag = tag.lstrip(".")
+            source = FLAGS.source and tag in FLAGS.source_tags
+            report = os.path.join(tmp, tag)
             cmd = [ncu, "--profile-from-start", "off", "--target-processes", "all",
-                   "-k", KERNEL_REGEX[impl], "--csv", "--page", "details"]
-            for s in SECTIONS:
-                cmd += ["--section", s]
+                   "-k", KERNEL_REGEX[impl], "-f", "-o", report]
+            for sec in SECTIONS + (("SourceCounters",) if source else ()):
+                cmd += ["--section", sec]
             cmd += ["--metrics", ",".join(METRICS)]
             cmd += [sys.executable, os.path.abspath(__file__), f"--impl={impl}",
                     f"--n={FLAGS.n}", "--out=/dev/null"]
             if variant:
                 cmd.append(f"--variant={os.path.abspath(variant)}")
+            if config:
+                cmd.append(f"--config={config}")
             env = dict(os.environ)
             if impl == "flex":  # a fresh Inductor/Triton cache: nothing stale is reused
                 cache = tempfile.mkdtemp()
@@ -158,11 +248,27 @@ def drive() -> None:
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, env=env,
                                    timeout=FLAGS.timeout_s)
-                raw = os.path.join(out_dir, f"ncu_backward_{tag.lstrip('.')}.csv")
+                d = subprocess.run([ncu, "-i", report + ".ncu-rep", "--csv", "--page",
+                                    "details"], capture_output=True, text=True, timeout=120)
+                # Raw details stay on the machine (8 files come back from a device call).
+                raw = os.path.join(tmp, f"ncu_backward_{tag}.csv")
                 with open(raw, "w") as f:
-                    f.write(p.stdout)
-                result["runs"][tag] = {"rc": p.returncode, "stderr": p.stderr[-3000:],
-                                        "kernels": summarise(p.stdout)}
+                    f.write(d.stdout)
+                run = {"rc": p.returncode, "stderr": (p.stderr + d.stderr)[-3000:],
+                       "kernels": summarise(d.stdout)}
+                if source:
+                    run["source"] = {}
+                    for part, regex in SOURCE_KERNELS[impl].items():  # ours: dkdv, dq
+                        sp = subprocess.run([ncu, "-i", report + ".ncu-rep", "-k", regex,
+                                             "--csv", "--page", "source", "--print-source",
+                                             "sass"], capture_output=True, text=True,
+                                            timeout=120)
+                        with open(os.path.join(out_dir, f"ncu_source_{tag}_{part}.csv"),
+                                  "w") as f:
+                            f.write(sp.stdout)
+                        run["source"][part] = {"rc": sp.returncode, "stderr": sp.stderr[-2000:],
+                                               **summarise_source(sp.stdout)}
+                result["runs"][tag] = run
             except subprocess.TimeoutExpired:
                 result["runs"][tag] = {"error": f"timeout after {FLAGS.timeout_s} s"}
             print(json.dumps({tag: result["runs"][tag]}, indent=1)[:3000], flush=True)

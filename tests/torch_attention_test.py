@@ -447,15 +447,22 @@ class TorchLaunchConfigTest(parameterized.TestCase):
         big = make_layout(P.causal(), 4096, 2, 128)
         self.assertIs(L.kernel_layout(big, "cuda"), big)
         # Smaller tiles than the layout's only in the measured regime (D=128, bf16/fp16): the
-        # window's short rows run in 64-token tiles, causal's long rows (N=32768) stay at 128.
+        # window's short rows run in 64-token tiles, causal's long rows (N=65536) stay at 128.
         wide = make_layout(P.local(511, 511), 4096, 2, 128)
         self.assertEqual(L.kernel_layout(wide, "cuda", head_dim=128, dtype="bfloat16")
                          .block_size, 64)
         self.assertIs(L.kernel_layout(wide, "cuda", head_dim=64, dtype="bfloat16"), wide)
         self.assertIs(L.kernel_layout(wide, "cuda", head_dim=128, dtype="float32"), wide)
-        long_rows = make_layout(P.causal(), 32768, 2, 128)
+        long_rows = make_layout(P.causal(), 65536, 2, 128)
         self.assertIs(L.kernel_layout(long_rows, "cuda", head_dim=128, dtype="float16"),
                       long_rows)
+        # ... because the modelled gain of refining it (1.95 %) is below _REFINE's min_gain;
+        # with no minimum the model alone would refine it. At N=8192 the gain (3.9 %) is enough.
+        with mock.patch.dict(L._REFINE, min_gain=0.0):
+            self.assertEqual(L.kernel_layout(make_layout(P.causal(), 65536, 2, 128), "cuda",
+                                             head_dim=128, dtype="float16").block_size, 64)
+        self.assertEqual(L.kernel_layout(make_layout(P.causal(), 8192, 2, 128), "cuda",
+                                         head_dim=128, dtype="bfloat16").block_size, 64)
         literal = dataclasses.replace(window, pattern=None)
         self.assertIs(L.kernel_layout(literal, "cuda"), literal)
         with self.assertRaisesRegex(ValueError, "kernel_tile"):

@@ -334,6 +334,15 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
         return TileConfig(bs, bs, 8, 3, sub=64)
     if bs >= 128:
         return TileConfig(bs, bs, 8 if head_dim >= 64 else 4, 2 if wide else 3, sub=32)
+    if bs == 64 and head_dim == 128 and not wide:
+        # One warpgroup per program and two programs per SM (2 x 96 KB of shared memory with
+        # 2 stages; 3 stages would fit one). At tile 128 the two warpgroups of a program meet
+        # at a CTA barrier every step: ncu (session 7, causal N=8192, H200) put 10 % of dK/dV's
+        # stall samples on the first shared load after it. Two independent programs overlap
+        # instead: at ncu's fixed clocks dK/dV 1.56 -> 1.26 ms and dQ 0.97 -> 0.91 ms against
+        # the tile-128 kernels, and against the sub-32 / 3-stage config below fwd+bwd is
+        # 2.5-12 % faster on the issue-8 patterns (benchmarks/KERNEL_NOTES.md, v10).
+        return TileConfig(bs, bs, 4, 2, sub=64)
     if bs == 64:
         return TileConfig(bs, bs, 4, 2 if wide else 3, sub=32)
     return TileConfig(bs, bs, 2 if bs == 16 else 4, 2 if wide else 3, sub=bs)
@@ -421,19 +430,29 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP,
 # score regions more finely and give short rows more programs; large tiles keep the tensor cores
 # busier on long rows. The model: forward + backward time of a layout run at block ``bs`` is
 #     a[bs] * (heads x row tiles) + b[bs] * computed elements (millions),
-# in ms per batch element. Least-squares fit to an H200 sweep (bf16, B=1, H=16, D=128, N=32768;
-# window |i - j| < 512, causal, BigBird, strided causal at blocks 128 and 64; the window alone at
-# 32 and 16, where a is taken as 0) in benchmarks/results/gpu_attention_check_h200_s4_run2.json,
-# see benchmarks/KERNEL_NOTES.md ("kernel tiles"). Measured fwd+bwd (model): window 128: 3.65
-# (3.55), 64: 3.13 (3.27); causal 128: 41.95 (41.95), 64: 43.00 (43.01); BigBird 2.84 (2.91) /
-# 2.83 (2.77); strided 4.44 (4.46) / 4.37 (4.29); window 32: 7.42, 16: 10.17 ms.
-_TILE_MODEL = {128: (0.1673e-3, 0.004786), 64: (0.0578e-3, 0.004942),
+# in ms per batch element. Blocks 128 and 64: least-squares fit (relative error) to two tile A/Bs
+# of session 7 (benchmarks/results/gpu_attention_check_h200_s7_run{2,9}_tile_ab.json: H200,
+# bf16, B=1, H=16, D=128, N=8192 and 32768; window |i - j| < 512, causal, BigBird, strided
+# causal; the mean of the two runs' medians of 3 interleaved rounds; the tile-64 backward at
+# sub 64 / 4 warps / 2 stages). Measured fwd+bwd ms (model) at 128 / 64: causal 2.631 (2.636) /
+# 2.517 (2.533) and 39.48 (39.15) / 39.20 (38.26); window 0.905 (0.862) / 0.737 (0.772) and
+# 3.526 (3.519) / 3.018 (3.151); BigBird 0.698 (0.717) / 0.666 (0.664) and 2.774 (2.929) /
+# 2.787 (2.715); strided 0.678 (0.639) / 0.594 (0.569) and 4.285 (4.365) / 4.094 (4.054). At
+# N=32768 causal and BigBird measured equal at both tiles (t128/t64 1.007 and 0.995; the two
+# runs disagree by 3-6 % there), where the model gives 64 a 2-7 % edge. Blocks 32 and 16
+# (a taken as 0): session 4's window sweep (gpu_attention_check_h200_s4_run2.json; window 32:
+# 7.42, 16: 10.17 ms), see benchmarks/KERNEL_NOTES.md ("kernel tiles").
+_TILE_MODEL = {128: (0.2102e-3, 0.004440), 64: (0.0831e-3, 0.004367),
                32: (0.0, 0.013504), 16: (0.0, 0.018791)}
 # A tile smaller than the layout block only as measured: 64 for a block-128 layout with bf16/fp16
 # at D = 128. Larger tiles always count (a 16- or 32-token tile costs 2.7-3.8x a 64-token one per
 # element, far beyond any plausible difference between dtypes or head dims).
+# Refining also needs a modelled gain of at least ``min_gain``: the fit's residuals are a few %,
+# and a refined layout is a second layout to build and keep on a pattern's first call. Causal
+# rows: modelled gain 3.9 % at N=8192 (4.5 % measured), 2.3 % at N=32768 (0.7 % measured),
+# below 2 % from N=65536 (not measured), where the layout's own 128 stays.
 _REFINE = {"from_block": 128, "to_block": 64, "head_dims": (128,),
-           "dtypes": ("bfloat16", "float16")}
+           "dtypes": ("bfloat16", "float16"), "min_gain": 0.02}
 _KERNEL_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -499,6 +518,10 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
             cost[layout.block_size] = (a * layout.num_heads * layout.num_blocks
                                        + b * float(layout.q_count.sum())
                                        * layout.block_size ** 2 / 1e6)
+            refined = _REFINE["to_block"]
+            if (refined in cost and refined < layout.block_size
+                    and cost[refined] > (1 - _REFINE["min_gain"]) * cost[layout.block_size]):
+                del cost[refined]  # not enough modelled gain to refine (see _REFINE)
             best = min(cost, key=lambda b: (cost[b], b != layout.block_size))
         else:
             best = mode
