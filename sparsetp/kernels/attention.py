@@ -260,9 +260,9 @@ def _attn_fwd_kernel(
     # The next step's key-tile index is loaded one step ahead (a loop-carried scalar), so the
     # next K/V sub-tile's address does not wait on a global load. ncu (session 7, run 5) put
     # 18 % of the 64-tile dQ's stall samples on such an index; doing this in the forward
-    # made it 5.4 % faster at ncu's fixed clocks (causal N=8192, tile 64) and 2-3.5 % end to
-    # end on all eight issue-8 cases. In dQ and dK/dV it was slower at tile 64 (+3 %, +6 %),
-    # so they keep the plain load (KERNEL_NOTES.md, v10).
+    # made it 5.4 % faster at ncu's fixed clocks (causal N=8192, tile 64) and 1-3.5 % faster
+    # end to end in 7 of the 8 issue-8 cases (causal N=32768: 2 % slower). In dQ and dK/dV it
+    # was slower at tile 64 (+3 %, +6 %), so they keep the plain load (KERNEL_NOTES.md, v10).
     lo = n_partial * (BLOCK // SUB_N)
     hi = count * (BLOCK // SUB_N)
     kb_next = tl.load(q_index + row + n_partial * stride_ik, mask=lo < hi, other=0)
