@@ -395,8 +395,12 @@ def time_n(n, flex):
 
 
 # --------------------------------------------------------------------------- sweeps
+def _tc(bs, warps, stages, sub):
+    return L.TileConfig(bs, bs, warps, stages, sub=sub)
+
+
 def _bwd_cfgs(sub, warps, stages):
-    c = L.TileConfig(128, 128, warps, stages, sub=sub)
+    c = _tc(128, warps, stages, sub)
     return {"bwd_dq": c, "bwd_dkdv": c}
 
 
@@ -840,17 +844,17 @@ def _bwd_kernels_at(n):
         save()
 
 
-def _interleaved(tag, arms, rounds, tensors, lay):
+def _interleaved(tag, arms, rounds, tensors, lays):
     """Medians (fwd ms, fwd+bwd ms) per arm and the raw rows, the arms (name -> a function
     returning the context to time under) interleaved over ``rounds``; None past the budget.
-    ``lay``: the layout, or a dict arm -> layout (arms that run other tiles)."""
+    ``lays``: the layout each arm runs (arm -> layout)."""
     q, k, v, qg, kg, vg, d_out = tensors
     rows = {a: [] for a in arms}
     for _ in range(rounds):
         for a, context in arms.items():
             if over_budget(tag):
                 return None
-            la = lay[a] if isinstance(lay, dict) else lay  # one layout, or one per arm
+            la = lays[a]
             with context():
                 f = bench(lambda: tattn.sparse_attention(q, k, v, la))
                 fb = bench(lambda: tattn.sparse_attention(qg, kg, vg, la).backward(d_out),
@@ -893,7 +897,8 @@ def order_ab():
         tensors = _ab_tensors(n, 9)
         for nm in ("causal", "window", "bigbird", "strided_causal"):
             lay = make_layout(anchor_pattern(nm), n, 16, 128)
-            got = _interleaved(f"order A/B {nm} N={n}", arms, 3, tensors, lay)
+            got = _interleaved(f"order A/B {nm} N={n}", arms, 3, tensors,
+                               dict.fromkeys(arms, lay))
             if got is None:
                 return
             summary, rows = got
@@ -934,7 +939,7 @@ def kernel_ab():
         for nm in ("causal", "window", "bigbird", "strided_causal"):
             lay = make_layout(anchor_pattern(nm), n, 16, 128)
             got = _interleaved(f"kernel A/B {nm} N={n}", arms, FLAGS.kernel_ab_rounds, tensors,
-                               lay)
+                               dict.fromkeys(arms, lay))
             if got is None:
                 return
             med, rows = got
@@ -945,10 +950,6 @@ def kernel_ab():
             RESULTS.setdefault("kernel_ab", {})[f"{nm} N={n}"] = {
                 "medians_fwd_fwd_bwd_ms": med, f"{ref}_over_variant": speed, "raw": rows}
             save()
-
-
-def _tc(bs, warps, stages, sub):
-    return L.TileConfig(bs, bs, warps, stages, sub=sub)
 
 
 # (layout block, explicit configs of fwd / dQ / dK/dV): explicit so that the arms do not move
@@ -1130,30 +1131,17 @@ def main(argv):
         kn: str(L.tile_config(kn, head_dim=128, dtype="bfloat16", block_size=128,
                               device_kind="cuda")) for kn in L.KERNEL_NAMES}
     RESULTS["default_work_order"] = L._OPTIONS["work_order"]
-    if FLAGS.cold:
-        cold_start()  # first: nothing compiled in this process matters, but keep it early
-    if FLAGS.correctness:
-        correctness()
-    timing()
-    if FLAGS.tile_blocks:
-        tile_sweep()
-    if FLAGS.direct_launch:
-        direct_launch()
-    if FLAGS.host_overhead:
-        host_overhead()
-    if FLAGS.bwd_kernels:
-        bwd_kernels()
-    if FLAGS.order_ab:
-        order_ab()
-    if FLAGS.kernel_ab:
-        kernel_ab()
-    if FLAGS.tile_ab:
-        tile_ab()
-    if FLAGS.bwd_streams:
-        bwd_streams()
-    if FLAGS.sweep:
-        split_sweep()
-        sweep()
+    # Sections in order, each behind its flag. The cold start comes first: nothing compiled in
+    # this process matters to it, but keep it early.
+    sections = ((FLAGS.cold, cold_start), (FLAGS.correctness, correctness), (True, timing),
+                (FLAGS.tile_blocks, tile_sweep), (FLAGS.direct_launch, direct_launch),
+                (FLAGS.host_overhead, host_overhead), (FLAGS.bwd_kernels, bwd_kernels),
+                (FLAGS.order_ab, order_ab), (FLAGS.kernel_ab, kernel_ab),
+                (FLAGS.tile_ab, tile_ab), (FLAGS.bwd_streams, bwd_streams),
+                (FLAGS.sweep, split_sweep), (FLAGS.sweep, sweep))
+    for enabled, section in sections:
+        if enabled:
+            section()
     RESULTS["wall_s"] = time.time() - T0
     save()
     n_fail = sum(not c["pass"] for c in RESULTS["correctness"])

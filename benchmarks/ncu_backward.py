@@ -176,37 +176,35 @@ def _num(x) -> float:
         return 0.0
 
 
+# The per-instruction warp-stall samples column of ``--page source`` (ncu 2025.3).
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
 def summarise_source(text: str, top: int = 60) -> dict:
     """From ``ncu --page source --csv --print-source sass``: warp-stall samples and executed
     instructions by opcode, and the ``top`` instructions by samples (address, SASS, counts),
     so that the hot spots of two kernels can be compared without the GUI."""
     start = text.find('"Address"')
-    if start < 0:
-        start = text.find('"#"')
     rows = list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
-    if not rows:
-        return {"error": "no source rows", "head": text[:2000]}
-    cols = list(rows[0])
-    samp = next((c for c in cols if c.startswith("Warp Stall Sampling (All")), None)
-    execd = next((c for c in cols if c == "Instructions Executed"), None)
-    src = next((c for c in cols if c == "Source"), cols[1] if len(cols) > 1 else cols[0])
+    needed = {"Source", SAMPLES, "Instructions Executed"}
+    if not rows or not needed <= set(rows[0]):
+        return {"error": f"no source rows with the columns {sorted(needed)}",
+                "head": text[:2000]}
     by_op: dict = {}
     for r in rows:
-        op = (r.get(src) or "").strip().split(" ")
-        op = [w for w in op if w and not w.startswith("@")]
-        name = op[0].split(".")[0] if op else "?"
+        words = [w for w in r["Source"].split() if not w.startswith("@")]  # drop predicates
+        name = words[0].split(".")[0] if words else "?"
         e = by_op.setdefault(name, {"samples": 0.0, "executed": 0.0, "static": 0})
-        e["samples"] += _num(r.get(samp, 0)) if samp else 0.0
-        e["executed"] += _num(r.get(execd, 0)) if execd else 0.0
+        e["samples"] += _num(r[SAMPLES])
+        e["executed"] += _num(r["Instructions Executed"])
         e["static"] += 1
     total = sum(e["samples"] for e in by_op.values()) or 1.0
-    hot = sorted(rows, key=lambda r: -_num(r.get(samp, 0)) if samp else 0)[:top]
-    return {"columns": cols, "n_instructions": len(rows), "total_samples": total,
+    hot = sorted(rows, key=lambda r: -_num(r[SAMPLES]))[:top]
+    return {"columns": list(rows[0]), "n_instructions": len(rows), "total_samples": total,
             "by_opcode": dict(sorted(by_op.items(), key=lambda kv: -kv[1]["samples"])),
-            "hot": [{"address": r.get("Address", r.get("#")), "sass": r.get(src),
-                     "samples": _num(r.get(samp, 0)) if samp else None,
-                     "share": round(_num(r.get(samp, 0)) / total, 4) if samp else None,
-                     "executed": _num(r.get(execd, 0)) if execd else None} for r in hot]}
+            "hot": [{"address": r["Address"], "sass": r["Source"], "samples": _num(r[SAMPLES]),
+                     "share": round(_num(r[SAMPLES]) / total, 4),
+                     "executed": _num(r["Instructions Executed"])} for r in hot]}
 
 
 def drive() -> None:

@@ -609,8 +609,9 @@ def _attn_fwd_split_kernel(
     slots per row. AccP: [B, H, S, N, HEAD_DIM], MP, LP: [B, H, S, N] (fp32, fp64 for fp64
     inputs); MP is the running max in base 2 (-inf where the chunk saw no key), LP the sum of
     exp2(score - MP). Grid (B*H, tiles * S), or (B*H*tiles*S,) with the heads one after
-    another (see :func:`_program`); program id rank * S + s, so the chunks of the longest rows (ORDERED) are dispatched first. Slot 0 is
-    always written (an empty row gives acc 0, m -inf, l 0); slots s >= ceil(count / C) are not.
+    another (see :func:`_program`); program id rank * S + s, so the chunks of the longest rows
+    (ORDERED) are dispatched first. Slot 0 is always written (an empty row gives acc 0, m -inf,
+    l 0); slots s >= ceil(count / C) are not.
     """
     tl.static_assert(BLOCK >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")

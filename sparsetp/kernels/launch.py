@@ -341,7 +341,7 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
         # stall samples on the first shared load after it. Two independent programs overlap
         # instead: at ncu's fixed clocks dK/dV 1.56 -> 1.26 ms and dQ 0.97 -> 0.91 ms against
         # the tile-128 kernels, and against the sub-32 / 3-stage config below fwd+bwd is
-        # 2.5-12 % faster on the issue-8 patterns (benchmarks/KERNEL_NOTES.md, v10).
+        # 1-22 % faster on the issue-8 patterns (two tile A/Bs; benchmarks/KERNEL_NOTES.md, v10).
         return TileConfig(bs, bs, 4, 2, sub=64)
     if bs == 64:
         return TileConfig(bs, bs, 4, 2 if wide else 3, sub=32)
