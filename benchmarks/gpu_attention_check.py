@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import testing_utils as tu  # noqa: E402
 
 from sparsetp.backends.torch import attention as tattn  # noqa: E402
+from sparsetp.core import layout as L_core  # noqa: E402
 from sparsetp.core import make_layout, reference  # noqa: E402
 from sparsetp.core import patterns as P  # noqa: E402
 from sparsetp.core.examples import example_pattern  # noqa: E402
@@ -70,6 +71,9 @@ flags.DEFINE_bool("host_overhead", True, "measure host time per call at N=1024")
 flags.DEFINE_bool("direct_launch", True, "direct launch: bitwise check and host time both ways")
 flags.DEFINE_bool("bwd_kernels", False, "time each backward kernel alone under config variants")
 flags.DEFINE_bool("order_ab", False, "end-to-end A/B of the work orders, interleaved rounds")
+flags.DEFINE_multi_integer("order_ab_groups", [2, 4, 8], "head groups the order A/B also times")
+flags.DEFINE_list("order_ab_n", ["8192", "32768"], "sequence lengths of the order A/B")
+flags.DEFINE_integer("order_ab_rounds", 3, "rounds of the order A/B")
 flags.DEFINE_list("kernel_ab", [], "paths of variant copies of sparsetp/kernels/attention.py (e.g."
                   " the baseline from git show; the first is the reference): end-to-end A/B of"
                   " the current kernel sources against them, interleaved rounds in one process."
@@ -78,6 +82,9 @@ flags.DEFINE_integer("kernel_ab_rounds", 3, "rounds of the kernel A/B")
 flags.DEFINE_bool("tile_ab", False, "end-to-end A/B of kernel tiles 128 and 64 (explicit tile "
                   "configs, interleaved rounds)")
 flags.DEFINE_integer("tile_ab_rounds", 3, "rounds of the tile A/B")
+flags.DEFINE_enum("tile_ab_set", "d128", ["d128", "d64", "d64_fwd"], "arms and head dim of "
+                  "the tile A/B (TILE_AB_SETS: TILE_AB at D=128, TILE_AB_D64 or "
+                  "TILE_AB_D64_FWD at D=64)")
 flags.DEFINE_bool("bwd_streams", False, "backward: dQ and dK/dV one after another vs at once on"
                   " two streams (what a fused launch could gain), interleaved rounds")
 flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off)")
@@ -846,12 +853,16 @@ def _bwd_kernels_at(n):
 
 def _interleaved(tag, arms, rounds, tensors, lays):
     """Medians (fwd ms, fwd+bwd ms) per arm and the raw rows, the arms (name -> a function
-    returning the context to time under) interleaved over ``rounds``; None past the budget.
+    returning the context to time under) interleaved over ``rounds``, every other round in
+    reverse order; None past the budget.
     ``lays``: the layout each arm runs (arm -> layout)."""
     q, k, v, qg, kg, vg, d_out = tensors
     rows = {a: [] for a in arms}
-    for _ in range(rounds):
-        for a, context in arms.items():
+    for r in range(rounds):
+        # Odd rounds run the arms in reverse, so no arm always runs right after the same one
+        # (session 8: the last arm of a round read up to 6 % slow in one run).
+        for a in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+            context = arms[a]
             if over_budget(tag):
                 return None
             la = lays[a]
@@ -864,15 +875,15 @@ def _interleaved(tag, arms, rounds, tensors, lays):
     return med, rows
 
 
-def _ab_checked(label, bs, poison=False) -> bool:
+def _ab_checked(label, bs, poison=False, d=128) -> bool:
     """The correctness gate of an A/B arm, under the caller's context: causal and BigBird at
-    N=2048 and the window at ragged N=2000 (block ``bs``, H=2, D=128, bf16) against the float32
-    reference, each recorded in RESULTS. True when all three pass."""
+    N=2048 and the window at ragged N=2000 (block ``bs``, H=2, head dim ``d``, bf16) against
+    the float32 reference, each recorded in RESULTS. True when all three pass."""
     passed = True
     for nm, n in (("causal", 2048), ("bigbird", 2048), ("window", 2000)):
-        r, _ = check_gpu_size(nm, anchor_pattern(nm), n, bs, 2, 128, "bfloat16", poison=poison)
+        r, _ = check_gpu_size(nm, anchor_pattern(nm), n, bs, 2, d, "bfloat16", poison=poison)
         ok = all(x <= 1.0 for x in r.values())
-        case = f"{label} {nm} N={n}" + (" poisoned" if poison else "")
+        case = f"{label} {nm} N={n} D={d}" + (" poisoned" if poison else "")
         RESULTS["correctness"].append({"kind": "float32 torch reference", "case": case,
                                        "ratio": r, "pass": ok})
         log(f"{case}: {r} {'ok' if ok else 'FAIL'}")
@@ -880,32 +891,96 @@ def _ab_checked(label, bs, poison=False) -> bool:
     return passed
 
 
-def _ab_tensors(n, seed):
+def _ab_tensors(n, seed, d=128):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, d_out = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16,
+    q, k, v, d_out = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16,
                                   generator=g) for _ in range(4))
     return (q, k, v, *(t.clone().requires_grad_() for t in (q, k, v)), d_out)
 
 
+def _bitwise_alike(case, arms, tensors, lays) -> bool:
+    """Whether every arm (running ``lays[arm]``) gives the first arm's out, dQ, dK and dV bit for
+    bit (a dispatch order changes which program runs when, never what it computes), recorded
+    in RESULTS."""
+    q, k, v, qg, kg, vg, d_out = tensors
+    got = {}
+    for a, context in arms.items():
+        for t in (qg, kg, vg):
+            t.grad = None
+        with context():
+            out = tattn.sparse_attention(qg, kg, vg, lays[a])
+            out.backward(d_out)
+        got[a] = [out.detach().clone(), *(t.grad.clone() for t in (qg, kg, vg))]
+    first = next(iter(got))
+    differ = [f"{a} {w}" for a in got for w, x, y in zip(("out", "dq", "dk", "dv"), got[a],
+                                                         got[first], strict=True)
+              if not torch.equal(x, y)]
+    ok = not differ
+    RESULTS["correctness"].append({"kind": f"bitwise equal to arm {first}", "case": case,
+                                   "arms": list(arms), "differ": differ, "pass": ok})
+    log(f"{case}: arms bitwise equal to {first}: {ok} {differ or ''}")
+    return ok
+
+
+def _session7_head_group(count, concurrent):
+    """Session 7's head-order rule, for the A/B: all heads interleaved or one after another
+    (nothing between), with 132 programs at once whatever the tile."""
+    count = np.asarray(count)
+    heads, work = count.shape[0], float(count.sum())
+    if work <= 0:
+        return heads
+    return 1 if float(count.max()) * 132 / work - 1 / heads <= L_core.HEAD_MAJOR_TAIL else heads
+
+
+def _kernel_layouts(nm, n):
+    """The block-128 target layout under the current head-order rule and under session 7's
+    (``_session7_head_group``), each with its kernel layout built (and cached) under that
+    rule, so the launches use each rule's head groups. -> (current, session 7)."""
+    def build():
+        lay = make_layout(anchor_pattern(nm), n, 16, 128)
+        L.kernel_layout(lay, "cuda", head_dim=128, dtype="bfloat16")
+        return lay
+
+    current = build()
+    with mock.patch.object(L_core, "head_group", _session7_head_group):
+        old = build()
+    return current, old
+
+
+def _groups(lay):
+    kl = L.kernel_layout(lay, "cuda", head_dim=128, dtype="bfloat16")
+    return [kl.block_size, kl.q_head_group, kl.k_head_group]
+
+
 def order_ab():
     """End-to-end fwd and fwd+bwd (the targets' shapes: bf16, B=1, H=16, D=128, block 128,
-    kernel tiles by policy) under each work order, interleaved over rounds in one process (the
-    order is a grid shape, so switching compiles nothing): medians per (order, pattern, N)."""
+    kernel tiles by policy) under each head order, interleaved over rounds in one process (the
+    order is a grid shape, so switching compiles nothing): medians per (arm, pattern, N), after
+    checking that every arm's results are bitwise equal. Arms: ``auto`` (the layout's head
+    groups), ``s7`` (session 7's rule, :func:`_session7_head_group`), ``longest_first_bh`` (all
+    heads interleaved), ``longest_first`` (one after another), ``g<G>`` (groups of G)."""
     orders = ("auto", "longest_first_bh", "longest_first")
     arms = {o: (lambda o=o: L._override(work_order=o)) for o in orders}
-    for n in (8192, 32768):
+    arms["s7"] = arms["auto"]
+    arms.update({f"g{g}": (lambda g=g: L._override(head_group=g))
+                 for g in FLAGS.order_ab_groups})
+    for n in map(int, FLAGS.order_ab_n):
         tensors = _ab_tensors(n, 9)
         for nm in ("causal", "window", "bigbird", "strided_causal"):
-            lay = make_layout(anchor_pattern(nm), n, 16, 128)
-            got = _interleaved(f"order A/B {nm} N={n}", arms, 3, tensors,
-                               dict.fromkeys(arms, lay))
+            current, old = _kernel_layouts(nm, n)
+            lays = {a: old if a == "s7" else current for a in arms}
+            if not _bitwise_alike(f"order A/B {nm} N={n}", arms, tensors, lays):
+                continue
+            got = _interleaved(f"order A/B {nm} N={n}", arms, FLAGS.order_ab_rounds, tensors,
+                               lays)
             if got is None:
                 return
             summary, rows = got
-            log(f"order A/B {nm} N={n} (fwd, fwd+bwd ms medians of 3): {summary}")
+            log(f"order A/B {nm} N={n} (fwd, fwd+bwd ms medians of 3; kernel tile, q / k head "
+                f"groups: auto {_groups(current)}, s7 {_groups(old)}): {summary}")
             RESULTS.setdefault("order_ab", {})[f"{nm} N={n}"] = {
-                "medians_fwd_fwd_bwd_ms": summary, "heads_first": [lay.q_heads_first,
-                                                                   lay.k_heads_first],
+                "medians_fwd_fwd_bwd_ms": summary,
+                "tile_q_k_head_groups": {"auto": _groups(current), "s7": _groups(old)},
                 "raw": rows}
             save()
 
@@ -952,53 +1027,78 @@ def kernel_ab():
             save()
 
 
+def _arm(bs, fwd, bwd):
+    """A tile-A/B arm: (block, configs) with the forward at ``fwd`` and both backward kernels
+    at ``bwd``, each (warps, stages, sub)."""
+    return bs, {"fwd": _tc(bs, *fwd), "bwd_dq": _tc(bs, *bwd), "bwd_dkdv": _tc(bs, *bwd)}
+
+
 # (layout block, explicit configs of fwd / dQ / dK/dV): explicit so that the arms do not move
 # when the defaults do. "t128" is the session-6 default at block 128; "t64_s4" the session-4
 # defaults at 64; "t64" one warpgroup per program, two programs per SM (ncu, session 7 run 1:
 # causal N=8192 dK/dV 1.56 -> 1.26 ms, dQ 0.97 -> 0.91, forward 0.88 -> 0.78).
 TILE_AB = {
-    "t128": (128, {"fwd": _tc(128, 8, 3, 64), "bwd_dq": _tc(128, 8, 3, 64),
-                   "bwd_dkdv": _tc(128, 8, 3, 64)}),
-    "t64": (64, {"fwd": _tc(64, 4, 3, 64), "bwd_dq": _tc(64, 4, 2, 64),
-                 "bwd_dkdv": _tc(64, 4, 2, 64)}),
-    "t64_fwd_s2": (64, {"fwd": _tc(64, 4, 2, 64), "bwd_dq": _tc(64, 4, 2, 64),
-                        "bwd_dkdv": _tc(64, 4, 2, 64)}),
-    "t64_s4": (64, {"fwd": _tc(64, 4, 3, 64), "bwd_dq": _tc(64, 4, 3, 32),
-                    "bwd_dkdv": _tc(64, 4, 3, 32)}),
+    "t128": _arm(128, (8, 3, 64), (8, 3, 64)),
+    "t64": _arm(64, (4, 3, 64), (4, 2, 64)),
+    "t64_fwd_s2": _arm(64, (4, 2, 64), (4, 2, 64)),
+    "t64_s4": _arm(64, (4, 3, 64), (4, 3, 32)),
 }
+# Head dim 64 (open lead 7 of session 7): what tile_config gives today at tiles 64 and 128
+# (the backward's sub 32 / 3 stages), and the tile-64 backward with 64-row sub-tiles.
+TILE_AB_D64 = {
+    "t64": _arm(64, (4, 3, 64), (4, 3, 32)),
+    "t64_s64_2": _arm(64, (4, 3, 64), (4, 2, 64)),
+    "t64_s64_3": _arm(64, (4, 3, 64), (4, 3, 64)),
+    "t128": _arm(128, (8, 3, 64), (8, 3, 32)),
+}
+# Head dim 64, the forward at tile 64: 2 / 4 stages and 8 warps against tile_config's
+# 4 warps / 3 stages (at D=64 a stage of K and V sub-tiles is 16 KB).
+TILE_AB_D64_FWD = {
+    "t64": TILE_AB_D64["t64"],
+    "t64_f2": _arm(64, (4, 2, 64), (4, 3, 32)),
+    "t64_f4": _arm(64, (4, 4, 64), (4, 3, 32)),
+    "t64_w8": _arm(64, (8, 3, 64), (4, 3, 32)),
+    "t128": TILE_AB_D64["t128"],
+}
+TILE_AB_SETS = {"d128": (128, TILE_AB), "d64": (64, TILE_AB_D64),
+                "d64_fwd": (64, TILE_AB_D64_FWD)}
 
 
 def tile_ab():
-    """End-to-end fwd and fwd+bwd of the target patterns (bf16, B=1, H=16, D=128) run at kernel
-    tile 128 and 64 under the explicit configs of :data:`TILE_AB` (the same token mask laid out
-    at each arm's block, pinned with ``kernel_tile="layout"``), interleaved over rounds in one
-    process, after a float32-reference check of every arm (causal and BigBird at N=2048,
-    the window at ragged N=2000, poisoned outputs)."""
+    """End-to-end fwd and fwd+bwd of the target patterns (bf16, B=1, H=16) run at kernel tiles
+    128 and 64 under the explicit configs of the ``--tile_ab_set`` (:data:`TILE_AB_SETS`: head
+    dim and arms; the same token mask laid out at each arm's block, pinned with
+    ``kernel_tile="layout"``), interleaved over rounds in one process, after a float32-reference
+    check of every arm (causal and BigBird at N=2048, the window at ragged N=2000, poisoned
+    outputs). Ratios are against arm ``t128``."""
+    d, table = TILE_AB_SETS[FLAGS.tile_ab_set]
+
     def arm(name):
-        return lambda: L._override(kernel_tile="layout", **TILE_AB[name][1])
+        return lambda: L._override(kernel_tile="layout", **table[name][1])
 
     failed = set()
-    for a, (bs, _) in TILE_AB.items():
+    for a, (bs, _) in table.items():
         with arm(a)():
-            if not _ab_checked(f"tile A/B {a}", bs, poison=True):
+            if not _ab_checked(f"tile A/B {a}", bs, poison=True, d=d):
                 failed.add(a)
-    arms = {a: arm(a) for a in TILE_AB if a not in failed}
+    arms = {a: arm(a) for a in table if a not in failed}
     for n in (8192, 32768):
-        tensors = _ab_tensors(n, 13)
+        tensors = _ab_tensors(n, 13, d)
         for nm in ("causal", "window", "bigbird", "strided_causal"):
-            lays = {a: make_layout(anchor_pattern(nm), n, 16, TILE_AB[a][0]) for a in arms}
-            got = _interleaved(f"tile A/B {nm} N={n}", arms, FLAGS.tile_ab_rounds, tensors,
-                               lays)
+            lays = {a: make_layout(anchor_pattern(nm), n, 16, table[a][0]) for a in arms}
+            got = _interleaved(f"tile A/B {nm} N={n} D={d}", arms, FLAGS.tile_ab_rounds,
+                               tensors, lays)
             if got is None:
                 return
             med, rows = got
             speed = {a: {w: med["t128"][i] / med[a][i] for i, w in enumerate(("fwd", "fwd_bwd"))}
                      for a in arms} if "t128" in arms else {}
-            log(f"tile A/B {nm} N={n} (fwd, fwd+bwd ms medians): {med}; t128/arm {speed}")
-            RESULTS.setdefault("tile_ab", {})[f"{nm} N={n}"] = {
+            log(f"tile A/B {nm} N={n} D={d} (fwd, fwd+bwd ms medians): {med}; t128/arm "
+                f"{speed}")
+            RESULTS.setdefault("tile_ab", {})[f"{nm} N={n}" + ("" if d == 128 else f" D={d}")] = {
                 "medians_fwd_fwd_bwd_ms": med, "t128_over_arm": speed, "raw": rows,
                 "row_tiles": {a: lays[a].num_blocks for a in arms},
-                "computed_elements": {a: int(lays[a].q_count.sum()) * TILE_AB[a][0] ** 2
+                "computed_elements": {a: int(lays[a].q_count.sum()) * table[a][0] ** 2
                                       for a in arms}}
             save()
 

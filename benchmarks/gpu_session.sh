@@ -4,7 +4,8 @@
 # failing or slow stage cannot starve the next. Logs and JSON land in $OUT (8 files at most come
 # back: 4 logs + 4 JSON). Run from the repo root with carry [".whl", ".gpu_deps"].
 #   usage: bash benchmarks/gpu_session.sh [stage ...]   (default: check attn tp parity)
-#   stages: check attn tp parity (PARITY_TP, default 1,2) parity16 (bf16/fp16 attention only)
+#   stages: check attn tp parity (PARITY_TP, default 1,2) parity16 (bf16/fp16 attention only;
+#   head dims PARITY16_D, default 128)
 #   probe (JAX MLP fwd+bwd variants on one GPU, issue #9)
 #   demo (the main job on 2 GPUs, torch and JAX, bf16)
 set -u
@@ -36,7 +37,8 @@ for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
       --patterns=causal,bigbird,strided_causal,per_head_mix --block_patterns=bigbird \
       --report="$OUT/parity.json" ;;
   parity16) stage parity16 "${PARITY16_S:-90}" python3 tests/parity_test.py \
-      ParityTest.test_attention --device=gpu --seq_lens=1000 --num_heads=8 --head_dims=128 \
+      ParityTest.test_attention --device=gpu --seq_lens=1000 --num_heads=8 \
+      --head_dims="${PARITY16_D:-128}" \
       --block_sizes=64,128 --dtypes=bfloat16,float16 --batch=2 \
       --patterns=causal,local,bigbird,strided_causal,per_head_mix,longformer \
       --report="$OUT/parity16.json" ;;

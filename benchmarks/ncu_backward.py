@@ -63,12 +63,16 @@ SOURCE_KERNELS = {"ours": {"dkdv": "regex:_attn_bwd_dkdv", "dq": "regex:_attn_bw
 
 
 def parse_config(spec: str):
-    """``tag:tile:kernel=sub/warps/stages[+kernel=sub/warps/stages...]`` -> (tag, tile,
-    {kernel: TileConfig}). ``tile`` is the block of the causal layout, run at that tile
-    (``layout`` = 128); kernels not named keep their default config at that tile.
+    """``tag:tile[:kernel=sub/warps/stages[+kernel=...]][:order]`` -> (tag, tile,
+    {kernel: TileConfig}, {order options}). ``tile`` is the block of the causal layout, run at
+    that tile (``layout`` = 128); kernels not named keep their default config at that tile.
+    ``order``: ``hm`` (heads one after another), ``bh`` (all heads interleaved) or ``g<G>``
+    (heads interleaved in groups of G); absent: the layout's own order.
 
     >>> parse_config("t64:64:bwd_dkdv=64/4/2")[2]["bwd_dkdv"]
     TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, sub=64)
+    >>> parse_config("g4:64::g4")[3]
+    {'head_group': 4}
     """
     from sparsetp.kernels import launch as L
 
@@ -80,7 +84,14 @@ def parse_config(spec: str):
         sub, warps, stages = (int(x) for x in vals.split("/"))
         bs = 128 if tile == "layout" else tile
         cfgs[name] = L.TileConfig(bs, bs, warps, stages, sub=sub)
-    return tag, tile, cfgs
+    order = rest[1] if len(rest) > 1 else ""
+    orders = {"": {}, "hm": {"work_order": "longest_first"},
+              "bh": {"work_order": "longest_first_bh"}}
+    if order.startswith("g") and order[1:].isdigit():
+        orders[order] = {"head_group": int(order[1:])}
+    if order not in orders:
+        raise ValueError(f"order must be hm, bh or g<G>, got {order!r} in {spec!r}")
+    return tag, tile, cfgs, orders[order]
 
 
 def program(impl: str, n: int) -> None:
@@ -98,7 +109,8 @@ def program(impl: str, n: int) -> None:
         from sparsetp.kernels import launch as L
 
         kernels = L._load_kernels(FLAGS.variant) if FLAGS.variant else {}
-        _, tile, cfgs = parse_config(FLAGS.config) if FLAGS.config else (None, 128, {})
+        _, tile, cfgs, order = (parse_config(FLAGS.config) if FLAGS.config
+                                else (None, 128, {}, {}))
         # The same causal mask laid out at the config's tile, run at that tile ("layout":
         # the default policy may refine a block-128 layout, so it is pinned).
         tile = 128 if tile == "layout" else tile
@@ -106,7 +118,7 @@ def program(impl: str, n: int) -> None:
         pin = "layout" if FLAGS.config else None
 
         def step():
-            with L._using_kernels(kernels), L._override(kernel_tile=pin, **cfgs):
+            with L._using_kernels(kernels), L._override(kernel_tile=pin, **order, **cfgs):
                 tattn.sparse_attention(q, k, v, layout).backward(do)
     else:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention

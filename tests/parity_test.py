@@ -178,14 +178,14 @@ def torch_layout_arrays(layout, head_dim, dtype):
     """The metadata the torch frontend launches for q [*, *, *, head_dim] of ``dtype``."""
     q = torch.empty((1, 1, 1, head_dim), dtype=_TORCH_DT[dtype], device=_torch_device())
     kind = torch_attn._device_kind(q)
-    return {n: t if isinstance(t, bool) else t.cpu().numpy()  # bools: the head order
+    return {n: t if isinstance(t, int) else t.cpu().numpy()  # ints: the head order
             for n, t in torch_attn._metadata(layout, q, kind).items()}
 
 
 def jax_layout_arrays(layout, head_dim, dtype):
     lay = jax_attn.layout_arrays(layout, head_dim=head_dim, dtype=_JAX_DT[dtype])
     return {**{n: np.asarray(a) for n, a in lay.metadata().items()},
-            "q_heads_first": lay.q_heads_first, "k_heads_first": lay.k_heads_first}
+            "q_head_group": lay.q_head_group, "k_head_group": lay.k_head_group}
 
 
 def kernel_layout(layout, head_dim, dtype):
@@ -288,8 +288,8 @@ class ParityTest(absltest.TestCase):
                         if not np.array_equal(meta[b][nm], arr) or meta[b][nm].dtype != np.int32:
                             raise AssertionError(f"[{case}] {b} kernel metadata {nm} differs "
                                                  f"from the kernel layout's")
-                    for nm in ("q_heads_first", "k_heads_first"):
-                        if meta[b][nm] is not getattr(launched, nm):
+                    for nm in ("q_head_group", "k_head_group"):
+                        if meta[b][nm] != getattr(launched, nm):
                             raise AssertionError(f"[{case}] {b} launches {nm}={meta[b][nm]}, "
                                                  f"the kernel layout says {getattr(launched, nm)}")
                 for a, b in itertools.combinations(self.backends, 2):

@@ -210,7 +210,7 @@ class DirectLaunchTest(absltest.TestCase):
         layout = make_layout(P.causal(), 64, 2, 32)
         self.q, self.k, self.v = (torch.zeros(1, 2, 64, 16) for _ in range(3))
         self.out, self.lse = torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64)
-        meta = {**layout.metadata(), "q_heads_first": True, "k_heads_first": True}
+        meta = {**layout.metadata(), "q_head_group": 2, "k_head_group": 2}
         strides = {n: t.stride() for n, t in (("q", self.q), ("k", self.k), ("v", self.v),
                                               ("out", self.out), ("lse", self.lse))}
         self.desc = tattn._Description(
@@ -360,47 +360,67 @@ class TorchLaunchConfigTest(parameterized.TestCase):
             tu.assert_close(_np(t.grad), r, dtype, grad=True, what=f"{name} {g_name}")
 
     def test_auto_work_order_follows_the_layout(self):
-        """Under the default work order "auto", each launch takes its view's head order from
-        the layout (query-major: forward and dQ; key-major: dK/dV): grid (B*H, tiles) where it
-        interleaves heads, the one-axis grid (B*H*tiles,) otherwise. A mapping without the
-        flags interleaves heads; the other work orders force their order."""
+        """Under the default work order "auto", each launch takes its view's head groups from
+        the layout (query-major: forward and dQ; key-major: dK/dV): grid (G, tiles, B*H / G)
+        for groups of G heads, (B*H, tiles, 1) when all interleave, the one-axis grid
+        (B*H*tiles,) for G = 1. A mapping without the groups interleaves all heads; the other
+        work orders and the private head_group option force theirs."""
         self.assertEqual(L._OPTIONS["work_order"], "auto")
-        lay = make_layout(P.causal(), 2048, 2, 64)
-        meta = {**lay.metadata(), "q_heads_first": False, "k_heads_first": True}
-        x = np.zeros((3, 2, 2048, 32), np.float32)  # launch reads shapes only
+        lay = make_layout(P.causal(), 2048, 4, 64)
+        meta = {**lay.metadata(), "q_head_group": 2, "k_head_group": 4}
+        x = np.zeros((3, 4, 2048, 32), np.float32)  # launch reads shapes only
         kw = dict(scale=1.0, dtype="float32", device_kind="cuda")
         fwd = L.fwd_call(x, x, x, meta, **kw)
         dq = L.bwd_dq_call(x, x, x, x, x[..., 0], x[..., 0], meta, **kw)
         dkdv = L.bwd_dkdv_call(x, x, x, x, x[..., 0], x[..., 0], meta, **kw)
-        heads_first, one_axis = (6, 32, 1), (192, 1, 1)  # B*H = 6, 32 tiles
-        for call, grid in ((fwd, one_axis), (dq, one_axis), (dkdv, heads_first)):
+        # B*H = 12, 32 tiles.
+        pairs, every, one_axis = (2, 32, 6), (12, 32, 1), (384, 1, 1)
+        for call, grid in ((fwd, pairs), (dq, pairs), (dkdv, every)):
             self.assertEqual(call.grid, grid, call.name)
             self.assertTrue(call.constexprs["ORDERED"], call.name)
         # The order is the grid's shape only: the kernels compile the same either way.
-        self.assertEqual(fwd.constexprs, L.fwd_call(x, x, x, lay.metadata(), **kw).constexprs)
-        self.assertEqual(L.fwd_call(x, x, x, lay.metadata(), **kw).grid, heads_first)
+        bare = {n: a for n, a in meta.items() if not n.endswith("_head_group")}
+        self.assertEqual(fwd.constexprs, L.fwd_call(x, x, x, bare, **kw).constexprs)
+        self.assertEqual(L.fwd_call(x, x, x, bare, **kw).grid, every)
         with L._override(work_order="longest_first_bh"):
-            self.assertEqual(L.fwd_call(x, x, x, meta, **kw).grid, heads_first)
+            self.assertEqual(L.fwd_call(x, x, x, meta, **kw).grid, every)
         with L._override(work_order="longest_first"):
             self.assertEqual(L.bwd_dkdv_call(x, x, x, x, x[..., 0], x[..., 0], meta,
                                              **kw).grid, one_axis)
+        for group, grid in ((1, one_axis), (2, pairs), (3, one_axis), (8, every)):
+            with L._override(head_group=group):  # gcd(G, H) heads; G >= H: all pairs
+                self.assertEqual(L.bwd_dkdv_call(x, x, x, x, x[..., 0], x[..., 0], meta,
+                                                 **kw).grid, grid, group)
+        # A tensor-parallel slice of 2 heads keeps the layout's G = 4 >= 2: all pairs.
+        x2, meta2 = x[:, :2], {**lay.heads(0, 2).metadata(), "k_head_group": 4}
+        self.assertEqual(L.bwd_dkdv_call(x2, x2, x2, x2, x2[..., 0], x2[..., 0], meta2,
+                                         **kw).grid, (6, 32, 1))
+        with self.assertRaisesRegex(ValueError, "head_group"):
+            with L._override(head_group=0):
+                pass
+        with self.assertRaisesRegex(ValueError, "divide"):
+            L.list_grid(3, 2, 32, 4)
 
     def test_head_order_never_changes_the_numbers(self):
         """Every program computes its own rows and columns whatever the dispatch order, so the
-        three work orders (two grids, ordered or not) give bitwise-equal outputs and grads."""
+        work orders and head groups (three grid forms, ordered or not) give bitwise-equal
+        outputs and grads."""
         n, h, d, bs = 96, 3, 16, 32
         layout = make_layout(example_pattern("bigbird", n, bs), n, h, bs)
         q, k, v, d_out = tu.random_inputs(7, (2, h, n, d), "float32")
         results = {}
-        for order in ("natural", "longest_first", "longest_first_bh"):
+        for order, group in (("natural", None), ("longest_first", None),
+                             ("longest_first_bh", None), ("longest_first_bh", 2),
+                             ("longest_first_bh", 3)):
             tq, tk, tv = (_to(x, "float32", requires_grad=True) for x in (q, k, v))
-            with L._override(work_order=order):
+            with L._override(work_order=order, head_group=group):
                 out, lse = tattn.sparse_attention(tq, tk, tv, layout, return_lse=True)
                 out.backward(_to(d_out, "float32"))
-            results[order] = [t.detach() for t in (out, lse, tq.grad, tk.grad, tv.grad)]
+            results[order, group] = [t.detach()
+                                     for t in (out, lse, tq.grad, tk.grad, tv.grad)]
         for order, got in results.items():
-            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, results["natural"],
-                                  strict=True):
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got,
+                                  results["natural", None], strict=True):
                 self.assertTrue(torch.equal(a, b), f"{order} {name}")
 
     def test_override_restores_and_validates(self):
@@ -446,12 +466,14 @@ class TorchLaunchConfigTest(parameterized.TestCase):
         self.assertIs(L.kernel_layout(rand, "cuda"), rand)
         big = make_layout(P.causal(), 4096, 2, 128)
         self.assertIs(L.kernel_layout(big, "cuda"), big)
-        # Smaller tiles than the layout's only in the measured regime (D=128, bf16/fp16): the
-        # window's short rows run in 64-token tiles, causal's long rows (N=65536) stay at 128.
+        # Smaller tiles than the layout's only in the measured regime (D=128 and 64,
+        # bf16/fp16): the window's short rows run in 64-token tiles, causal's long rows
+        # (N=65536) stay at 128.
         wide = make_layout(P.local(511, 511), 4096, 2, 128)
-        self.assertEqual(L.kernel_layout(wide, "cuda", head_dim=128, dtype="bfloat16")
-                         .block_size, 64)
-        self.assertIs(L.kernel_layout(wide, "cuda", head_dim=64, dtype="bfloat16"), wide)
+        for d in (128, 64):
+            self.assertEqual(L.kernel_layout(wide, "cuda", head_dim=d, dtype="bfloat16")
+                             .block_size, 64, d)
+        self.assertIs(L.kernel_layout(wide, "cuda", head_dim=32, dtype="bfloat16"), wide)
         self.assertIs(L.kernel_layout(wide, "cuda", head_dim=128, dtype="float32"), wide)
         long_rows = make_layout(P.causal(), 65536, 2, 128)
         self.assertIs(L.kernel_layout(long_rows, "cuda", head_dim=128, dtype="float16"),

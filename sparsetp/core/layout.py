@@ -22,10 +22,11 @@ Work order (both views): ``q_order[h, r]`` / ``k_order[h, r]`` (int32) is the ti
 ``r`` of head ``h`` processes: tiles sorted by list length, longest first (stable, so equal
 lengths keep tile order). Launching long rows first keeps them from forming the tail of the
 launch (causal's last rows, BigBird's global rows). A permutation of ``range(num_blocks)``.
-``q_heads_first`` / ``k_heads_first`` (bool) say how the launch orders heads: True dispatches
-rank ``r`` of every head before rank ``r + 1`` of any head, False runs the heads one after
-another (each longest first), which pays only when no list is long next to the whole launch.
-See :func:`heads_first`.
+``q_head_group`` / ``k_head_group`` (int G, a divisor of H) say how the launch orders heads:
+in groups of G heads, one group after another, dispatching rank ``r`` of each head of a group
+before rank ``r + 1`` of any. G = H interleaves every head (needed when some list is long next
+to the whole launch); G = 1 runs the heads one after another (each longest first), which L2
+likes best. See :func:`head_group`.
 
 ``masks[u, r, w]`` (int32)
     The element mask of partial tiles as a compact bitmask: bit ``c % 32`` of word ``c // 32`` of
@@ -63,7 +64,7 @@ from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
 
-__all__ = ["BlockLayout", "make_layout", "work_order", "heads_first", "SUPPORTED_BLOCK_SIZES"]
+__all__ = ["BlockLayout", "make_layout", "work_order", "head_group", "SUPPORTED_BLOCK_SIZES"]
 
 
 def work_order(count: np.ndarray) -> np.ndarray:
@@ -77,36 +78,48 @@ def work_order(count: np.ndarray) -> np.ndarray:
 
 
 # Head order of a launch. Heads one after another keep the programs running together on one
-# head's K/V (or Q/dO), which L2 then serves; heads interleaved ("heads first") start every
-# head's longest lists before anyone's short ones. The cost of the first: the last head's longest
-# list starts after about (H - 1) / H of the work, so the launch ends about
-#     tail = L_max * P / W - 1 / H
+# head's K/V (or Q/dO), which L2 then serves; heads interleaved start every head's longest lists
+# before anyone's short ones. Between the two, a launch takes the heads in groups of G: each
+# group's heads interleaved, one group after another. The cost of grouping: the last group's
+# longest list starts after about (H - G) / H of the work, so the launch ends about
+#     tail(G) = L_max * P / W - G / H
 # of its ideal time late (W: listed tiles over all heads, L_max: the longest list, P: programs
-# running at once, one per SM at the default tiles: 132 on an H100/H200). Heads go one after
-# another only when that tail is below HEAD_MAJOR_TAIL. Interleaved A/B on an H100 (medians of
-# 3, fwd / fwd+bwd ms, bf16, H=16, D=128; benchmarks/results/gpu_attention_check_h100_s5_run9
-# .json): causal N=32768 (tail 0.002) 9.94 / 40.38 one head after another vs 10.63 / 41.08
-# interleaved, window N=32768 (< 0) 0.796 / 3.34 vs 0.816 / 3.44; causal N=8192 (tail 0.19)
-# 0.745 / 2.98 vs 0.672 / 2.73, and BigBird (global rows, tail >> 0) much slower one head after
-# another (N=32768: 1.00 / 4.28 vs 0.68 / 2.86).
-CONCURRENT_PROGRAMS = 132
+# running at once, CONCURRENT_PROGRAMS by kernel tile). The launch takes the smallest G (a
+# divisor of H) whose tail is at most HEAD_MAJOR_TAIL; G = 1 runs the heads one after another,
+# G = H interleaves them all.
+#   Why groups (session 8, H200, bf16, H=16, D=128; benchmarks/results/
+#   gpu_attention_check_h200_s8_run1.json): causal N=8192 at tile 64 (L_max * P / W = 0.26)
+#   interleaving all heads leaves L2 hit rates of 84-87 % in the forward, dQ and dK/dV (ncu);
+#   groups of 4 give 93-95 % and DRAM traffic / 2.5, and fwd / fwd+bwd 0.638 / 2.507 ms against
+#   0.673 / 2.637 all interleaved and 0.716 / 2.654 one head after another. Earlier A/B (H100,
+#   tile 128, session 5, gpu_attention_check_h100_s5_run9.json): causal N=32768 (tail(1) =
+#   0.002) 9.94 / 40.38 ms one head after another vs 10.63 / 41.08 interleaved; BigBird (global
+#   rows, tail >> 0) much slower one head after another (N=32768: 1.00 / 4.28 vs 0.68 / 2.86).
+# P: the tile-128 kernels run one program per SM (132 on an H100/H200); the tile-64 ones
+# (bf16/fp16, D=128; session 7) two. Tiles 32 and 16 are taken as 64 (not measured).
+CONCURRENT_PROGRAMS = {16: 264, 32: 264, 64: 264, 128: 132}
 HEAD_MAJOR_TAIL = 0.02
 
 
-def heads_first(count: np.ndarray, concurrent: int = CONCURRENT_PROGRAMS) -> bool:
-    """Whether a launch over lists of lengths ``count[h, I]`` should interleave the heads
-    (True) or run them one after another (False): True when the tail the latter would leave
-    (see ``HEAD_MAJOR_TAIL`` above) exceeds ``HEAD_MAJOR_TAIL``, or when nothing is listed.
+def head_group(count: np.ndarray, concurrent: int) -> int:
+    """How many heads a launch over lists of lengths ``count[h, I]`` interleaves per group (see
+    ``HEAD_MAJOR_TAIL`` above): the smallest divisor G of H with tail(G) <= HEAD_MAJOR_TAIL,
+    else H; H when nothing is listed. 1 runs the heads one after another.
 
-    >>> heads_first(np.full((16, 256), 9)), heads_first(np.full((16, 64), 9))
-    (False, True)
+    >>> head_group(np.full((16, 256), 9), 132), head_group(np.full((16, 64), 9), 132)
+    (1, 2)
+    >>> head_group(np.full((16, 64), 9), 264), head_group(np.full((16, 8), 9), 264)
+    (4, 16)
     """
     count = np.asarray(count)
-    work = float(count.sum())
-    if work <= 0 or count.ndim != 2:
-        return True
-    tail = float(count.max()) * concurrent / work - 1.0 / count.shape[0]
-    return bool(tail > HEAD_MAJOR_TAIL)
+    if count.ndim != 2:
+        raise ValueError(f"count must be [H, tiles], got shape {count.shape}")
+    heads, work = count.shape[0], float(count.sum())
+    if work <= 0:
+        return heads
+    load = float(count.max()) * concurrent / work
+    return next((g for g in range(1, heads + 1)
+                 if heads % g == 0 and load - g / heads <= HEAD_MAJOR_TAIL), heads)
 
 
 def _words(block_size: int) -> int:
@@ -136,16 +149,18 @@ class BlockLayout:
     k_order: np.ndarray | None = None
     # Derived from the whole layout's counts when not given; head slices (:meth:`heads`) keep
     # the whole layout's choice, so every tensor-parallel rank launches alike.
-    q_heads_first: bool | None = None
-    k_heads_first: bool | None = None
+    q_head_group: int | None = None
+    k_head_group: int | None = None
 
     def __post_init__(self):
         for name in ("q_order", "k_order"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, work_order(getattr(self, name[0] + "_count")))
-        for name in ("q_heads_first", "k_heads_first"):
+        for name in ("q_head_group", "k_head_group"):
             if getattr(self, name) is None:
-                object.__setattr__(self, name, heads_first(getattr(self, name[0] + "_count")))
+                object.__setattr__(self, name, head_group(
+                    getattr(self, name[0] + "_count"),
+                    CONCURRENT_PROGRAMS.get(self.block_size, CONCURRENT_PROGRAMS[64])))
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, np.ndarray):

@@ -77,20 +77,22 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: tl.constexpr):
     """(tile, b * H + h) of this program, out of ``ranks`` per (batch, head).
 
-    Two grids, told apart at run time so that the head order a layout asks for never costs a
-    compile: (B*H, ranks) dispatches rank r of every head before rank r + 1 of any head
-    ("heads first"); the one-axis grid (B*H*ranks,) runs the heads one after another, ranks
-    fastest. With one rank per head both give rank 0 of head ``program_id(0)``. With
-    ``ORDERED`` the rank is mapped through the layout's per-head work order (``order[h, rank]``
-    = tile, longest list first, so long rows start early instead of forming the tail of the
-    launch); otherwise rank = tile.
+    Two grid forms, told apart at run time so that the head order a layout asks for never
+    costs a compile. (G, ranks, B*H / G) takes the heads in groups of G, one group after
+    another, and within a group dispatches rank r of each of its G heads before rank r + 1 of
+    any (G = B*H: "heads first", every head interleaved). The one-axis grid (B*H*ranks,) runs
+    the heads one after another, ranks fastest (G = 1). With one rank per head the launcher
+    always uses the one-axis grid (``launch.list_grid``): rank 0 of head ``program_id(0)``.
+    With ``ORDERED`` the rank is mapped through the layout's per-head work order
+    (``order[h, rank]`` = tile, longest list first, so long rows start early instead of
+    forming the tail of the launch); otherwise rank = tile.
     """
     if tl.num_programs(1) == 1:
         g = tl.program_id(0)
         off_bh = g // ranks
         rank = g % ranks
     else:
-        off_bh = tl.program_id(0)
+        off_bh = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
         rank = tl.program_id(1)
     if ORDERED:
         tile = tl.load(order + (off_bh % H) * stride_ch + rank * stride_cm)

@@ -38,8 +38,8 @@ Arguments
 ``q_mask_id``, ``q_order``, ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id``, ``k_order``,
 ``masks``), already on
 the device and **C-contiguous** (their strides are computed from their shapes), and optionally
-the layout's Python bools ``q_heads_first`` / ``k_heads_first`` (how launches order heads, see
-:func:`heads_first`; missing means True). ``strides`` maps
+the layout's Python ints ``q_head_group`` / ``k_head_group`` (how launches order heads, see
+:func:`grid_group`; missing means all heads interleaved). ``strides`` maps
 tensor names to element strides; a name left out means C-contiguous. Names: ``q k v out lse``
 (forward), ``out d_out delta`` (preprocess), ``q k v d_out lse dq`` (dQ; ``delta`` shares the
 ``lse`` strides), ``q k v d_out lse dk dv`` (dK/dV; same). ``lse`` and ``delta`` are
@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -353,9 +354,9 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
 # they exist so one GPU run can measure alternatives, and so the interpreter can run
 # non-default sub-tile configs).
 #   work_order: "auto" (default)    per view (query-major: forward, dQ, split forward;
-#                                   key-major: dK/dV), "longest_first_bh" where the layout's
-#                                   lists are skewed (``{q,k}_heads_first`` in the metadata, see
-#                                   sparsetp.core.layout.heads_first), else "longest_first";
+#                                   key-major: dK/dV), the layout's head groups
+#                                   (``{q,k}_head_group`` in the metadata, see
+#                                   sparsetp.core.layout.head_group), longest lists first;
 #               "natural"           one-axis grid (B*H*tiles,), heads one after another, tile =
 #                                   rank;
 #               "longest_first"     one-axis grid, tile = layout.{q,k}_order[h, rank]: each
@@ -364,6 +365,9 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
 #                                   head is dispatched before rank r + 1 of any head.
 #               (:func:`list_grid`; the kernels read the order off the grid's shape, so no order
 #               compiles anything.)
+#   head_group: None (default)      the work order's head groups (above);
+#               G >= 1              groups of G heads in any work order (:func:`grid_group`;
+#                                   ``gpu_attention_check.py --order_ab`` times them).
 #   split_cap:  None (default)      the forward runs one program per query row;
 #               C >= 1              rows with more than C list entries are split into chunks of
 #                                   C entries (fwd_split_call + fwd_merge_call, issue #8). Off
@@ -380,14 +384,14 @@ WORK_ORDERS = ("auto", "natural", "longest_first", "longest_first_bh")
 #               16 / 32 / 64 / 128  that kernel tile wherever it is >= the layout block (tests
 #                                   and benchmarks; the interpreter too).
 _OPTIONS: dict[str, Any] = {"work_order": "auto", "split_cap": None,
-                            "kernel_tile": "auto"}
+                            "kernel_tile": "auto", "head_group": None}
 _KEEP = object()
 _OVERRIDES: dict[str, TileConfig] = {}
 
 
 @contextlib.contextmanager
 def _override(work_order: str | None = None, split_cap: Any = _KEEP,
-              kernel_tile: Any = None, **configs: TileConfig):
+              kernel_tile: Any = None, head_group: Any = _KEEP, **configs: TileConfig):
     """Temporarily change the work order, the forward's split cap (an int >= 1, or None for
     off), the kernel-tile policy (see :func:`kernel_layout`) and/or the tile config of kernels
     by name, e.g.
@@ -399,6 +403,9 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP,
     if split_cap is not _KEEP and split_cap is not None and (
             isinstance(split_cap, bool) or not isinstance(split_cap, int) or split_cap < 1):
         raise ValueError(f"split_cap must be None or an int >= 1, got {split_cap!r}")
+    if head_group is not _KEEP and head_group is not None and (
+            isinstance(head_group, bool) or not isinstance(head_group, int) or head_group < 1):
+        raise ValueError(f"head_group must be None or an int >= 1, got {head_group!r}")
     if kernel_tile is not None and kernel_tile not in ("auto", "layout", *SUPPORTED_BLOCK_SIZES):
         raise ValueError(f"kernel_tile must be 'auto', 'layout' or one of "
                          f"{SUPPORTED_BLOCK_SIZES}, got {kernel_tile!r}")
@@ -414,6 +421,8 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP,
             _OPTIONS["split_cap"] = split_cap
         if kernel_tile is not None:
             _OPTIONS["kernel_tile"] = kernel_tile
+        if head_group is not _KEEP:
+            _OPTIONS["head_group"] = head_group
         _OVERRIDES.update(configs)
         yield
     finally:
@@ -445,13 +454,18 @@ def _override(work_order: str | None = None, split_cap: Any = _KEEP,
 _TILE_MODEL = {128: (0.2102e-3, 0.004440), 64: (0.0831e-3, 0.004367),
                32: (0.0, 0.013504), 16: (0.0, 0.018791)}
 # A tile smaller than the layout block only as measured: 64 for a block-128 layout with bf16/fp16
-# at D = 128. Larger tiles always count (a 16- or 32-token tile costs 2.7-3.8x a 64-token one per
-# element, far beyond any plausible difference between dtypes or head dims).
+# at D = 128 and D = 64. Larger tiles always count (a 16- or 32-token tile costs 2.7-3.8x a
+# 64-token one per element, far beyond any plausible difference between dtypes or head dims).
+# D = 64 uses the D = 128 model, which understates its gain: the tile A/B at D = 64 (session 8,
+# benchmarks/results/gpu_attention_check_h200_s8_run5_tile_ab_d64.json; bf16, each tile's
+# default config) measured tile 128 / tile 64 fwd+bwd 1.20 / 1.16 (causal N=8192 / 32768),
+# 1.36 / 1.39 (window), 1.00 / 1.09 (BigBird), 0.96 / 1.24 (strided causal; N=8192 sits on the
+# host floor), against 1.045 / 1.007, 1.23 / 1.17, 1.05 / 1.00, 1.14 / 1.05 at D = 128.
 # Refining also needs a modelled gain of at least ``min_gain``: the fit's residuals are a few %,
 # and a refined layout is a second layout to build and keep on a pattern's first call. Causal
 # rows: modelled gain 3.9 % at N=8192 (4.5 % measured), 2.3 % at N=32768 (0.7 % measured),
 # below 2 % from N=65536 (not measured), where the layout's own 128 stays.
-_REFINE = {"from_block": 128, "to_block": 64, "head_dims": (128,),
+_REFINE = {"from_block": 128, "to_block": 64, "head_dims": (64, 128),
            "dtypes": ("bfloat16", "float16"), "min_gain": 0.02}
 _KERNEL_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -480,12 +494,12 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
 
     Policy (``_OPTIONS["kernel_tile"]``, default ``"auto"``): on CUDA, the block with the least
     modelled time among the layout's own, every larger one, and, for a block-128 layout with
-    ``head_dim`` 128 and bfloat16/float16 (where the model was measured), 64; in the interpreter the
-    layout itself, so CPU tests run the kernels at every block. A layout without a pattern
-    (built by hand) is launched as it is. Both frontends call this with the same arguments, so
-    torch and JAX launch the same tiles. The other layouts are built once per layout (cached
-    while it lives). A pattern whose chosen block has not run in this process yet compiles
-    that block's kernels on its first call.
+    ``head_dim`` 64 or 128 and bfloat16/float16 (where tile 64 was measured), 64; in the
+    interpreter the layout itself, so CPU tests run the kernels at every block. A layout
+    without a pattern (built by hand) is launched as it is. Both frontends call this with the
+    same arguments, so torch and JAX launch the same tiles. The other layouts are built once
+    per layout (cached while it lives). A pattern whose chosen block has not run in this
+    process yet compiles that block's kernels on its first call.
 
     >>> from sparsetp.core import patterns as P, make_layout
     >>> lay = make_layout(P.local(511, 511), 4096, 2, 32)
@@ -540,14 +554,24 @@ def grid(batch: int, heads: int, seq_len: int, block_size: int) -> tuple[int, in
     return (tiles, int(batch) * int(heads), 1)
 
 
-def list_grid(batch: int, heads: int, ranks: int, bh_first: bool) -> tuple[int, int, int]:
+def list_grid(batch: int, heads: int, ranks: int, group: int) -> tuple[int, int, int]:
     """Launch grid of the list kernels (forward, dQ, dK/dV, split forward), ``ranks`` programs
-    per (batch, head): (B * H, ranks, 1) dispatches rank r of every head before rank r + 1 of
-    any head (``bh_first``); (B * H * ranks, 1, 1) runs the heads one after another. The
-    kernels tell the two apart at run time (``attention._program``), so the choice never
-    recompiles them."""
-    bh = int(batch) * int(heads)
-    return (bh, int(ranks), 1) if bh_first else (bh * int(ranks), 1, 1)
+    per (batch, head), the B * H (batch, head) pairs taken in groups of ``group`` (clipped to
+    B * H; it must divide B * H): (group, ranks, B * H / group) dispatches rank r of each pair
+    in a group before rank r + 1 of any, one group after another (group = B * H: every head
+    interleaved, "heads first"); group 1, or one rank per head, gives the one-axis grid
+    (B * H * ranks, 1, 1), heads one after another. The kernels tell the forms apart at run
+    time (``attention._program``), so the choice never recompiles them.
+
+    >>> list_grid(2, 8, 32, 16), list_grid(2, 8, 32, 4), list_grid(2, 8, 32, 1)
+    ((16, 32, 1), (4, 32, 4), (512, 1, 1))
+    """
+    bh, ranks, group = int(batch) * int(heads), int(ranks), min(int(group), int(batch) * int(heads))
+    if group < 1 or bh % group:
+        raise ValueError(f"head group {group} must be >= 1 and divide B * H = {bh}")
+    if group == 1 or ranks == 1:
+        return (bh * ranks, 1, 1)
+    return (group, ranks, bh // group)
 
 
 def aligned(seq_len: int, strides: Mapping[str, tuple[int, ...]]) -> bool:
@@ -619,14 +643,21 @@ def dot_upcast(dtype: str, device_kind: str) -> bool:
     return device_kind == "interpreter" and check_dtype(dtype) == "bfloat16"
 
 
-def heads_first(meta: Mapping[str, Any], major: str) -> bool:
-    """Whether launches over the ``major`` ("q"/"k") lists interleave the heads: the layout's
-    ``{major}_heads_first`` (:func:`sparsetp.core.layout.heads_first`) under the default work
-    order ``"auto"``, True if the mapping lacks it; forced by the other work orders."""
-    order = _OPTIONS["work_order"]
-    if order == "auto":
-        return bool(meta.get(f"{major}_heads_first", True))
-    return order == "longest_first_bh"
+def grid_group(meta: Mapping[str, Any], major: str, batch: int, heads: int) -> int:
+    """How many (batch, head) pairs a launch over the ``major`` ("q"/"k") lists interleaves per
+    group (:func:`list_grid`). Under the default work order ``"auto"``: the layout's
+    ``{major}_head_group`` G (:func:`sparsetp.core.layout.head_group`; all heads if the mapping
+    lacks it); G >= ``heads`` (this launch may hold a tensor-parallel slice of the layout's
+    heads) interleaves all B * H pairs, a smaller G groups gcd(G, heads) heads of one batch
+    entry. "natural" and "longest_first" force 1, "longest_first_bh" all; the private option
+    ``head_group`` (benchmarks) forces G in any order."""
+    bh, order = int(batch) * int(heads), _OPTIONS["work_order"]
+    group = _OPTIONS["head_group"]
+    if group is None:
+        group = (meta.get(f"{major}_head_group", bh) if order == "auto"
+                 else bh if order == "longest_first_bh" else 1)
+    group = int(group)
+    return bh if group >= heads else math.gcd(group, int(heads))
 
 
 def _constexprs(block_size, d, dtype, device_kind, cfg: TileConfig, sub_name: str,
@@ -658,8 +689,8 @@ def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, devi
     st = _all_strides(strides, ("q", "k", "v", "out"), ("lse",), shape, lse_shape)
     args = (q, k, v, *arrays, float(scale), n, h, *st["q"], *st["k"], *st["v"], *st["out"],
             *st["lse"], *meta_strides)
-    bh_first = heads_first(meta, "q")
-    return KernelCall("fwd", _KERNELS["fwd"], list_grid(b, h, tiles, bh_first), args,
+    return KernelCall("fwd", _KERNELS["fwd"], list_grid(b, h, tiles, grid_group(meta, "q", b, h)),
+                      args,
                       (OutputSpec("out", shape, dtype),
                        OutputSpec("lse", lse_shape, stats_dtype(dtype))),
                       _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
@@ -691,8 +722,8 @@ def _bwd_list_call(name, major, out_names, sub_name, q, k, v, d_out, lse, delta,
     args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
             *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides,
             *(x for o in out_names for x in st[o]))
-    bh_first = heads_first(meta, major)
-    return KernelCall(name, _KERNELS[name], list_grid(b, h, -(-n // bs), bh_first), args,
+    group = grid_group(meta, major, b, h)
+    return KernelCall(name, _KERNELS[name], list_grid(b, h, -(-n // bs), group), args,
                       tuple(OutputSpec(o, shape, dtype) for o in out_names),
                       _constexprs(bs, d, dtype, device_kind, cfg, sub_name, aligned(n, st)),
                       cfg.num_warps, cfg.num_stages)
@@ -748,9 +779,8 @@ def fwd_split_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str
     args = (q, k, v, *arrays, float(scale), n, h, int(cap), slots, *st["q"], *st["k"], *st["v"],
             *meta_strides, *contiguous_strides(acc_shape), *contiguous_strides(stat_shape))
     sd = stats_dtype(dtype)
-    bh_first = heads_first(meta, "q")
     return KernelCall("fwd_split", _KERNELS["fwd_split"],
-                      list_grid(b, h, tiles * slots, bh_first), args,
+                      list_grid(b, h, tiles * slots, grid_group(meta, "q", b, h)), args,
                       (OutputSpec("acc_p", acc_shape, sd), OutputSpec("m_p", stat_shape, sd),
                        OutputSpec("l_p", stat_shape, sd)),
                       _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),

@@ -73,9 +73,10 @@ class LayoutArrays:
     q_order: jax.Array
     k_order: jax.Array
     seq_len: int = dataclasses.field(metadata=dict(static=True), default=0)
-    # How launches order heads (BlockLayout.q_heads_first / k_heads_first; static).
-    q_heads_first: bool = dataclasses.field(metadata=dict(static=True), default=True)
-    k_heads_first: bool = dataclasses.field(metadata=dict(static=True), default=True)
+    # How launches order heads (BlockLayout.q_head_group / k_head_group; static). None: all
+    # heads interleaved (launch.grid_group).
+    q_head_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    k_head_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def num_heads(self) -> int:
@@ -126,7 +127,7 @@ class LayoutArrays:
 
 
 jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
-                                 meta_fields=["seq_len", "q_heads_first", "k_heads_first"])
+                                 meta_fields=["seq_len", "q_head_group", "k_head_group"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
@@ -149,8 +150,8 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
     layout = _kl.kernel_layout(layout, _device_kind(), head_dim=head_dim,
                                dtype=None if dtype is None else jnp.dtype(dtype).name)
     return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
-                        seq_len=layout.seq_len, q_heads_first=layout.q_heads_first,
-                        k_heads_first=layout.k_heads_first)
+                        seq_len=layout.seq_len, q_head_group=layout.q_head_group,
+                        k_head_group=layout.k_head_group)
 
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -233,28 +234,29 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     """
     lay, scale = _check_inputs(q, k, v, layout, scale)
     out, lse = _attention(q, k, v, lay.metadata(), scale=scale,
-                          heads_first=(lay.q_heads_first, lay.k_heads_first))
+                          head_groups=(lay.q_head_group, lay.k_head_group))
     return (out, lse) if return_lse else out
 
 
-def _with_order(meta, heads_first):
-    """The launch metadata: the arrays plus the layout's static head order (launch.heads_first)."""
-    return {**meta, "q_heads_first": heads_first[0], "k_heads_first": heads_first[1]}
+def _with_order(meta, head_groups):
+    """The launch metadata: the arrays plus the layout's static head order (launch.grid_group)."""
+    groups = {"q_head_group": head_groups[0], "k_head_group": head_groups[1]}
+    return {**meta, **{k: g for k, g in groups.items() if g is not None}}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "heads_first"))
-def _attention(q, k, v, meta, scale, heads_first):  # scale, heads_first: by name (static)
-    return _fwd(q, k, v, _with_order(meta, heads_first), scale)
+@functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "head_groups"))
+def _attention(q, k, v, meta, scale, head_groups):  # scale, head_groups: by name (static)
+    return _fwd(q, k, v, _with_order(meta, head_groups), scale)
 
 
-def _attention_fwd_rule(q, k, v, meta, scale, heads_first):
-    out, lse = _fwd(q, k, v, _with_order(meta, heads_first), scale)
+def _attention_fwd_rule(q, k, v, meta, scale, head_groups):
+    out, lse = _fwd(q, k, v, _with_order(meta, head_groups), scale)
     return (out, lse), (q, k, v, out, lse, meta)
 
 
-def _attention_bwd_rule(scale, heads_first, residuals, cotangents):
+def _attention_bwd_rule(scale, head_groups, residuals, cotangents):
     q, k, v, out, lse, meta_arrays = residuals
-    meta = _with_order(meta_arrays, heads_first)
+    meta = _with_order(meta_arrays, head_groups)
     d_out, d_lse = cotangents
     d_out = d_out.astype(q.dtype)
     dtype, kind = jnp.dtype(q.dtype).name, _device_kind()

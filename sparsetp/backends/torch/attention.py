@@ -98,7 +98,7 @@ def _metadata(layout: BlockLayout, q: torch.Tensor, kind: str) -> dict[str, torc
         per_layout[key] = {
             **{name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C")).to(device)
                for name, arr in layout.metadata().items()},
-            "q_heads_first": layout.q_heads_first, "k_heads_first": layout.k_heads_first}
+            "q_head_group": layout.q_head_group, "k_head_group": layout.k_head_group}
     return per_layout[key]
 
 
