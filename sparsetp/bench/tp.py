@@ -301,7 +301,8 @@ def _interleaved(models: dict, x, dy, device, rounds: int, group, burst: int = 4
     out = {f"{name}_fwd_bwd_ms": med(v) for name, v in per.items()}
     for name in models:
         if name != first:
-            out[f"{name}_over_{first}"] = med([b / a for a, b in zip(per[first], per[name])])
+            out[f"{name}_over_{first}"] = med([b / a for a, b in zip(per[first], per[name],
+                                                                  strict=True)])
     return dict(out, rounds=rounds, burst=burst)
 
 
@@ -550,8 +551,8 @@ def _stage_comm(rank, world, spec, device, groups):
 
 def _stage_dtensor(rank, world, spec, device, groups):
     import torch  # noqa: PLC0415
-    from torch import nn  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
     from torch.distributed.tensor.parallel import (  # noqa: PLC0415
         ColwiseParallel,

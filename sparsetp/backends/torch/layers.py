@@ -62,7 +62,6 @@ from sparsetp.backends.torch.comm import (
     gather_from_region,
     group_rank,
     group_size,
-    reduce_from_region,
     reduce_scatter_from_region,
     scatter_to_region,
 )
