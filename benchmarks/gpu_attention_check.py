@@ -899,21 +899,17 @@ def _ab_tensors(n, seed, d=128):
 
 
 def _bitwise_alike(case, arms, tensors, lays) -> bool:
-    """Whether every arm (running ``lays[arm]``) gives the first arm's out, dQ, dK and dV bit for
-    bit (a dispatch order changes which program runs when, never what it computes), recorded
-    in RESULTS."""
-    q, k, v, qg, kg, vg, d_out = tensors
+    """Whether every arm (running ``lays[arm]``) gives the first arm's out, LSE, dQ, dK and dV
+    bit for bit (a dispatch order changes which program runs when, never what it computes),
+    recorded in RESULTS."""
+    q, k, v, *_, d_out = tensors
     got = {}
     for a, context in arms.items():
-        for t in (qg, kg, vg):
-            t.grad = None
         with context():
-            out = tattn.sparse_attention(qg, kg, vg, lays[a])
-            out.backward(d_out)
-        got[a] = [out.detach().clone(), *(t.grad.clone() for t in (qg, kg, vg))]
+            got[a] = run_sparse(q, k, v, lays[a], d_out)
     first = next(iter(got))
-    differ = [f"{a} {w}" for a in got for w, x, y in zip(("out", "dq", "dk", "dv"), got[a],
-                                                         got[first], strict=True)
+    differ = [f"{a} {w}" for a in got for w, x, y in zip(("out", "lse", "dq", "dk", "dv"),
+                                                         got[a], got[first], strict=True)
               if not torch.equal(x, y)]
     ok = not differ
     RESULTS["correctness"].append({"kind": f"bitwise equal to arm {first}", "case": case,
@@ -922,14 +918,13 @@ def _bitwise_alike(case, arms, tensors, lays) -> bool:
     return ok
 
 
-def _session7_head_group(count, concurrent):
+def _session7_head_group(count, concurrent, rule=L_core.head_group):
     """Session 7's head-order rule, for the A/B: all heads interleaved or one after another
-    (nothing between), with 132 programs at once whatever the tile."""
-    count = np.asarray(count)
-    heads, work = count.shape[0], float(count.sum())
-    if work <= 0:
-        return heads
-    return 1 if float(count.max()) * 132 / work - 1 / heads <= L_core.HEAD_MAJOR_TAIL else heads
+    (nothing between), with 132 programs at once whatever the tile; i.e. today's ``rule`` at
+    132 programs with every group above 1 widened to all heads. (``rule`` is bound here
+    because :func:`_kernel_layouts` patches ``layout.head_group`` with this function.)"""
+    heads = np.asarray(count).shape[0]
+    return 1 if rule(count, 132) == 1 else heads
 
 
 def _kernel_layouts(nm, n):

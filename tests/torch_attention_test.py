@@ -382,6 +382,7 @@ class TorchLaunchConfigTest(parameterized.TestCase):
         bare = {n: a for n, a in meta.items() if not n.endswith("_head_group")}
         self.assertEqual(fwd.constexprs, L.fwd_call(x, x, x, bare, **kw).constexprs)
         self.assertEqual(L.fwd_call(x, x, x, bare, **kw).grid, every)
+        self.assertEqual(L.fwd_call(x, x, x, {**bare, "q_head_group": None}, **kw).grid, every)
         with L._override(work_order="longest_first_bh"):
             self.assertEqual(L.fwd_call(x, x, x, meta, **kw).grid, every)
         with L._override(work_order="longest_first"):

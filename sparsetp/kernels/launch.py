@@ -646,17 +646,17 @@ def dot_upcast(dtype: str, device_kind: str) -> bool:
 def grid_group(meta: Mapping[str, Any], major: str, batch: int, heads: int) -> int:
     """How many (batch, head) pairs a launch over the ``major`` ("q"/"k") lists interleaves per
     group (:func:`list_grid`). Under the default work order ``"auto"``: the layout's
-    ``{major}_head_group`` G (:func:`sparsetp.core.layout.head_group`; all heads if the mapping
-    lacks it); G >= ``heads`` (this launch may hold a tensor-parallel slice of the layout's
-    heads) interleaves all B * H pairs, a smaller G groups gcd(G, heads) heads of one batch
-    entry. "natural" and "longest_first" force 1, "longest_first_bh" all; the private option
-    ``head_group`` (benchmarks) forces G in any order."""
+    ``{major}_head_group`` G (:func:`sparsetp.core.layout.head_group`; all heads if the
+    mapping lacks it or holds None); G >= ``heads`` (this launch may hold a tensor-parallel
+    slice of the layout's heads) interleaves all B * H pairs, a smaller G groups gcd(G, heads)
+    heads of one batch entry. "natural" and "longest_first" force 1, "longest_first_bh" all;
+    the private option ``head_group`` (benchmarks) forces G in any order."""
     bh, order = int(batch) * int(heads), _OPTIONS["work_order"]
     group = _OPTIONS["head_group"]
     if group is None:
-        group = (meta.get(f"{major}_head_group", bh) if order == "auto"
+        group = (meta.get(f"{major}_head_group") if order == "auto"
                  else bh if order == "longest_first_bh" else 1)
-    group = int(group)
+    group = bh if group is None else int(group)
     return bh if group >= heads else math.gcd(group, int(heads))
 
 

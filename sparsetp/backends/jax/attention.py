@@ -240,8 +240,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
 
 def _with_order(meta, head_groups):
     """The launch metadata: the arrays plus the layout's static head order (launch.grid_group)."""
-    groups = {"q_head_group": head_groups[0], "k_head_group": head_groups[1]}
-    return {**meta, **{k: g for k, g in groups.items() if g is not None}}
+    return {**meta, "q_head_group": head_groups[0], "k_head_group": head_groups[1]}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "head_groups"))
