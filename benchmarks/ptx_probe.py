@@ -1,0 +1,136 @@
+"""Compile the attention kernels for sm_90 on a machine without a GPU and count what matters.
+
+Why: device time is short (30 minutes a session), but Triton compiles for any target without
+a GPU (``triton.compile`` with a ``GPUTarget``; ptxas and cuobjdump ship in its wheel). So the
+shape of the generated code (registers, spills, the width of every ``cp.async`` copy) can be
+read here, for the GPU machine's Triton, before a kernel variant costs a device call. Session 9
+found this way that Triton 3.6 moves dK/dV's per-step LSE and Delta column vectors with as
+many ``cp.async`` instructions as the Q and dO tiles (8-byte copies, one set per thread;
+``benchmarks/KERNEL_NOTES.md``, "Session 9").
+
+Install the GPU machine's Triton beside the local one and point PYTHONPATH at it::
+
+    pip install --target /tmp/t36 --no-deps triton==3.6.0
+    PYTHONPATH=/tmp/t36:$PWD python benchmarks/ptx_probe.py --kernels=bwd_dkdv,bwd_dq
+
+``--source`` takes a copy of ``sparsetp/kernels/attention.py`` (a variant) instead of the
+tree's. Each kernel compiles under the launch's own config for bf16 at ``--block`` and
+``--head_dim`` (``launch.tile_config``; flags override sub, warps and stages); every pointer
+is marked 16-byte aligned and the unit strides are specialised to 1, as Triton does for the
+contiguous tensors of a real launch. ``tests/ptx_probe_test.py`` runs it on the CI's Triton.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("source", None, "a copy of sparsetp/kernels/attention.py (default: the tree's)")
+flags.DEFINE_list("kernels", ["fwd", "bwd_dq", "bwd_dkdv"], "launch names (launch.KERNEL_NAMES)")
+flags.DEFINE_integer("block", 64, "kernel tile (BLOCK)")
+flags.DEFINE_integer("head_dim", 128, "HEAD_DIM")
+flags.DEFINE_integer("sub", None, "sub-tile walked per step (SUB_N / SUB_M); default: the "
+                     "launch's (launch.tile_config for bf16 on CUDA)")
+flags.DEFINE_integer("num_warps", None, "warps; default: the launch's")
+flags.DEFINE_integer("num_stages", None, "pipeline stages; default: the launch's")
+flags.DEFINE_integer("capability", 90, "CUDA compute capability of the target")
+flags.DEFINE_string("out", None, "also write the results as JSON here")
+
+# Arguments by role; anything else that is not a constexpr is an int32 scalar.
+_BF16 = {"Q", "K", "V", "DO", "DQ", "DK", "DV", "Out"}
+_F32 = {"LSE", "Delta"}
+_UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dqd",
+                 "stride_dkd", "stride_dvd", "stride_ln", "stride_mw", "stride_ik"}
+
+
+def _kernels(source: str | None) -> dict:
+    # Compiled (not interpreted) kernel objects even without a GPU: this tool only compiles.
+    os.environ["SPARSETP_INTERPRET"] = "0"
+    from sparsetp.kernels import launch as L
+
+    return dict(L._KERNELS) if source is None else L._load_kernels(source)
+
+
+def _tool(triton_mod, name: str) -> str:
+    return os.path.join(os.path.dirname(triton_mod.__file__), "backends", "nvidia", "bin", name)
+
+
+def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages: int,
+          capability: int) -> dict:
+    """Compile ``fn`` (a ``@triton.jit`` attention kernel) for sm_<capability>; return register
+    use, spills (from cuobjdump) and a histogram of ``cp.async`` copies by width in bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    constexprs = {"BLOCK": block, "HEAD_DIM": head_dim, "MASK_WORDS": max(1, block // 32),
+                  "DOT_PRECISION": "tf32", "DOT_UPCAST": False, "ORDERED": True, "ALIGNED": True,
+                  "SUB_N": sub, "SUB_M": sub}
+    constexprs = {k: v for k, v in constexprs.items() if k in names}
+    constexprs.update({n: 1 for n in names if n in _UNIT_STRIDES})
+    sig = {}
+    for n in names:
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n in _BF16:
+            sig[n] = "*bf16"
+        elif n in _F32:
+            sig[n] = "*fp32"
+        elif n == "sm_scale":
+            sig[n] = "fp32"
+        elif n.startswith(("q_", "k_")) or n == "masks":
+            sig[n] = "*i32"
+        else:
+            sig[n] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*")}
+    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs),
+                              target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = compiled.asm["ptx"]
+    copy = r"cp\.async\.c[ag]\.shared\.global[^,]*,[^,]*,\s*(0x[0-9a-f]+|\d+)"
+    widths = collections.Counter(int(w, 0) for w in re.findall(copy, ptx))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        res = subprocess.run([_tool(triton, "cuobjdump"), "-res-usage", f.name],
+                             capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    return {"triton": triton.__version__, "registers": int(regs.group(1)) if regs else None,
+            "stack_bytes": int(stack.group(1)) if stack else None,
+            "shared_bytes": compiled.metadata.shared,
+            "cp_async_static_by_bytes": dict(sorted(widths.items())),
+            "ttgir_async_copies": compiled.asm["ttgir"].count("async_copy_global_to_local")}
+
+
+def main(argv):
+    del argv
+    kernels = _kernels(FLAGS.source)
+    out = {}
+    from sparsetp.kernels import launch as L
+
+    for name in FLAGS.kernels:
+        cfg = L.tile_config(name, head_dim=FLAGS.head_dim, dtype="bfloat16",
+                            block_size=FLAGS.block, device_kind="cuda")
+        config = {"sub": FLAGS.sub or cfg.sub, "num_warps": FLAGS.num_warps or cfg.num_warps,
+                  "num_stages": FLAGS.num_stages or cfg.num_stages}
+        out[name] = {**config, **probe(kernels[name], block=FLAGS.block, head_dim=FLAGS.head_dim,
+                                       capability=FLAGS.capability, **config)}
+        print(name, json.dumps(out[name]), flush=True)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "kernels": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
