@@ -27,8 +27,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
   check) stage check "${CHECK_S:-85}" python3 benchmarks/gpu_attention_check.py \
       --out="$OUT/check.json" --budget_s="${CHECK_BUDGET:-70}" --timing_n= ${CHECK_ARGS:-} ;;
-  attn) stage attn "${ATTN_S:-130}" python3 -m sparsetp.bench attention --preset=targets \
-      --out_dir="$OUT" --json_name=attention.json --noplots --budget_s="${ATTN_BUDGET:-105}" ;;
+  attn) stage attn "${ATTN_S:-160}" python3 -m sparsetp.bench attention --preset=targets \
+      --out_dir="$OUT" --json_name=attention.json --noplots --budget_s="${ATTN_BUDGET:-130}" ;;
   tp) stage tp "${TP_S:-105}" python3 -m sparsetp.bench tp --preset=gpu2 --out_dir="$OUT" \
       --noplots --budget_s="${TP_BUDGET:-85}" ;;
   parity) export JAX_DEFAULT_MATMUL_PRECISION=highest; stage parity "${PARITY_S:-75}" \

@@ -61,7 +61,7 @@ class CpuPresetTest(parameterized.TestCase):
             case = {k: r[k] for k in ("pattern", "N", "B", "H", "D", "dtype", "block")}
             if r["impl"] in A._PATTERN_FREE:
                 self.assertEqual(r["pattern"], "dense")
-                match = [j for j in jobs if j[1] == r["impl"] and all(
+                match = [j for j in jobs if j[:2] == (r["section"], r["impl"]) and all(
                     v == r[k] for k, v in j[2] if k != "pattern")]
                 self.assertLen(match, 1)
                 got.add(match[0])
@@ -74,6 +74,20 @@ class CpuPresetTest(parameterized.TestCase):
         # The JSON on disk is the returned dict (plots and all).
         self.assertEqual(json.loads(json.dumps(self.res, default=str))["records"],
                          s["records"])
+
+    def test_sections_with_rounds_keep_the_median_of_their_rounds(self):
+        # The CPU preset runs its sparsity section in 2 interleaved rounds.
+        self.assertEqual(self.cfg.rounds, {"sparsity": 2})
+        recs = [r for r in self.timed() if r["section"] == "sparsity"]
+        # One merged record per job (dense SDPA: one per shape, whatever the pattern).
+        self.assertLen(recs, len([j for j in A._jobs(self.cfg) if j[0] == "sparsity"]))
+        self.assertLen(recs, 3)
+        for r in recs:
+            self.assertLen(r["rounds_fwd_ms"], 2)
+            self.assertAlmostEqual(r["fwd_ms"], float(np.median(r["rounds_fwd_ms"])))
+            self.assertAlmostEqual(r["fwd_bwd_ms"], float(np.median(r["rounds_fwd_bwd_ms"])))
+            self.assertIn("median of 2 interleaved rounds", r["timer"])
+            self.assertNotIn("round", r)
 
     def test_density_and_computed_blocks_equal_the_layout(self):
         checked = 0
@@ -96,8 +110,13 @@ class CpuPresetTest(parameterized.TestCase):
 
     def test_tflops_bwd_and_ratios_follow_from_ms(self):
         recs = self.timed()
-        dense = {(r["N"], r["H"], r["D"]): r for r in recs if r["impl"] == "sdpa"}
-        self.assertLen(dense, 2)
+        # The dense reference of a record: SDPA at its shape, measured in its own section if
+        # that section measured it (the sparsity section re-measures in its rounds), else the
+        # first such measurement.
+        dense = {}
+        for r in reversed([r for r in recs if r["impl"] == "sdpa"]):
+            dense[(r["N"], r["H"], r["D"])] = dense[(r["section"], r["N"], r["H"], r["D"])] = r
+        self.assertLen({k for k in dense if len(k) == 3}, 2)
         n_ratio = 0
         for r in recs:
             for m in ("fwd", "fwd_bwd"):
@@ -118,7 +137,7 @@ class CpuPresetTest(parameterized.TestCase):
                 self.assertEqual(r["flop_elements"], r["B"] * r["H"] * r["N"] ** 2)
                 self.assertNotIn("speedup_vs_dense", r)
                 continue
-            d = dense[(r["N"], r["H"], r["D"])]
+            d = dense.get((r["section"], r["N"], r["H"], r["D"]), dense[(r["N"], r["H"], r["D"])])
             self.assertEqual(r["dense_impl"], "sdpa")
             for m in ("fwd", "bwd", "fwd_bwd"):
                 if r[f"{m}_ms"] > 0:
@@ -248,6 +267,50 @@ class TargetsTest(absltest.TestCase):
         ours = recs[0]
         self.assertAlmostEqual(ours["speedup_vs_flex"]["fwd"], 1.2)
         self.assertAlmostEqual(ours["speedup_vs_flex"]["bwd"], 19.0 / 30.0)
+
+
+class RoundsTest(absltest.TestCase):
+    def test_schedule_interleaves_rounds_and_remeasures_earlier_cases(self):
+        w128, w64 = A._case("window", 8192), A._case("window", 8192, block=64)
+        cfg = A.BenchConfig("t", "cuda", [("targets", [w128], ["sparsetp"]),
+                                          ("block_sizes", [w128, w64], ["sparsetp"])],
+                            rounds={"block_sizes": 3})
+        sched = A._schedule(cfg)
+        self.assertEqual(sched[0], ("targets", w128, "sparsetp", 0))
+        # block_sizes measures its own block-128 row (no dedup against targets), round-major.
+        self.assertEqual([(s[1]["block"], s[3]) for s in sched[1:]],
+                         [(128, 0), (64, 0), (128, 1), (64, 1), (128, 2), (64, 2)])
+        cfg.rounds = {}
+        self.assertEqual([s[0] for s in A._schedule(cfg)], ["targets", "block_sizes"])
+
+    def test_merge_takes_medians_and_target_4_compares_within_its_section(self):
+        def rec(section, block, fwd, fwd_bwd, rnd=None):
+            r = _rec("sparsetp", "window", 8192, fwd, fwd_bwd, block=block,
+                     elements=4 * 10**8, timer="do_bench median")
+            r["section"] = section
+            if rnd is not None:
+                r["round"] = rnd
+            return r
+
+        recs = [rec("targets", 128, 1.0, 2.0)]  # an early, fast reading of block 128
+        for rnd, (f128, fb128, f64, fb64) in enumerate([(1.5, 3.0, 1.5, 3.3), (1.4, 2.8, 1.4,
+                                                                                3.2),
+                                                        (9.0, 9.0, 1.3, 3.0)]):
+            recs += [rec("block_sizes", 128, f128, fb128, rnd),
+                     rec("block_sizes", 64, f64, fb64, rnd)]
+        merged = A._merge_rounds(recs, {"block_sizes": 3})
+        self.assertLen(merged, 3)
+        b128 = merged[1]
+        self.assertEqual(b128["rounds_fwd_ms"], [1.5, 1.4, 9.0])
+        self.assertEqual((b128["fwd_ms"], b128["fwd_bwd_ms"]), (1.5, 3.0))
+        res = A.add_derived({"records": merged, "device_kind": "cuda"})
+        t = {x["name"]: x for x in A.compute_targets(res)}
+        # bwd: block 64 median 3.2 - 1.4 = 1.8 against the section's own 3.0 - 1.5 = 1.5,
+        # not against the early targets row (1.0).
+        v = t["window bwd time per computed element, block 64 vs 128, N=8192"]["value"]
+        self.assertAlmostEqual(v, 1.8 / 1.5)
+        # Target 1 still reads the targets section's record.
+        self.assertIs(A._find(res["records"], "sparsetp", "window", 8192), merged[0])
 
 
 class FlexMaskTest(parameterized.TestCase):
