@@ -21,6 +21,7 @@ Usage (GPU machine, repo root on PYTHONPATH)::
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -71,7 +72,9 @@ class _Nvml:
         return mw.value / 1e3, float(mhz.value)
 
 
-_NVML: list = []
+@functools.cache
+def _nvml() -> _Nvml:
+    return _Nvml()
 
 
 def _measure(fn, seconds: float) -> dict:
@@ -79,9 +82,7 @@ def _measure(fn, seconds: float) -> dict:
 
     import torch
 
-    if not _NVML:
-        _NVML.append(_Nvml())
-    nvml = _NVML[0]
+    nvml = _nvml()
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -15,41 +15,18 @@ Usage (GPU machine, repo root on PYTHONPATH)::
 
 from __future__ import annotations
 
-import collections
 import glob
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 
 from absl import app, flags
+from cubin_tools import sass_profile
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "kernel_resources.json", "where to write the JSON")
 flags.DEFINE_integer("n", 8192, "sequence length of the compiled cases (any multiple of 128)")
-
-
-def _tool(name: str) -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def sass_profile(cubin_path: str) -> dict:
-    """Registers/spills/shared from cuobjdump -res-usage and opcode counts from nvdisasm."""
-    res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin_path], capture_output=True,
-                         text=True).stdout
-    dis = subprocess.run([_tool("nvdisasm"), "-c", cubin_path], capture_output=True,
-                         text=True).stdout
-    ops = collections.Counter()
-    for line in dis.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m:
-            ops[m.group(2).split(".")[0]] += 1
-    return {"res_usage": res.strip()[-800:], "n_instructions": sum(ops.values()),
-            "opcodes": dict(ops.most_common(60))}
 
 
 def ours(n: int) -> list[dict]:
@@ -126,7 +103,7 @@ def main(argv):
     for fn in (ours, flex):
         try:
             out["rows"] += fn(FLAGS.n)
-        except Exception as ex:  # record and go on: the other half is still worth having
+        except Exception:  # record and go on: the other half is still worth having
             import traceback
 
             out.setdefault("errors", []).append({"part": fn.__name__,

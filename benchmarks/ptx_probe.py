@@ -1,8 +1,9 @@
 """Compile the attention kernels for sm_90 on a machine without a GPU and count what matters.
 
 Why: device time is short (30 minutes a session), but Triton compiles for any target without
-a GPU (``triton.compile`` with a ``GPUTarget``; ptxas and cuobjdump ship in its wheel). So the
-shape of the generated code (registers, spills, the width of every ``cp.async`` copy) can be
+a GPU (``triton.compile`` with a ``GPUTarget``; ptxas, cuobjdump and nvdisasm ship in its
+wheel, read through ``cubin_tools.py`` as ``kernel_resources.py`` does). So the shape of the
+generated code (registers, spills, SASS opcode counts, the width of every ``cp.async`` copy) can be
 read here, for the GPU machine's Triton, before a kernel variant costs a device call. Session 9
 found this way that Triton 3.6 moves dK/dV's per-step LSE and Delta column vectors with as
 many ``cp.async`` instructions as the Q and dO tiles (8-byte copies, one set per thread;
@@ -26,11 +27,11 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
 from absl import app, flags
+from cubin_tools import sass_profile
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("source", None, "a copy of sparsetp/kernels/attention.py (default: the tree's)")
@@ -57,10 +58,6 @@ def _kernels(source: str | None) -> dict:
     from sparsetp.kernels import launch as L
 
     return dict(L._KERNELS) if source is None else L._load_kernels(source)
-
-
-def _tool(triton_mod, name: str) -> str:
-    return os.path.join(os.path.dirname(triton_mod.__file__), "backends", "nvidia", "bin", name)
 
 
 def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages: int,
@@ -102,13 +99,10 @@ def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        res = subprocess.run([_tool(triton, "cuobjdump"), "-res-usage", f.name],
-                             capture_output=True, text=True).stdout
-    regs = re.search(r"REG:(\d+)", res)
-    stack = re.search(r"STACK:(\d+)", res)
-    return {"triton": triton.__version__, "registers": int(regs.group(1)) if regs else None,
-            "stack_bytes": int(stack.group(1)) if stack else None,
-            "shared_bytes": compiled.metadata.shared,
+        sass = sass_profile(f.name)
+    return {"triton": triton.__version__, "registers": sass["registers"],
+            "stack_bytes": sass["stack_bytes"], "n_instructions": sass["n_instructions"],
+            "opcodes": sass["opcodes"], "shared_bytes": compiled.metadata.shared,
             "cp_async_static_by_bytes": dict(sorted(widths.items())),
             "ttgir_async_copies": compiled.asm["ttgir"].count("async_copy_global_to_local")}
 

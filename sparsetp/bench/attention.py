@@ -1043,7 +1043,6 @@ def _merge_rounds(records: list, rounds: dict) -> list:
             rec["fwd_bwd_ms"] = float(np.median(rec["rounds_fwd_bwd_ms"]))
             rec["timer"] = (f"{rec['timer']}; median of {len(rec['rounds_fwd_ms'])} "
                             f"interleaved rounds")
-            rec.pop("round", None)
     return merged
 
 
@@ -1103,8 +1102,6 @@ def run(cfg: BenchConfig) -> dict:
         try:
             rec = _run_job(cfg, section, case, impl, layouts, torch_wall_for_jax)
             rec["job_s"] = time.perf_counter() - t0
-            if "round" in tag:
-                rec["round"] = rnd
             result["records"].append(rec)
         except Skip as s:
             result["skipped"].append({**tag, "reason": str(s)})

@@ -1,0 +1,38 @@
+"""Reading a compiled kernel's cubin with the tools that ship in Triton's wheel (no GPU needed).
+
+Shared by ``kernel_resources.py`` (cubins Triton built on the GPU machine) and ``ptx_probe.py``
+(cubins built for sm_90 on a CPU machine). Flag-free, so both scripts can import it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+
+
+def tool(name: str) -> str:
+    """Path of ``name`` (cuobjdump, nvdisasm, ptxas) in the imported Triton's wheel."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_profile(cubin_path: str) -> dict:
+    """Registers, stack (spills) and shared memory from ``cuobjdump -res-usage``, and the
+    static count of each SASS opcode from ``nvdisasm``."""
+    res = subprocess.run([tool("cuobjdump"), "-res-usage", cubin_path], capture_output=True,
+                         text=True).stdout
+    dis = subprocess.run([tool("nvdisasm"), "-c", cubin_path], capture_output=True,
+                         text=True).stdout
+    ops = collections.Counter()
+    for line in dis.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            ops[m.group(2).split(".")[0]] += 1
+    regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "stack_bytes": int(stack.group(1)) if stack else None,
+            "res_usage": res.strip()[-800:], "n_instructions": sum(ops.values()),
+            "opcodes": dict(ops.most_common(60))}
