@@ -90,8 +90,23 @@ flags.DEFINE_enum("tile_ab_set", "d128", ["d128", "d64", "d64_fwd", "d64_fwd128"
                   "tables at D=64)")
 flags.DEFINE_bool("bwd_streams", False, "backward: dQ and dK/dV one after another vs at once on"
                   " two streams (what a fused launch could gain), interleaved rounds")
+flags.DEFINE_string("atomic_dq_ab", None, "path of a variant copy of sparsetp/kernels/"
+                    "attention.py whose dK/dV kernel also accumulates dQ with fp32 atomics into "
+                    "an extra DQA [B, H, N, D] operand (session 10): end-to-end A/B of the "
+                    "tree's three-kernel backward against preprocess + that one kernel, "
+                    "interleaved rounds (--kernel_ab_rounds), after its correctness check")
+flags.DEFINE_list("atomic_dq_configs", ["8:2:64", "8:2:32"], "warps:stages:sub of the "
+                  "atomic-dQ kernel's arms (kernel tile 64; at 4 warps it spills 0.5-1.2 KB on "
+                  "Triton 3.6, ptx_probe)")
+flags.DEFINE_bool("bwd_tile_ab", False, "end-to-end A/B of the backward with dQ and dK/dV "
+                  "each at kernel tile 64 or 128 (a block-128 layout; the forward at the "
+                  "policy's tile), interleaved rounds (--kernel_ab_rounds)")
 flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off)")
 flags.DEFINE_integer("cold_child", None, "internal: run one cold-start child and exit")
+flags.DEFINE_string("cold_child_kernels", None, "internal: the child's variant kernel copy")
+flags.DEFINE_list("cold_ab", [], "variant copies of sparsetp/kernels/attention.py: the cold "
+                  "start (parallel compile) of the tree's kernels and of each, in alternating "
+                  "order over --kernel_ab_rounds rounds, each in a fresh process and cache")
 
 T0 = time.time()
 RESULTS: dict = {"correctness": [], "timing": [], "skipped": [], "errors": []}
@@ -1037,6 +1052,146 @@ def kernel_ab():
             save()
 
 
+def _arm_checked(name, bs, context) -> bool:
+    """:func:`_ab_checked` of an A/B arm under ``context()``; an arm whose check raises (e.g.
+    does not compile) is recorded as failing."""
+    with context():
+        try:
+            return _ab_checked(name, bs)
+        except Exception:  # noqa: BLE001 - an arm that does not run is not timed
+            log(f"{name}: check raised\n{traceback.format_exc()}")
+            RESULTS["errors"].append({"case": f"{name} check",
+                                      "error": traceback.format_exc()[-2000:]})
+            return False
+
+
+def _ab_against_tree(section, label, arms, seed, tile=None):
+    """Interleaved fwd and fwd+bwd of ``arms`` (name -> context factory, ``"tree"`` first) at
+    the targets' shapes, ratios tree / arm, recorded under ``RESULTS[section]``. ``tile``:
+    skip a row whose policy kernel tile is not that."""
+    for n in (8192, 32768):
+        tensors = _ab_tensors(n, seed)
+        for nm in ("causal", "window", "bigbird", "strided_causal"):
+            lay = make_layout(anchor_pattern(nm), n, 16, 128)
+            kernel_tile = _groups(lay)[0]
+            if tile is not None and kernel_tile != tile:
+                log(f"{label} {nm} N={n}: kernel tile {kernel_tile}, not {tile}; skipped")
+                continue
+            got = _interleaved(f"{label} {nm} N={n}", arms, FLAGS.kernel_ab_rounds, tensors,
+                               dict.fromkeys(arms, lay))
+            if got is None:
+                return
+            med, rows = got
+            speed = {a: [med["tree"][i] / med[a][i] for i in (0, 1)] for a in arms}
+            log(f"{label} {nm} N={n} (fwd, fwd+bwd ms medians; policy kernel tile "
+                f"{kernel_tile}): {med}; tree/arm {speed}")
+            RESULTS.setdefault(section, {})[f"{nm} N={n}"] = {
+                "medians_fwd_fwd_bwd_ms": med, "tree_over_arm_fwd_fwd_bwd": speed,
+                "kernel_tile": kernel_tile, "raw": rows}
+            save()
+
+
+def _atomic_dq_backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
+    """``tattn._backward`` with dQ accumulated inside the dK/dV kernel of the kernels in use (a
+    variant: ``--atomic_dq_ab``): the preprocess, a zeroed fp32 dQ, one list kernel, a cast.
+    Launched through Triton's JIT entry (no description cache, no direct launch): the host
+    costs a little more than the tree's path, which matters only where the host is the floor."""
+    if d_lse is not None:
+        raise NotImplementedError("the atomic-dQ A/B times out.backward(d_out) only")
+    kind = tattn._device_kind(q)
+    dtype = str(q.dtype).replace("torch.", "")
+    meta = tattn._metadata(layout, q, kind)
+    delta = torch.empty(lse.shape, dtype=lse.dtype, device=q.device)
+    tattn._launch(L.bwd_preprocess_call(out, d_out, block_size=int(meta["masks"].shape[1]),
+                                        dtype=dtype, device_kind=kind), (delta,), kind)
+    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    call = L.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
+                           device_kind=kind)
+    tattn._launch(call, (dk, dv, dqa, *dqa.stride()), kind)
+    return dqa.to(q.dtype), dk, dv
+
+
+def atomic_dq_ab():
+    """End-to-end fwd and fwd+bwd, the tree's backward (preprocess, dQ, dK/dV: 7 MMAs per tile
+    pair, deterministic) against FlashAttention-2's (dQ from dK/dV's dS^T with fp32 atomics:
+    5 MMAs, not bitwise deterministic in dQ), interleaved over rounds at the targets' shapes,
+    after the variant's correctness check (the arm runs :func:`_atomic_dq_backward` with the
+    variant's kernels swapped in)."""
+    import contextlib
+
+    variant = L._load_kernels(FLAGS.atomic_dq_ab)
+
+    @contextlib.contextmanager
+    def atomic(warps, stages, sub):
+        with (L._override(bwd_dkdv=_tc(64, warps, stages, sub)), L._using_kernels(variant),
+              mock.patch.object(tattn, "_backward", _atomic_dq_backward)):
+            yield
+
+    # The arms' config is for kernel tile 64, the policy's tile for the timed rows (checked
+    # below); the check runs layouts of block 64.
+    arms = {"tree": contextlib.nullcontext}
+    for c in FLAGS.atomic_dq_configs:
+        warps, stages, sub = map(int, c.split(":"))
+        name = f"atomic_w{warps}_s{stages}_sub{sub}"
+        arm = lambda w=warps, st=stages, sb=sub: atomic(w, st, sb)
+        if _arm_checked(name, 64, arm):
+            arms[name] = arm
+        else:
+            log(f"{name}: failed its check; not timed")
+    if len(arms) > 1:
+        _ab_against_tree("atomic_dq_ab", "atomic dQ A/B", arms, 13, tile=64)
+
+
+_TILE_LAYOUTS: dict = {}
+
+
+def _mixed_tile_backward(dq_tile: int, dkdv_tile: int):
+    """A ``tattn._backward`` for a block-128 layout with dQ at kernel tile ``dq_tile`` and
+    dK/dV at ``dkdv_tile`` (64: the pattern laid out at block 64; 128: the layout itself), each
+    at its default config for that tile. Per-token LSE and Delta do not depend on the tile, so
+    any mix computes the same gradients. Launched through Triton's JIT entry (as
+    :func:`_atomic_dq_backward`)."""
+    def backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
+        if d_lse is not None or layout.block_size != 128:
+            raise NotImplementedError("the tile A/B times block-128 layouts, out.backward only")
+        kind = tattn._device_kind(q)
+        dtype = str(q.dtype).replace("torch.", "")
+        if layout not in _TILE_LAYOUTS:
+            _TILE_LAYOUTS.clear()
+            _TILE_LAYOUTS[layout] = {128: layout, 64: make_layout(
+                layout.pattern, layout.seq_len, layout.num_heads, 64)}
+        with L._override(kernel_tile="layout"):
+            meta = {t: tattn._metadata(_TILE_LAYOUTS[layout][t], q, kind) for t in (64, 128)}
+        delta = torch.empty(lse.shape, dtype=lse.dtype, device=q.device)
+        tattn._launch(L.bwd_preprocess_call(out, d_out, block_size=64, dtype=dtype,
+                                            device_kind=kind), (delta,), kind)
+        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+        kw = dict(scale=scale, dtype=dtype, device_kind=kind)
+        ins = (q, k, v, d_out, lse, delta)
+        tattn._launch(L.bwd_dq_call(*ins, meta[dq_tile], **kw), (dq,), kind)
+        tattn._launch(L.bwd_dkdv_call(*ins, meta[dkdv_tile], **kw), (dk, dv), kind)
+        return dq, dk, dv
+    return backward
+
+
+def bwd_tile_ab():
+    """End-to-end fwd and fwd+bwd with dQ and dK/dV each at kernel tile 64 or 128 (arm
+    ``q<dQ tile>_k<dK/dV tile>``; ``tree``: the frontend's own backward), interleaved over
+    rounds at the targets' shapes, after each arm's correctness check. FlexAttention's backward
+    walks 128 keys per dK/dV program and 128 queries per dQ program, half the L2 -> SM bytes of
+    our tile 64, at the same power cap (session 9); this asks which mix costs least."""
+    arms = {"tree": lambda: mock.patch.object(tattn, "_backward", tattn._backward)}
+    for tq in (64, 128):
+        for tk in (64, 128):
+            name = f"q{tq}_k{tk}"
+            arm = lambda tq=tq, tk=tk: mock.patch.object(tattn, "_backward",
+                                                         _mixed_tile_backward(tq, tk))
+            if _arm_checked(name, 128, arm):
+                arms[name] = arm
+    _ab_against_tree("bwd_tile_ab", "bwd tile A/B", arms, 17)
+
+
 def _arm(bs, fwd, bwd):
     """A tile-A/B arm: (block, configs) with the forward at ``fwd`` and both backward kernels
     at ``bwd``, each (warps, stages, sub)."""
@@ -1178,8 +1333,17 @@ def bwd_streams():
 
 def cold_child(parallel: bool):
     """In a fresh process with an empty Triton cache: wall time of the first forward and the
-    first backward of the window at N = 8192 (bf16, D = 128, block 128)."""
+    first backward of the window at N = 8192 (bf16, D = 128, block 128); with
+    ``--cold_child_kernels``, of that variant's kernels."""
+    import contextlib
+
     tattn._PARALLEL_COMPILE = parallel
+    src = FLAGS.cold_child_kernels
+    with L._using_kernels(L._load_kernels(src)) if src else contextlib.nullcontext():
+        _cold_calls(parallel, src)
+
+
+def _cold_calls(parallel, src):
     n, h, d = 8192, 16, 128
     layout = make_layout(anchor_pattern("window"), n, h, 128)
     q, k, v, d_out = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16)
@@ -1193,22 +1357,28 @@ def cold_child(parallel: bool):
     out.backward(d_out)
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    print("COLD " + json.dumps({"parallel_compile": parallel, "cold_fwd_s": t1 - t0,
-                                "cold_bwd_s": t2 - t1}), flush=True)
+    print("COLD " + json.dumps({"parallel_compile": parallel, "kernels": src or "tree",
+                                "cold_fwd_s": t1 - t0, "cold_bwd_s": t2 - t1}), flush=True)
 
 
 def cold_start():
     import subprocess
     import tempfile
 
-    for parallel in (True, False):
-        tag = f"cold start parallel_compile={parallel}"
+    runs = [(p, None) for p in (True, False)]
+    if FLAGS.cold_ab:  # the tree and each variant, parallel compile, alternating order
+        arms = [None, *FLAGS.cold_ab]
+        runs = [(True, a) for r in range(FLAGS.kernel_ab_rounds)
+                for a in (arms if r % 2 == 0 else arms[::-1])]
+    for parallel, src in runs:
+        tag = f"cold start parallel_compile={parallel} kernels={src or 'tree'}"
         if over_budget(tag):
             continue
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
             p = subprocess.run([sys.executable, os.path.abspath(__file__),
-                                f"--cold_child={int(parallel)}", "--out=/dev/null"],
+                                f"--cold_child={int(parallel)}", "--out=/dev/null",
+                                *([f"--cold_child_kernels={src}"] if src else [])],
                                env=env, capture_output=True, text=True, timeout=120)
         line = [x for x in p.stdout.splitlines() if x.startswith("COLD ")]
         if p.returncode or not line:
@@ -1255,6 +1425,7 @@ def main(argv):
                 (FLAGS.tile_blocks, tile_sweep), (FLAGS.direct_launch, direct_launch),
                 (FLAGS.host_overhead, host_overhead), (FLAGS.bwd_kernels, bwd_kernels),
                 (FLAGS.order_ab, order_ab), (FLAGS.kernel_ab, kernel_ab),
+                (FLAGS.atomic_dq_ab, atomic_dq_ab), (FLAGS.bwd_tile_ab, bwd_tile_ab),
                 (FLAGS.tile_ab, tile_ab), (FLAGS.bwd_streams, bwd_streams),
                 (FLAGS.sweep, split_sweep), (FLAGS.sweep, sweep))
     for enabled, section in sections:

@@ -15,10 +15,11 @@ Install the GPU machine's Triton beside the local one and point PYTHONPATH at it
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/ptx_probe.py --kernels=bwd_dkdv,bwd_dq
 
 ``--source`` takes a copy of ``sparsetp/kernels/attention.py`` (a variant) instead of the
-tree's. Each kernel compiles under the launch's own config for bf16 at ``--block`` and
-``--head_dim`` (``launch.tile_config``; flags override sub, warps and stages); every pointer
-is marked 16-byte aligned and the unit strides are specialised to 1, as Triton does for the
-contiguous tensors of a real launch. ``tests/ptx_probe_test.py`` runs it on the CI's Triton.
+tree's. Each kernel compiles under the launch's own config for ``--dtype`` (bf16 by default)
+at ``--block`` and ``--head_dim`` (``launch.tile_config``; flags override sub, warps and
+stages); every pointer is marked 16-byte aligned and the unit strides are specialised to 1,
+as Triton does for the contiguous tensors of a real launch. ``tests/ptx_probe_test.py`` runs
+it on the CI's Triton.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from cubin_tools import sass_profile
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("source", None, "a copy of sparsetp/kernels/attention.py (default: the tree's)")
-flags.DEFINE_list("kernels", ["fwd", "bwd_dq", "bwd_dkdv"], "launch names (launch.KERNEL_NAMES)")
+flags.DEFINE_list("kernels", ["fwd", "bwd_dq", "bwd_dkdv"], "launch names (launch.KERNEL_NAMES)"
+                  ", or fwd_split / fwd_merge (the row-splitting kernels, at the forward's "
+                  "config)")
 flags.DEFINE_integer("block", 64, "kernel tile (BLOCK)")
 flags.DEFINE_integer("head_dim", 128, "HEAD_DIM")
 flags.DEFINE_integer("sub", None, "sub-tile walked per step (SUB_N / SUB_M); default: the "
@@ -44,10 +47,17 @@ flags.DEFINE_integer("num_warps", None, "warps; default: the launch's")
 flags.DEFINE_integer("num_stages", None, "pipeline stages; default: the launch's")
 flags.DEFINE_integer("capability", 90, "CUDA compute capability of the target")
 flags.DEFINE_string("out", None, "also write the results as JSON here")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32", "float64"],
+                  "input dtype (statistics: float64 for float64, else float32). float64 kernels "
+                  "compile under the GPU's typing rules, which the interpreter does not check")
 
 # Arguments by role; anything else that is not a constexpr is an int32 scalar.
-_BF16 = {"Q", "K", "V", "DO", "DQ", "DK", "DV", "Out"}
-_F32 = {"LSE", "Delta"}
+_INPUT = {"Q", "K", "V", "DO", "DQ", "DK", "DV", "Out"}  # the input dtype
+# The statistics dtype; DQA: the fp32 dQ of an atomic-dQ variant (session 10); AccP, MP, LP:
+# the split forward's scratch.
+_STATS = {"LSE", "Delta", "DQA", "AccP", "MP", "LP"}
+_PTR = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "float64": "*fp64"}
+_SPLIT = {"fwd_split": "_attn_fwd_split_kernel", "fwd_merge": "_attn_fwd_merge_kernel"}
 _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dqd",
                  "stride_dkd", "stride_dvd", "stride_ln", "stride_mw", "stride_ik"}
 
@@ -57,20 +67,28 @@ def _kernels(source: str | None) -> dict:
     os.environ["SPARSETP_INTERPRET"] = "0"
     from sparsetp.kernels import launch as L
 
-    return dict(L._KERNELS) if source is None else L._load_kernels(source)
+    kernels = dict(L._KERNELS) if source is None else L._load_kernels(source)
+    if source is None:
+        from sparsetp.kernels import attention
+
+        kernels.update({nm: getattr(attention, fn) for nm, fn in _SPLIT.items()})
+    return kernels
 
 
 def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages: int,
-          capability: int) -> dict:
+          capability: int, dtype: str = "bfloat16") -> dict:
     """Compile ``fn`` (a ``@triton.jit`` attention kernel) for sm_<capability>; return register
     use, spills (from cuobjdump) and a histogram of ``cp.async`` copies by width in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from sparsetp.kernels import launch as L
+
     names = fn.arg_names
     constexprs = {"BLOCK": block, "HEAD_DIM": head_dim, "MASK_WORDS": max(1, block // 32),
-                  "DOT_PRECISION": "tf32", "DOT_UPCAST": False, "ORDERED": True, "ALIGNED": True,
+                  "DOT_PRECISION": L.dot_precision(dtype), "DOT_UPCAST": False,
+                  "ORDERED": True, "ALIGNED": True,
                   "SUB_N": sub, "SUB_M": sub}
     constexprs = {k: v for k, v in constexprs.items() if k in names}
     constexprs.update({n: 1 for n in names if n in _UNIT_STRIDES})
@@ -78,11 +96,11 @@ def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages
     for n in names:
         if n in constexprs:
             sig[n] = "constexpr"
-        elif n in _BF16:
-            sig[n] = "*bf16"
-        elif n in _F32:
-            sig[n] = "*fp32"
-        elif n == "sm_scale":
+        elif n in _INPUT:
+            sig[n] = _PTR[dtype]
+        elif n in _STATS:
+            sig[n] = "*fp64" if dtype == "float64" else "*fp32"
+        elif n in ("sm_scale", "sm_scale_lo"):
             sig[n] = "fp32"
         elif n.startswith(("q_", "k_")) or n == "masks":
             sig[n] = "*i32"
@@ -114,12 +132,13 @@ def main(argv):
     from sparsetp.kernels import launch as L
 
     for name in FLAGS.kernels:
-        cfg = L.tile_config(name, head_dim=FLAGS.head_dim, dtype="bfloat16",
-                            block_size=FLAGS.block, device_kind="cuda")
+        cfg = L.tile_config("fwd" if name in _SPLIT else name, head_dim=FLAGS.head_dim,
+                            dtype=FLAGS.dtype, block_size=FLAGS.block, device_kind="cuda")
         config = {"sub": FLAGS.sub or cfg.sub, "num_warps": FLAGS.num_warps or cfg.num_warps,
                   "num_stages": FLAGS.num_stages or cfg.num_stages}
         out[name] = {**config, **probe(kernels[name], block=FLAGS.block, head_dim=FLAGS.head_dim,
-                                       capability=FLAGS.capability, **config)}
+                                       capability=FLAGS.capability, dtype=FLAGS.dtype,
+                                       **config)}
         print(name, json.dumps(out[name]), flush=True)
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:

@@ -70,6 +70,10 @@ class AttentionTestBase(parameterized.TestCase):
     def call_raw(self, q, k, v, layout, **kwargs):
         raise NotImplementedError
 
+    def float64_context(self) -> contextlib.AbstractContextManager:
+        """A context in which the backend computes in float64 (JAX: x64 on); default none."""
+        return contextlib.nullcontext()
+
     # ------------------------------------------------------------------ helpers
     def _case(self, name, n, bs, b, h, d, dtype, seed=0):
         layout = make_layout(example_pattern(name, n, bs), n, h, bs)
@@ -108,6 +112,29 @@ class AttentionTestBase(parameterized.TestCase):
         (f"{c[0]}_n{c[1]}_bs{c[2]}_b{c[3]}_h{c[4]}_d{c[5]}_{c[6]}", *c) for c in SHAPE_CASES)
     def test_shapes_and_dtypes(self, name, n, bs, b, h, d, dtype, scale):
         self._check_all(name, n, bs, b, h, d, dtype, scale=scale, seed=n + bs + d)
+
+    # (pattern, seq_len, block, heads, head_dim, scale, split cap): float64 at float64's
+    # tolerance (1e-10; fp32 constants in the kernels used to leave ~1e-7). D=128 and D=32 have
+    # irrational default scales; the last case runs the split forward and its merge.
+    @parameterized.named_parameters(
+        ("causal_d128", "causal", 90, 32, 1, 128, None, None),
+        ("bigbird_d32", "bigbird", 130, 32, 2, 32, None, None),
+        ("masked_rows_d16", "masked_rows", 70, 16, 2, 16, 0.3, None),
+        ("longformer_split", "longformer", 96, 16, 1, 32, None, 2),
+    )
+    def test_float64_matches_oracle(self, name, n, bs, h, d, scale, cap):
+        """float64 inputs against the float64 oracle: the scale and the base-2 constants reach
+        the fp64 kernels in fp64 (``launch.scale_args``, ``attention._stats_const``)."""
+        layout, q, k, v, d_out = self._case(name, n, bs, 1, h, d, "float64", seed=n + d)
+        tag = f"float64 {name} N={n} bs={bs} D={d}"
+        with self.float64_context():
+            if cap is None:
+                self._check_forward(layout, q, k, v, scale, "float64", tag)
+                self._check_backward(layout, q, k, v, scale, "float64", d_out, tag)
+            else:
+                self.assertGreater(int(layout.metadata()["q_count"].max()), 2 * cap)
+                with kl._override(split_cap=cap):
+                    self._check_forward(layout, q, k, v, scale, "float64", f"{tag} C={cap}")
 
     def test_fully_masked_rows(self):
         """Rows with no allowed key: output exactly 0, LSE -inf, zero gradients, no NaN."""

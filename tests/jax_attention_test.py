@@ -96,6 +96,9 @@ class JaxSparseAttentionTest(base.AttentionTestBase):
             yield
         self.assertGreaterEqual(len(calls), 6)  # out, lse, delta, dq, dk, dv at least
 
+    def float64_context(self):
+        return jax.enable_x64(True)
+
     def call_raw(self, q, k, v, layout, **kwargs):
         return jattn.sparse_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), layout,
                                       **kwargs)

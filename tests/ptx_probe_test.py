@@ -68,5 +68,20 @@ class PtxProbeTest(absltest.TestCase):
                 widths = {int(w): c for w, c in rec["cp_async_static_by_bytes"].items()}
                 self.assertGreaterEqual(widths.get(16, 0), 64, widths)
 
+    def test_float64_kernels_compile_for_the_gpu(self):
+        """Every kernel, the row-splitting pair included, compiles for sm_90 at float64. The
+        interpreter does not apply the compiler's typing rules: in session 10 the split kernel
+        rebound its fp32 scale argument to fp64 inside a runtime ``if``, passed every CPU test
+        and failed to compile on the GPU."""
+        names = ("fwd", "bwd_dq", "bwd_dkdv", "fwd_split", "fwd_merge")
+        got = _probe("--dtype=float64", "--block=32", "--head_dim=32",
+                     f"--kernels={','.join(names)}")
+        self.assertEqual(sorted(got), sorted(names))
+        for name, rec in got.items():
+            with self.subTest(kernel=name):
+                self.assertLessEqual(rec["registers"], 255)
+                self.assertLessEqual(rec["shared_bytes"], _SHARED_MAX)
+
+
 if __name__ == "__main__":
     absltest.main()

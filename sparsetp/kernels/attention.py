@@ -74,6 +74,33 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _stats_const(value: tl.constexpr, ref):
+    """``value`` as a scalar of the statistics dtype of what ``ref`` points to: fp64 for fp64
+    tensors, else fp32. Why not the literal: Triton types a Python float in a kernel as an fp32
+    constant, so ``x * 1.4426950408889634`` on fp64 ``x`` would multiply by log2(e) rounded to
+    fp32 (relative error 2e-8, and fp64 attention off the float64 oracle by ~1e-7). For the
+    other dtypes this is the same fp32 constant the literal was."""
+    if ref.dtype.element_ty == tl.float64:
+        c = tl.full([], value, tl.float64)
+    else:
+        c = tl.full([], value, tl.float32)
+    return c
+
+
+@triton.jit
+def _softmax_scale(sm_scale, sm_scale_lo, ref):
+    """The softmax scale in the statistics dtype of what ``ref`` points to. Triton passes a
+    Python float as fp32, so the launcher splits the scale into ``sm_scale`` = fp32(scale) and
+    ``sm_scale_lo`` = fp32(scale - sm_scale) (``launch.scale_args``); fp64 kernels add the two
+    back (the scale to ~1e-15), the others use ``sm_scale`` as before."""
+    if ref.dtype.element_ty == tl.float64:
+        s = tl.cast(sm_scale, tl.float64) + tl.cast(sm_scale_lo, tl.float64)
+    else:
+        s = sm_scale
+    return s
+
+
+@triton.jit
 def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: tl.constexpr):
     """(tile, b * H + h) of this program, out of ``ranks`` per (batch, head).
 
@@ -192,7 +219,7 @@ def _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, sub, offs_d, N, qk_scale,
 def _attn_fwd_kernel(
     Q, K, V,
     q_count, q_partial, q_index, q_mask_id, masks, q_order,
-    sm_scale, N, H,
+    sm_scale, sm_scale_lo, N, H,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -236,7 +263,9 @@ def _attn_fwd_kernel(
     v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
     stride_kn = _hint16(stride_kn, ALIGNED)
     stride_vn = _hint16(stride_vn, ALIGNED)
-    qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2 (exp2)
+    scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
+    # log2(e): softmax in base 2 (exp2)
+    qk_scale = scale * _stats_const(1.4426950408889634, Q)
 
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
@@ -282,7 +311,8 @@ def _attn_fwd_kernel(
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]
     # LSE in natural log: (m + log2 l) * ln(2); -inf where the row saw no key.
-    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    ln2 = _stats_const(0.6931471805599453, LSE)
+    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * ln2, float("-inf"))
     tl.store(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h64 * _hint16(stride_oh, ALIGNED)
              + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=offs_m[:, None] < N)
@@ -359,7 +389,7 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, N, qk_scal
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, Delta,
     q_count, q_partial, q_index, q_mask_id, masks, q_order,
-    sm_scale, N, H,
+    sm_scale, sm_scale_lo, N, H,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -406,12 +436,14 @@ def _attn_bwd_dq_kernel(
     delta = tl.load(Delta + l_off, mask=row_ok, other=0.0)
     # Base-2 LSE. Rows with no key (LSE = -inf) get +inf so that P = exp2(s - inf) = 0 and
     # their gradient is exactly 0 (exp2(s + inf) would be inf, and inf * 0 NaN).
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"),
+                    lse * _stats_const(1.4426950408889634, LSE))
     k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
     v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
     stride_kn = _hint16(stride_kn, ALIGNED)
     stride_vn = _hint16(stride_vn, ALIGNED)
-    qk_scale = sm_scale * 1.4426950408889634  # log2(e), as in the forward pass
+    scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
+    qk_scale = scale * _stats_const(1.4426950408889634, Q)  # log2(e), as in forward
 
     dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     if Q.dtype.element_ty == tl.float64:
@@ -433,8 +465,8 @@ def _attn_bwd_dq_kernel(
                       N, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                       masks, 0, stride_mu, stride_mr, stride_mw,
                       BLOCK, SUB_N, False, DOT_PRECISION, DOT_UPCAST)
-    # dS is the gradient w.r.t. the *natural* scaled scores, hence sm_scale (not qk_scale).
-    dq = dq * sm_scale
+    # dS is the gradient w.r.t. the *natural* scaled scores, hence scale (not qk_scale).
+    dq = dq * scale
     tl.store(DQ + off_b * _hint16(stride_dqb, ALIGNED) + off_h64 * _hint16(stride_dqh, ALIGNED)
              + offs_m[:, None] * _hint16(stride_dqn, ALIGNED) + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -461,7 +493,8 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, off
     lse = tl.load(lse_base + offs_m * stride_ln, mask=col_ok, other=float("-inf"))
     delta = tl.load(delta_base + offs_m * stride_ln, mask=col_ok, other=0.0)
     # As in the dQ kernel: -inf LSE (row with no key, or padding) -> +inf so P^T is 0.
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"),
+                    lse * _stats_const(1.4426950408889634, lse_base))
     qk_t = _dot(k, q_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK keys, SUB_M queries]
     valid = col_ok[None, :]
     if PARTIAL:
@@ -485,7 +518,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, off
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, Delta,
     k_count, k_partial, k_index, k_mask_id, masks, k_order,
-    sm_scale, N, H,
+    sm_scale, sm_scale_lo, N, H,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -538,7 +571,8 @@ def _attn_bwd_dkdv_kernel(
     delta_base = Delta + l_off
     stride_qn = _hint16(stride_qn, ALIGNED)
     stride_don = _hint16(stride_don, ALIGNED)
-    qk_scale = sm_scale * 1.4426950408889634  # log2(e), as in the forward pass
+    scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
+    qk_scale = scale * _stats_const(1.4426950408889634, Q)  # log2(e), as in forward
 
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
@@ -562,7 +596,7 @@ def _attn_bwd_dkdv_kernel(
                             it % (BLOCK // SUB_M), offs_d, N, qk_scale, stride_qn, stride_qd,
                             stride_don, stride_dod, stride_ln, masks, 0, stride_mu, stride_mr,
                             stride_mw, BLOCK, SUB_M, False, DOT_PRECISION, DOT_UPCAST)
-    dk = dk * sm_scale  # gradient w.r.t. natural scaled scores, as in dQ
+    dk = dk * scale  # gradient w.r.t. natural scaled scores, as in dQ
     tl.store(DK + off_b * _hint16(stride_dkb, ALIGNED) + off_h64 * _hint16(stride_dkh, ALIGNED)
              + offs_n[:, None] * _hint16(stride_dkn, ALIGNED) + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
@@ -591,7 +625,7 @@ def _attn_bwd_dkdv_kernel(
 def _attn_fwd_split_kernel(
     Q, K, V,
     q_count, q_partial, q_index, q_mask_id, masks, q_order,
-    sm_scale, N, H, cap, slots,
+    sm_scale, sm_scale_lo, N, H, cap, slots,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -647,7 +681,9 @@ def _attn_fwd_split_kernel(
         v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
         stride_kn = _hint16(stride_kn, ALIGNED)
         stride_vn = _hint16(stride_vn, ALIGNED)
-        qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2 (exp2)
+        scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
+        # log2(e): softmax in base 2 (exp2)
+        qk_scale = scale * _stats_const(1.4426950408889634, Q)
 
         m_i = tl.full([BLOCK], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK], tl.float32)
@@ -747,7 +783,8 @@ def _attn_fwd_merge_kernel(
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    ln2 = _stats_const(0.6931471805599453, LSE)
+    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * ln2, float("-inf"))
     tl.store(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h64 * _hint16(stride_oh, ALIGNED)
              + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=in_range[:, None])

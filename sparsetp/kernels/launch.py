@@ -6,8 +6,9 @@ one of :func:`fwd_call`, :func:`bwd_preprocess_call`, :func:`bwd_dq_call`,
 
     (*call.args, *<one pointer per call.outputs entry>, **call.constexprs)
 
-i.e. input pointers, then scalars (scale, N, H, every stride, including the strides of the
-outputs), then the output pointers, then constexprs by keyword. That is exactly the order
+i.e. input pointers, then scalars (the scale as two fp32 parts, see :func:`scale_args`; N, H,
+every stride, including the strides of the outputs), then the output pointers, then
+constexprs by keyword. That is exactly the order
 ``jax_triton.triton_call`` uses (it appends output pointers after all positional arguments).
 
 Torch (compiled on CUDA, or Triton's interpreter on CPU)::
@@ -49,7 +50,8 @@ softmax scale (default ``D ** -0.5`` is the frontend's job). All scalars are Pyt
 
 Supported: head dims :data:`SUPPORTED_HEAD_DIMS` (16, 32, 64, 128; ``tl.dot`` needs >= 16 and
 a power of two for ``tl.arange``; larger dims would need a split accumulator), dtypes float16,
-bfloat16, float32 (float64 too, for gradcheck: correct in the interpreter, not a GPU fast path),
+bfloat16, float32 (float64 too, for gradcheck: exact to ~1e-14 against the float64 oracle in
+the interpreter and on the GPU, not a fast path),
 layout block sizes 16, 32, 64, 128 (the layout block is the kernel tile for now).
 
 Example::
@@ -249,6 +251,23 @@ def check_attention_shapes(q_shape, k_shape, v_shape, layout, scale) -> float:
         raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
     check_head_dim(d, "q")
     return (d ** -0.5) if scale is None else float(scale)
+
+
+def scale_args(scale: float) -> tuple[float, float]:
+    """The kernels' ``sm_scale, sm_scale_lo`` for a softmax ``scale``: fp32(scale) and the fp32
+    of what that rounding left. Triton passes every Python float as fp32 (and the JAX launcher
+    does the same, so both compile one kernel); fp64 kernels add the parts back, which gives
+    the scale to ~1e-15 instead of fp32's 6e-8 (``attention._softmax_scale``). The first part
+    is exactly the fp32 the kernels always received.
+
+    >>> scale_args(0.125)
+    (0.125, 0.0)
+    >>> hi, lo = scale_args(128 ** -0.5)
+    >>> abs(hi + lo - 128 ** -0.5) < 1e-16 < abs(hi - 128 ** -0.5)
+    True
+    """
+    hi = float(np.float32(scale))
+    return hi, float(np.float32(float(scale) - hi))
 
 
 def check_dtype(dtype: str, arg: str = "q") -> str:
@@ -687,7 +706,7 @@ def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, devi
     arrays, meta_strides = _check_meta(meta, "q", h, tiles, bs)
     shape, lse_shape = (b, h, n, d), (b, h, n)
     st = _all_strides(strides, ("q", "k", "v", "out"), ("lse",), shape, lse_shape)
-    args = (q, k, v, *arrays, float(scale), n, h, *st["q"], *st["k"], *st["v"], *st["out"],
+    args = (q, k, v, *arrays, *scale_args(scale), n, h, *st["q"], *st["k"], *st["v"], *st["out"],
             *st["lse"], *meta_strides)
     return KernelCall("fwd", _KERNELS["fwd"], list_grid(b, h, tiles, grid_group(meta, "q", b, h)),
                       args,
@@ -719,7 +738,7 @@ def _bwd_list_call(name, major, out_names, sub_name, q, k, v, d_out, lse, delta,
     arrays, meta_strides = _check_meta(meta, major, h, -(-n // bs), bs)
     shape, lse_shape = (b, h, n, d), (b, h, n)
     st = _all_strides(strides, ("q", "k", "v", "d_out", *out_names), ("lse",), shape, lse_shape)
-    args = (q, k, v, d_out, lse, delta, *arrays, float(scale), n, h,
+    args = (q, k, v, d_out, lse, delta, *arrays, *scale_args(scale), n, h,
             *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides,
             *(x for o in out_names for x in st[o]))
     group = grid_group(meta, major, b, h)
@@ -776,8 +795,9 @@ def fwd_split_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str
     slots = split_slots(_shape(meta["q_index"])[2], cap)
     st = _all_strides(strides, ("q", "k", "v"), (), (b, h, n, d), (b, h, n))
     acc_shape, stat_shape = (b, h, slots, n, d), (b, h, slots, n)
-    args = (q, k, v, *arrays, float(scale), n, h, int(cap), slots, *st["q"], *st["k"], *st["v"],
-            *meta_strides, *contiguous_strides(acc_shape), *contiguous_strides(stat_shape))
+    args = (q, k, v, *arrays, *scale_args(scale), n, h, int(cap), slots,
+            *st["q"], *st["k"], *st["v"], *meta_strides, *contiguous_strides(acc_shape),
+            *contiguous_strides(stat_shape))
     sd = stats_dtype(dtype)
     return KernelCall("fwd_split", _KERNELS["fwd_split"],
                       list_grid(b, h, tiles * slots, grid_group(meta, "q", b, h)), args,
