@@ -50,8 +50,8 @@ softmax scale (default ``D ** -0.5`` is the frontend's job). All scalars are Pyt
 
 Supported: head dims :data:`SUPPORTED_HEAD_DIMS` (16, 32, 64, 128; ``tl.dot`` needs >= 16 and
 a power of two for ``tl.arange``; larger dims would need a split accumulator), dtypes float16,
-bfloat16, float32 (float64 too, for gradcheck: exact to ~1e-14 against the float64 oracle in
-the interpreter and on the GPU, not a fast path),
+bfloat16, float32 (float64 too, for gradcheck: within 1e-10 of the float64 oracle in the
+interpreter and on the GPU, ~1e-14 measured in the interpreter; not a fast path),
 layout block sizes 16, 32, 64, 128 (the layout block is the kernel tile for now).
 
 Example::
