@@ -32,6 +32,7 @@ Usage (repo root on PYTHONPATH; about 150 s on an H200 including Triton compiles
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -1012,63 +1013,38 @@ def kernel_ab():
     ref = next(iter(variants))
     variants["current"] = dict(L._KERNELS)
 
-    failed = set()
-    for v in variants:
-        if "timing_only" in v:
-            continue
-        with L._using_kernels(variants[v]):
-            try:
-                # A variant that stores the base-2 LSE its backward reads ("lsebase2") is
-                # compared on the output and the gradients only.
-                if not _ab_checked(f"kernel A/B {v}", 128,
-                                   unchecked=("lse",) if "lsebase2" in v else ()):
-                    failed.add(v)
-            except Exception:  # noqa: BLE001 - a variant that does not compile is not timed
-                log(f"kernel A/B {v}: check raised\n{traceback.format_exc()}")
-                RESULTS["correctness"].append({"kind": "float32 torch reference",
-                                               "case": f"kernel A/B {v}", "pass": False,
-                                               "error": traceback.format_exc()[-2000:]})
-                failed.add(v)
+    arms = {v: (lambda v=v: L._using_kernels(variants[v])) for v in variants}
+    # A variant that stores the base-2 LSE its backward reads ("lsebase2") is compared on the
+    # output and the gradients only; timing_only ones are never checked. A variant that fails
+    # its check is not timed.
+    failed = {v for v in variants if "timing_only" not in v and not _arm_checked(
+        f"kernel A/B {v}", 128, arms[v], unchecked=("lse",) if "lsebase2" in v else ())}
     if ref in failed:
         log(f"kernel A/B: the reference {ref} failed its check; nothing timed")
         return
-    # A variant that fails its check is not timed (timing_only ones are never checked).
-    arms = {v: (lambda v=v: L._using_kernels(variants[v])) for v in variants if v not in failed}
-    for n in (8192, 32768):
-        tensors = _ab_tensors(n, 11)
-        for nm in ("causal", "window", "bigbird", "strided_causal"):
-            lay = make_layout(anchor_pattern(nm), n, 16, 128)
-            got = _interleaved(f"kernel A/B {nm} N={n}", arms, FLAGS.kernel_ab_rounds, tensors,
-                               dict.fromkeys(arms, lay))
-            if got is None:
-                return
-            med, rows = got
-            speed = {v: {w: med[ref][i] / med[v][i] for i, w in enumerate(("fwd", "fwd_bwd"))}
-                     for v in arms}
-            log(f"kernel A/B {nm} N={n} (fwd, fwd+bwd ms medians): {med}; "
-                f"{ref}/variant {speed}")
-            RESULTS.setdefault("kernel_ab", {})[f"{nm} N={n}"] = {
-                "medians_fwd_fwd_bwd_ms": med, f"{ref}_over_variant": speed, "raw": rows}
-            save()
+    _ab_timed("kernel_ab", "kernel A/B", {v: a for v, a in arms.items() if v not in failed},
+              ref, 11)
 
 
-def _arm_checked(name, bs, context) -> bool:
+def _arm_checked(name, bs, context, unchecked=()) -> bool:
     """:func:`_ab_checked` of an A/B arm under ``context()``; an arm whose check raises (e.g.
-    does not compile) is recorded as failing."""
+    does not compile) is recorded as a failing correctness case."""
     with context():
         try:
-            return _ab_checked(name, bs)
+            return _ab_checked(name, bs, unchecked=unchecked)
         except Exception:  # noqa: BLE001 - an arm that does not run is not timed
             log(f"{name}: check raised\n{traceback.format_exc()}")
-            RESULTS["errors"].append({"case": f"{name} check",
-                                      "error": traceback.format_exc()[-2000:]})
+            RESULTS["correctness"].append({"kind": "float32 torch reference", "case": name,
+                                           "pass": False,
+                                           "error": traceback.format_exc()[-2000:]})
             return False
 
 
-def _ab_against_tree(section, label, arms, seed, tile=None):
-    """Interleaved fwd and fwd+bwd of ``arms`` (name -> context factory, ``"tree"`` first) at
-    the targets' shapes, ratios tree / arm, recorded under ``RESULTS[section]``. ``tile``:
-    skip a row whose policy kernel tile is not that."""
+def _ab_timed(section, label, arms, ref, seed, tile=None):
+    """Interleaved fwd and fwd+bwd of ``arms`` (name -> context factory) at the targets'
+    shapes (bf16, B=1, H=16, D=128, block-128 layouts of the four anchor patterns, N=8192 and
+    32768), with ratios ``ref`` / arm, recorded under ``RESULTS[section]``. ``tile``: skip a
+    row whose policy kernel tile is not that."""
     for n in (8192, 32768):
         tensors = _ab_tensors(n, seed)
         for nm in ("causal", "window", "bigbird", "strided_causal"):
@@ -1082,11 +1058,12 @@ def _ab_against_tree(section, label, arms, seed, tile=None):
             if got is None:
                 return
             med, rows = got
-            speed = {a: [med["tree"][i] / med[a][i] for i in (0, 1)] for a in arms}
+            speed = {a: {w: med[ref][i] / med[a][i] for i, w in enumerate(("fwd", "fwd_bwd"))}
+                     for a in arms}
             log(f"{label} {nm} N={n} (fwd, fwd+bwd ms medians; policy kernel tile "
-                f"{kernel_tile}): {med}; tree/arm {speed}")
+                f"{kernel_tile}): {med}; {ref}/arm {speed}")
             RESULTS.setdefault(section, {})[f"{nm} N={n}"] = {
-                "medians_fwd_fwd_bwd_ms": med, "tree_over_arm_fwd_fwd_bwd": speed,
+                "medians_fwd_fwd_bwd_ms": med, f"{ref}_over_arm": speed,
                 "kernel_tile": kernel_tile, "raw": rows}
             save()
 
@@ -1118,8 +1095,6 @@ def atomic_dq_ab():
     5 MMAs, not bitwise deterministic in dQ), interleaved over rounds at the targets' shapes,
     after the variant's correctness check (the arm runs :func:`_atomic_dq_backward` with the
     variant's kernels swapped in)."""
-    import contextlib
-
     variant = L._load_kernels(FLAGS.atomic_dq_ab)
 
     @contextlib.contextmanager
@@ -1140,7 +1115,7 @@ def atomic_dq_ab():
         else:
             log(f"{name}: failed its check; not timed")
     if len(arms) > 1:
-        _ab_against_tree("atomic_dq_ab", "atomic dQ A/B", arms, 13, tile=64)
+        _ab_timed("atomic_dq_ab", "atomic dQ A/B", arms, "tree", 13, tile=64)
 
 
 _TILE_LAYOUTS: dict = {}
@@ -1181,8 +1156,6 @@ def bwd_tile_ab():
     rounds at the targets' shapes, after each arm's correctness check. FlexAttention's backward
     walks 128 keys per dK/dV program and 128 queries per dQ program, half the L2 -> SM bytes of
     our tile 64, at the same power cap (session 9); this asks which mix costs least."""
-    import contextlib
-
     arms = {"tree": contextlib.nullcontext}
     for tq in (64, 128):
         for tk in (64, 128):
@@ -1191,7 +1164,7 @@ def bwd_tile_ab():
                                                          _mixed_tile_backward(tq, tk))
             if _arm_checked(name, 128, arm):
                 arms[name] = arm
-    _ab_against_tree("bwd_tile_ab", "bwd tile A/B", arms, 17)
+    _ab_timed("bwd_tile_ab", "bwd tile A/B", arms, "tree", 17)
 
 
 def _arm(bs, fwd, bwd):
@@ -1337,8 +1310,6 @@ def cold_child(parallel: bool):
     """In a fresh process with an empty Triton cache: wall time of the first forward and the
     first backward of the window at N = 8192 (bf16, D = 128, block 128); with
     ``--cold_child_kernels``, of that variant's kernels."""
-    import contextlib
-
     tattn._PARALLEL_COMPILE = parallel
     src = FLAGS.cold_child_kernels
     with L._using_kernels(L._load_kernels(src)) if src else contextlib.nullcontext():
@@ -1423,9 +1394,10 @@ def main(argv):
     RESULTS["default_work_order"] = L._OPTIONS["work_order"]
     # Sections in order, each behind its flag. The cold start comes first: nothing compiled in
     # this process matters to it, but keep it early.
-    sections = ((FLAGS.cold or FLAGS.cold_ab, cold_start), (FLAGS.correctness, correctness), (True, timing),
-                (FLAGS.tile_blocks, tile_sweep), (FLAGS.direct_launch, direct_launch),
-                (FLAGS.host_overhead, host_overhead), (FLAGS.bwd_kernels, bwd_kernels),
+    sections = ((FLAGS.cold or FLAGS.cold_ab, cold_start), (FLAGS.correctness, correctness),
+                (True, timing), (FLAGS.tile_blocks, tile_sweep),
+                (FLAGS.direct_launch, direct_launch), (FLAGS.host_overhead, host_overhead),
+                (FLAGS.bwd_kernels, bwd_kernels),
                 (FLAGS.order_ab, order_ab), (FLAGS.kernel_ab, kernel_ab),
                 (FLAGS.atomic_dq_ab, atomic_dq_ab), (FLAGS.bwd_tile_ab, bwd_tile_ab),
                 (FLAGS.tile_ab, tile_ab), (FLAGS.bwd_streams, bwd_streams),

@@ -37,8 +37,8 @@ from cubin_tools import sass_profile
 FLAGS = flags.FLAGS
 flags.DEFINE_string("source", None, "a copy of sparsetp/kernels/attention.py (default: the tree's)")
 flags.DEFINE_list("kernels", ["fwd", "bwd_dq", "bwd_dkdv"], "launch names (launch.KERNEL_NAMES)"
-                  ", or fwd_split / fwd_merge (the row-splitting kernels, at the forward's "
-                  "config)")
+                  ", or fwd_split / fwd_merge (the row-splitting kernels, at the forward's and "
+                  "the preprocess's configs)")
 flags.DEFINE_integer("block", 64, "kernel tile (BLOCK)")
 flags.DEFINE_integer("head_dim", 128, "HEAD_DIM")
 flags.DEFINE_integer("sub", None, "sub-tile walked per step (SUB_N / SUB_M); default: the "
@@ -57,7 +57,8 @@ _INPUT = {"Q", "K", "V", "DO", "DQ", "DK", "DV", "Out"}  # the input dtype
 # the split forward's scratch.
 _STATS = {"LSE", "Delta", "DQA", "AccP", "MP", "LP"}
 _PTR = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "float64": "*fp64"}
-_SPLIT = {"fwd_split": "_attn_fwd_split_kernel", "fwd_merge": "_attn_fwd_merge_kernel"}
+# The row-splitting kernels launch with the forward's and the preprocess's configs (launch.py).
+_CONFIG_OF = {"fwd_split": "fwd", "fwd_merge": "bwd_preprocess"}
 _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dqd",
                  "stride_dkd", "stride_dvd", "stride_ln", "stride_mw", "stride_ik"}
 
@@ -67,12 +68,7 @@ def _kernels(source: str | None) -> dict:
     os.environ["SPARSETP_INTERPRET"] = "0"
     from sparsetp.kernels import launch as L
 
-    kernels = dict(L._KERNELS) if source is None else L._load_kernels(source)
-    if source is None:
-        from sparsetp.kernels import attention
-
-        kernels.update({nm: getattr(attention, fn) for nm, fn in _SPLIT.items()})
-    return kernels
+    return dict(L._KERNELS) if source is None else L._load_kernels(source)
 
 
 def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages: int,
@@ -132,7 +128,7 @@ def main(argv):
     from sparsetp.kernels import launch as L
 
     for name in FLAGS.kernels:
-        cfg = L.tile_config("fwd" if name in _SPLIT else name, head_dim=FLAGS.head_dim,
+        cfg = L.tile_config(_CONFIG_OF.get(name, name), head_dim=FLAGS.head_dim,
                             dtype=FLAGS.dtype, block_size=FLAGS.block, device_kind="cuda")
         config = {"sub": FLAGS.sub or cfg.sub, "num_warps": FLAGS.num_warps or cfg.num_warps,
                   "num_stages": FLAGS.num_stages or cfg.num_stages}
