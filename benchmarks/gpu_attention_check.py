@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from unittest import mock
@@ -70,6 +71,8 @@ flags.DEFINE_list("tile_patterns", ["causal", "bigbird", "strided_causal"],
                   "patterns also timed at layout blocks 128 and 64 in the kernel-tile sweep")
 flags.DEFINE_bool("host_overhead", True, "measure host time per call at N=1024")
 flags.DEFINE_bool("direct_launch", True, "direct launch: bitwise check and host time both ways")
+flags.DEFINE_integer("direct_launch_rounds", 2, "interleaved rounds of the direct-launch host "
+                     "timings (JIT entry, direct)")
 flags.DEFINE_bool("bwd_kernels", False, "time each backward kernel alone under config variants")
 flags.DEFINE_bool("order_ab", False, "end-to-end A/B of the work orders, interleaved rounds")
 flags.DEFINE_multi_integer("order_ab_groups", [2, 4, 8], "head groups the order A/B also times")
@@ -105,6 +108,21 @@ flags.DEFINE_bool("bwd_tile_ab", False, "end-to-end A/B of the backward with dQ 
 flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off)")
 flags.DEFINE_integer("cold_child", None, "internal: run one cold-start child and exit")
 flags.DEFINE_string("cold_child_kernels", None, "internal: the child's variant kernel copy")
+flags.DEFINE_string("host_trace", None, "host-overhead section: also write a Chrome trace "
+                    "(torch.profiler, CPU, Python stacks) of 20 fwd+bwd calls through autograd "
+                    "here")
+flags.DEFINE_bool("cold_profile", False, "cold-start children call the frontend's forward "
+                  "and backward directly, each under cProfile, and return the profiles")
+flags.DEFINE_bool("cold_trace", False, "cold-start children also record a timeline of what "
+                  "the first calls spend: each Triton compile (stage times, thread), each C "
+                  "build (launchers, Triton's cuda_utils), each module load, and every "
+                  "thread's stack every 20 ms")
+flags.DEFINE_bool("cold_torch_warm_ab", False, "cold start (parallel compile) in fresh processes "
+                  "with and without a trivial autograd backward first (torch's own one-time "
+                  "costs of a first backward with an explicit gradient), alternating over "
+                  "--kernel_ab_rounds rounds")
+flags.DEFINE_bool("cold_child_torch_warm", False, "internal: the child runs a trivial autograd "
+                  "backward with an explicit gradient before the timed calls")
 flags.DEFINE_list("cold_ab", [], "variant copies of sparsetp/kernels/attention.py: the cold "
                   "start (parallel compile) of the tree's kernels and of each, in alternating "
                   "order over --kernel_ab_rounds rounds, each in a fresh process and cache")
@@ -680,6 +698,20 @@ def host_overhead():
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     out["profile_backward_x50"] = buf.getvalue()[-6000:]
     print(out["profile_backward_x50"], flush=True)
+    if FLAGS.host_trace:
+        # Both threads' host timelines (autograd runs the backward on its device thread, out of
+        # cProfile's sight): torch's profiler with Python stacks, 20 calls after 10 warm ones.
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(10):
+            fns["fwd_bwd"]()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+            for _ in range(20):
+                fns["fwd_bwd"]()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(FLAGS.host_trace)
+        out["host_trace"] = FLAGS.host_trace
     RESULTS["host_overhead"] = out
     log(f"host overhead (N=1024, H=1): {out}")
     save()
@@ -715,7 +747,8 @@ def _grads_both_ways(q, k, v, layout, d_out, d_lse):
 def direct_launch():
     """Direct launches of the compiled kernels (``attention._DIRECT_LAUNCH``): bitwise equal to
     the JIT entry point (aligned and misaligned inputs, an LSE cotangent), then host time per
-    call both ways (N = 1024, window, one head) and do_bench of fwd+bwd at N = 8192."""
+    call both ways (N = 1024, window, one head) and do_bench of fwd and fwd+bwd at N = 8192,
+    in interleaved rounds."""
     out = {"cases": []}
     h, d = 2, 128
     for name, n, offset in (("window", 2048, 0), ("bigbird", 2048, 0), ("strided_causal", 1000, 0),
@@ -745,35 +778,44 @@ def direct_launch():
         save()
     if over_budget("direct launch host time"):
         return
-    for direct in (False, True):
-        with mock.patch.object(tattn, "_DIRECT_LAUNCH", direct):
-            n, h1 = 1024, 1
-            layout = make_layout(anchor_pattern("window"), n, h1, 128)
-            g = torch.Generator(device="cuda").manual_seed(4)
-            q, k, v, d_out = (torch.randn(1, h1, n, d, device="cuda", dtype=torch.bfloat16,
-                                          generator=g) for _ in range(4))
-            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-            out_, lse_ = tattn._forward(q, k, v, layout, d ** -0.5)
-            e = {"fwd_us_per_call": _host_us(lambda: tattn.sparse_attention(q, k, v, layout)),
-                 "direct_backward_us_per_call": _host_us(
-                     lambda: tattn._backward(q, k, v, out_, lse_, d_out, None, layout,
-                                             d ** -0.5)),
-                 "fwd_bwd_us_per_call": _host_us(
-                     lambda: tattn.sparse_attention(qg, kg, vg, layout).backward(d_out))}
-            for nm in ("window", "strided_causal", "bigbird"):
-                n8, h16 = 8192, 16
-                lay = make_layout(anchor_pattern(nm), n8, h16, 128)
-                q8, k8, v8, do8 = (torch.randn(1, h16, n8, d, device="cuda",
-                                               dtype=torch.bfloat16, generator=g)
-                                   for _ in range(4))
-                qg8, kg8, vg8 = (t.clone().requires_grad_() for t in (q8, k8, v8))
-                e[f"{nm}_N8192_fwd_ms"] = bench(
-                    lambda: tattn.sparse_attention(q8, k8, v8, lay))
-                e[f"{nm}_N8192_fwd_bwd_ms"] = bench(
-                    lambda: tattn.sparse_attention(qg8, kg8, vg8, lay).backward(do8),
-                    [qg8, kg8, vg8])
-            out["direct" if direct else "jit_entry"] = e
-            log(f"host/launch {'direct' if direct else 'JIT entry'}: {e}")
+    # Host time by launch path, in interleaved rounds. (Session 11 also timed raw device
+    # pointers instead of tensors in the direct launch: no difference, not kept.)
+    paths = {"jit_entry": False, "direct": True}
+    n, h1 = 1024, 1
+    layout = make_layout(anchor_pattern("window"), n, h1, 128)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v, d_out = (torch.randn(1, h1, n, d, device="cuda", dtype=torch.bfloat16,
+                                  generator=g) for _ in range(4))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out_, lse_ = tattn._forward(q, k, v, layout, d ** -0.5)
+    big = {}
+    for nm in ("window", "strided_causal", "bigbird"):
+        n8, h16 = 8192, 16
+        q8, k8, v8, do8 = (torch.randn(1, h16, n8, d, device="cuda", dtype=torch.bfloat16,
+                                       generator=g) for _ in range(4))
+        big[nm] = (make_layout(anchor_pattern(nm), n8, h16, 128), q8, k8, v8, do8,
+                   *(t.clone().requires_grad_() for t in (q8, k8, v8)))
+    for r in range(FLAGS.direct_launch_rounds):
+        for path in (paths if r % 2 == 0 else list(paths)[::-1]):
+            if over_budget(f"direct launch host time {path} round {r}"):
+                return
+            with mock.patch.object(tattn, "_DIRECT_LAUNCH", paths[path]):
+                e = {"round": r,
+                     "fwd_us_per_call": _host_us(lambda: tattn.sparse_attention(q, k, v, layout)),
+                     "direct_backward_us_per_call": _host_us(
+                         lambda: tattn._backward(q, k, v, out_, lse_, d_out, None, layout,
+                                                 d ** -0.5)),
+                     "fwd_bwd_us_per_call": _host_us(
+                         lambda: tattn.sparse_attention(qg, kg, vg, layout).backward(d_out))}
+                for nm, (lay, q8, k8, v8, do8, qg8, kg8, vg8) in big.items():
+                    e[f"{nm}_N8192_fwd_ms"] = bench(
+                        lambda: tattn.sparse_attention(q8, k8, v8, lay))
+                    e[f"{nm}_N8192_fwd_bwd_ms"] = bench(
+                        lambda: tattn.sparse_attention(qg8, kg8, vg8, lay).backward(do8),
+                        [qg8, kg8, vg8])
+            out.setdefault(path, []).append(e)
+            log(f"host/launch {path} round {r}: {e}")
+            save()
     RESULTS["direct_launch"] = out
     save()
 
@@ -1309,7 +1351,8 @@ def bwd_streams():
 def cold_child(parallel: bool):
     """In a fresh process with an empty Triton cache: wall time of the first forward and the
     first backward of the window at N = 8192 (bf16, D = 128, block 128); with
-    ``--cold_child_kernels``, of that variant's kernels."""
+    ``--cold_child_kernels``, of that variant's kernels; with ``--cold_child_torch_warm``, after
+    a trivial autograd backward (timed apart as ``torch_warm_s``)."""
     tattn._PARALLEL_COMPILE = parallel
     src = FLAGS.cold_child_kernels
     with L._using_kernels(L._load_kernels(src)) if src else contextlib.nullcontext():
@@ -1323,35 +1366,198 @@ def _cold_calls(parallel, src):
                       for _ in range(4))
     q.requires_grad_()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = tattn.sparse_attention(q, k, v, layout)
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    out.backward(d_out)
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    print("COLD " + json.dumps({"parallel_compile": parallel, "kernels": src or "tree",
-                                "cold_fwd_s": t1 - t0, "cold_bwd_s": t2 - t1}), flush=True)
+    torch_warm_s = None
+    if FLAGS.cold_child_torch_warm:
+        # torch's first backward with an explicit gradient imports its symbolic-shapes module
+        # (sympy) in autograd's _make_grads: a once-per-process cost of torch, not of this
+        # library or of the shape.
+        t = time.perf_counter()
+        x = torch.ones(4, device="cuda", requires_grad=True)
+        (x * 2).backward(torch.ones(4, device="cuda"))
+        torch.cuda.synchronize()
+        torch_warm_s = time.perf_counter() - t
+    if FLAGS.cold_profile:
+        _cold_profile(q, k, v, d_out, layout, parallel, src)
+        return
+    trace = _ColdTrace() if FLAGS.cold_trace else contextlib.nullcontext()
+    with trace:
+        t0 = time.perf_counter()
+        out = tattn.sparse_attention(q, k, v, layout)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        out.backward(d_out)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    rec = {"parallel_compile": parallel, "kernels": src or "tree",
+           "torch_warm_s": torch_warm_s, "cold_fwd_s": t1 - t0, "cold_bwd_s": t2 - t1}
+    if FLAGS.cold_trace:
+        rec["trace"] = trace.events(t0, {"fwd": (t0, t1), "bwd": (t1, t2)})
+    print("COLD " + json.dumps(rec), flush=True)
+
+
+def _cold_profile(q, k, v, d_out, layout, parallel, src):
+    """The cold first forward and backward called directly (not through autograd, whose
+    backward thread cProfile does not see), each under cProfile: where the first calls' time
+    goes outside the compiles themselves."""
+    import cProfile
+    import io
+    import pstats
+
+    scale = q.shape[-1] ** -0.5
+    rec = {"parallel_compile": parallel, "kernels": src or "tree", "profile": {}}
+    res = {}
+    calls = {"fwd": lambda: res.update(fwd=tattn._forward(q, k, v, layout, scale)),
+             "bwd": lambda: tattn._backward(q, k, v, *res["fwd"], d_out, None, layout, scale)}
+    for name, fn in calls.items():
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        fn()
+        torch.cuda.synchronize()
+        prof.disable()
+        rec[f"cold_{name}_s"] = time.perf_counter() - t
+        for key in ("cumulative", "tottime"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+            rec["profile"][f"{name}_{key}"] = buf.getvalue()
+    print("COLD " + json.dumps(rec), flush=True)
+
+
+class _ColdTrace:
+    """Wraps, for the duration of a ``with``, what a cold first call spends its time in:
+    Triton's compiles (its ``knobs.compilation.listener`` gives each stage's time), the C
+    builds of kernel launchers and of Triton's own ``cuda_utils`` (``runtime.build._build``:
+    gcc, once per kernel signature in a fresh cache) and the module loads
+    (``CompiledKernel._init_handles``), each with its thread and its wall interval."""
+
+    def __init__(self):
+        self._ev = []
+
+    def _wrap(self, owner, attr, what, name_of):
+        orig = getattr(owner, attr)
+
+        def wrapped(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                self._ev.append({"what": what, "name": name_of(a), "start": t,
+                                 "end": time.perf_counter(),
+                                 "thread": threading.current_thread().name})
+
+        setattr(owner, attr, wrapped)
+        self._undo.append((owner, attr, orig))
+
+    def _sample(self, period_s=0.02):
+        """Every ``period_s``: every other thread's innermost frames (the calling thread's too),
+        so that time spent outside the wrapped calls (and on autograd's thread, which cProfile
+        does not see) shows up."""
+        me = threading.get_ident()
+        names = {}
+        while not self._stop.wait(period_s):
+            t = time.perf_counter()
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                stack = []
+                while frame is not None and len(stack) < 10:
+                    code = frame.f_code
+                    stack.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+                                 f"({code.co_name})")
+                    frame = frame.f_back
+                if ident not in names:
+                    names[ident] = next((th.name for th in threading.enumerate()
+                                         if th.ident == ident), str(ident))
+                self._samples.append((t, names[ident], " < ".join(stack)))
+
+    def __enter__(self):
+        import triton.compiler.compiler as tcc
+        import triton.runtime.build as tbuild
+        from triton import knobs
+
+        self._undo = []
+        self._wrap(tbuild, "_build", "c_build", lambda a: a[0])
+        self._wrap(tcc.CompiledKernel, "_init_handles", "load_module",
+                   lambda a: a[0].metadata.name)
+
+        def listener(*, src, metadata, metadata_group, times, cache_hit):
+            del src, metadata_group
+            self._ev.append({"what": "compile", "name": metadata["name"],
+                             "end": time.perf_counter(), "cache_hit": cache_hit,
+                             "ir_init_s": times.ir_initialization / 1e6,
+                             "stages_s": {k: v / 1e6 for k, v in times.lowering_stages},
+                             "total_s": times.total / 1e6,
+                             "thread": threading.current_thread().name})
+
+        self._listener = knobs.compilation.listener
+        knobs.compilation.listener = listener
+        self._samples, self._stop = [], threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc):
+        from triton import knobs
+
+        self._stop.set()
+        self._sampler.join()
+        knobs.compilation.listener = self._listener
+        for owner, attr, orig in reversed(self._undo):
+            setattr(owner, attr, orig)
+        return False
+
+    def events(self, t0, phases):
+        out = [{"what": "phase", "name": k, "start": a - t0, "end": b - t0}
+               for k, (a, b) in phases.items()]
+        for e in self._ev:
+            e = dict(e)
+            for key in ("start", "end"):
+                if key in e:
+                    e[key] -= t0
+            out.append(e)
+        out.sort(key=lambda e: e["end"])
+        # Samples as runs: consecutive samples of one thread with the same stack, merged.
+        runs = {}
+        for t, thread, stack in self._samples:
+            r = runs.get(thread)
+            if r is not None and r["name"] == stack and t - t0 - r["end"] < 0.05:
+                r["end"], r["n"] = t - t0, r["n"] + 1
+                continue
+            if r is not None:
+                out.append(r)
+            runs[thread] = {"what": "sampled", "name": stack, "thread": thread,
+                            "start": t - t0, "end": t - t0, "n": 1}
+        out.extend(runs.values())
+        return out
 
 
 def cold_start():
     import subprocess
     import tempfile
 
-    runs = [(p, None) for p in (True, False)]
+    # Children run a trivial autograd backward first (torch's one-time imports, not a compile;
+    # session 11) unless --cold_torch_warm_ab compares with and without it.
+    runs = [(p, None, True) for p in (True, False)]
     if FLAGS.cold_ab:  # the tree and each variant, parallel compile, alternating order
         arms = [None, *FLAGS.cold_ab]
-        runs = [(True, a) for r in range(FLAGS.kernel_ab_rounds)
+        runs = [(True, a, True) for r in range(FLAGS.kernel_ab_rounds)
                 for a in (arms if r % 2 == 0 else arms[::-1])]
-    for parallel, src in runs:
-        tag = f"cold start parallel_compile={parallel} kernels={src or 'tree'}"
+    if FLAGS.cold_torch_warm_ab:
+        runs = [(True, None, w) for r in range(FLAGS.kernel_ab_rounds)
+                for w in ((False, True) if r % 2 == 0 else (True, False))]
+    for parallel, src, torch_warm in runs:
+        tag = (f"cold start parallel_compile={parallel} kernels={src or 'tree'} "
+               f"torch_warm={torch_warm}")
         if over_budget(tag):
             continue
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
             p = subprocess.run([sys.executable, os.path.abspath(__file__),
                                 f"--cold_child={int(parallel)}", "--out=/dev/null",
-                                *([f"--cold_child_kernels={src}"] if src else [])],
+                                *([f"--cold_child_kernels={src}"] if src else []),
+                                *(["--cold_trace"] if FLAGS.cold_trace else []),
+                                *(["--cold_profile"] if FLAGS.cold_profile else []),
+                                *(["--cold_child_torch_warm"] if torch_warm else [])],
                                env=env, capture_output=True, text=True, timeout=120)
         line = [x for x in p.stdout.splitlines() if x.startswith("COLD ")]
         if p.returncode or not line:
@@ -1360,7 +1566,15 @@ def cold_start():
             continue
         e = json.loads(line[0][5:])
         RESULTS.setdefault("cold_start", []).append(e)
-        log(f"{tag}: {e}")
+        log(f"{tag}: {({k: x for k, x in e.items() if k not in ('trace', 'profile')})}")
+        for key, text in e.get("profile", {}).items():
+            log(f"  profile {key}:\n{text}")
+        for ev in e.get("trace", ()):
+            if ev["what"] == "sampled" and ev["n"] < 3:
+                continue
+            extra = ev.get("stages_s") or ""
+            log(f"  {ev.get('start', float('nan')):7.3f} -> {ev['end']:7.3f} s  {ev['what']:11s} "
+                f"{ev['name']:28s} {ev.get('thread', ''):24s} {extra}")
         save()
 
 

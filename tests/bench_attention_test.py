@@ -151,7 +151,8 @@ class CpuPresetTest(parameterized.TestCase):
     def test_first_call_recorded(self):
         fc = [r for r in self.saved["records"] if r["section"] == "first_call"]
         self.assertLen(fc, 1)
-        for k in ("layout_build_s", "cold_fwd_s", "cold_bwd_s", "new_layout_build_s",
+        for k in ("layout_build_s", "torch_first_backward_s", "cold_fwd_s", "cold_bwd_s",
+                  "new_layout_build_s",
                   "new_pattern_first_fwd_s", "new_pattern_first_fwd_bwd_s"):
             self.assertGreater(fc[0][k], 0.0, k)
         t5 = [t for t in self.saved["targets"] if t["id"] == "5"]
