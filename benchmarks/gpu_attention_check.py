@@ -105,7 +105,8 @@ flags.DEFINE_list("atomic_dq_configs", ["8:2:64", "8:2:32"], "warps:stages:sub o
 flags.DEFINE_bool("bwd_tile_ab", False, "end-to-end A/B of the backward with dQ and dK/dV "
                   "each at kernel tile 64 or 128 (a block-128 layout; the forward at the "
                   "policy's tile), interleaved rounds (--kernel_ab_rounds)")
-flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off)")
+flags.DEFINE_bool("cold", True, "cold-start A/B (fresh Triton cache, parallel compile on/off; "
+                  "each child after a trivial autograd backward, --cold_torch_warm_ab)")
 flags.DEFINE_integer("cold_child", None, "internal: run one cold-start child and exit")
 flags.DEFINE_string("cold_child_kernels", None, "internal: the child's variant kernel copy")
 flags.DEFINE_string("host_trace", None, "host-overhead section: also write a Chrome trace "
@@ -1377,7 +1378,7 @@ def _cold_calls(parallel, src):
         torch.cuda.synchronize()
         torch_warm_s = time.perf_counter() - t
     if FLAGS.cold_profile:
-        _cold_profile(q, k, v, d_out, layout, parallel, src)
+        _cold_profile(q, k, v, d_out, layout, parallel, src, torch_warm_s)
         return
     trace = _ColdTrace() if FLAGS.cold_trace else contextlib.nullcontext()
     with trace:
@@ -1395,7 +1396,7 @@ def _cold_calls(parallel, src):
     print("COLD " + json.dumps(rec), flush=True)
 
 
-def _cold_profile(q, k, v, d_out, layout, parallel, src):
+def _cold_profile(q, k, v, d_out, layout, parallel, src, torch_warm_s):
     """The cold first forward and backward called directly (not through autograd, whose
     backward thread cProfile does not see), each under cProfile: where the first calls' time
     goes outside the compiles themselves."""
@@ -1404,7 +1405,8 @@ def _cold_profile(q, k, v, d_out, layout, parallel, src):
     import pstats
 
     scale = q.shape[-1] ** -0.5
-    rec = {"parallel_compile": parallel, "kernels": src or "tree", "profile": {}}
+    rec = {"parallel_compile": parallel, "kernels": src or "tree", "torch_warm_s": torch_warm_s,
+           "profile": {}}
     res = {}
     calls = {"fwd": lambda: res.update(fwd=tattn._forward(q, k, v, layout, scale)),
              "bwd": lambda: tattn._backward(q, k, v, *res["fwd"], d_out, None, layout, scale)}
@@ -1428,7 +1430,8 @@ class _ColdTrace:
     Triton's compiles (its ``knobs.compilation.listener`` gives each stage's time), the C
     builds of kernel launchers and of Triton's own ``cuda_utils`` (``runtime.build._build``:
     gcc, once per kernel signature in a fresh cache) and the module loads
-    (``CompiledKernel._init_handles``), each with its thread and its wall interval."""
+    (``CompiledKernel._init_handles``), each with its thread and its wall interval; and every
+    thread's stack every 20 ms (``_sample``), for the time none of those account for."""
 
     def __init__(self):
         self._ev = []

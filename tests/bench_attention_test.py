@@ -170,6 +170,7 @@ class CpuPresetTest(parameterized.TestCase):
                 if ln.startswith("| seq_sweep |") or ln.startswith("| sparsity |")]
         self.assertLen(rows, len(self.timed()))
         self.assertIn("| 5 | new pattern, same shapes: first fwd call |", md)
+        self.assertIn(A._TORCH_FIRST_BACKWARD_NOTE, md)
         # Writing the doc keeps the tensor-parallel section someone else owns.
         path = os.path.join(self.tmp, "docs", "performance.md")
         os.makedirs(os.path.dirname(path))
@@ -264,6 +265,10 @@ class TargetsTest(absltest.TestCase):
         self.assertEqual(list(t5.values()), [True, False, True, False])
         t6 = [x for x in A.compute_targets(res) if x["id"] == "6"]
         self.assertEqual([x["pass"] for x in t6], [True, False])
+        # A record from before torch_first_backward_s says that its cold_bwd_s includes it.
+        md = A.render_markdown({"records": [recs[-1]], "device_kind": "cuda"})
+        self.assertIn(A._NO_TORCH_FIRST_BACKWARD_NOTE, md)
+        self.assertNotIn(A._TORCH_FIRST_BACKWARD_NOTE, md)
         # Flex ratios appear on the sparsetp record, computed from the ms.
         ours = recs[0]
         self.assertAlmostEqual(ours["speedup_vs_flex"]["fwd"], 1.2)

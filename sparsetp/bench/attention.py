@@ -1382,6 +1382,17 @@ def _f(x, nd=3):
     return str(x)
 
 
+_TORCH_FIRST_BACKWARD_NOTE = (
+    "`torch_first_backward_s` is a trivial autograd backward with an explicit gradient, run "
+    "before the cold calls: torch's once-per-process imports (its symbolic-shapes module and "
+    "sympy), which `cold_bwd_s` does not count.")
+# Results recorded before session 11 have no torch_first_backward_s.
+_NO_TORCH_FIRST_BACKWARD_NOTE = (
+    "This run predates `torch_first_backward_s`: its `cold_bwd_s` includes torch's "
+    "once-per-process imports at the first backward with an explicit gradient (its "
+    "symbolic-shapes module and sympy; 2.2-3.1 s in session 11's runs).")
+
+
 def render_markdown(results: dict | Sequence[dict], plots: Sequence[str] = (),
                     json_paths: Sequence[str] = ()) -> str:
     """The attention section of docs/performance.md from one or more result dicts."""
@@ -1426,10 +1437,8 @@ def render_markdown(results: dict | Sequence[dict], plots: Sequence[str] = (),
                   "new_pattern_first_fwd_bwd_s", "new_pattern_second_fwd_s",
                   "new_pattern_second_fwd_bwd_s"):
             lines.append(f"| {k} | {_f(r.get(k), 4)} |")
-        lines += ["", "`torch_first_backward_s` is a trivial autograd backward with an explicit "
-                  "gradient, run before the cold calls: torch's once-per-process imports "
-                  "(its symbolic-shapes module and sympy), which `cold_bwd_s` no longer counts "
-                  "(it did up to session 10).", ""]
+        lines += ["", _TORCH_FIRST_BACKWARD_NOTE if "torch_first_backward_s" in r
+                  else _NO_TORCH_FIRST_BACKWARD_NOTE, ""]
     recs = [r for res in results for r in res["records"] if "fwd_ms" in r]
     if recs:
         lines += ["### Timings", "",
