@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import testing_utils as tu  # noqa: E402
 
 from sparsetp.backends.torch import attention as tattn  # noqa: E402
+from sparsetp.bench.attention import torch_first_backward  # noqa: E402
 from sparsetp.core import layout as L_core  # noqa: E402
 from sparsetp.core import make_layout, reference  # noqa: E402
 from sparsetp.core import patterns as P  # noqa: E402
@@ -1368,13 +1369,9 @@ def _cold_calls(parallel, src):
     q.requires_grad_()
     torch.cuda.synchronize()
     torch_warm_s = None
-    if FLAGS.cold_child_torch_warm:
-        # torch's first backward with an explicit gradient imports its symbolic-shapes module
-        # (sympy) in autograd's _make_grads: a once-per-process cost of torch, not of this
-        # library or of the shape.
+    if FLAGS.cold_child_torch_warm:  # torch's once-per-process import, timed apart
         t = time.perf_counter()
-        x = torch.ones(4, device="cuda", requires_grad=True)
-        (x * 2).backward(torch.ones(4, device="cuda"))
+        torch_first_backward("cuda")
         torch.cuda.synchronize()
         torch_warm_s = time.perf_counter() - t
     if FLAGS.cold_profile:

@@ -95,7 +95,7 @@ def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages
         elif n in _INPUT:
             sig[n] = _PTR[dtype]
         elif n in _STATS:
-            sig[n] = "*fp64" if dtype == "float64" else "*fp32"
+            sig[n] = _PTR[L.stats_dtype(dtype)]
         elif n in ("sm_scale", "sm_scale_lo"):
             sig[n] = "fp32"
         elif n.startswith(("q_", "k_")) or n == "masks":

@@ -928,16 +928,25 @@ def _torch_wall(cfg, case, layout, loop_ms, reps):
     return (_time_wall(f, reps, sync, loop_ms), _time_wall(fb_clear, reps, sync, loop_ms))
 
 
+def torch_first_backward(device) -> None:
+    """One trivial autograd backward with an explicit gradient on ``device``. Torch's first
+    such backward imports its symbolic-shapes module and sympy (``torch.autograd._make_grads``),
+    2.2-3.1 s on the device tool's hosts (session 11, ``benchmarks/KERNEL_NOTES.md``): once per
+    process and the same for every attention implementation. Cold-start timings run this first
+    and time it apart, so that they count compiles, not that import."""
+    import torch  # noqa: PLC0415
+
+    x = torch.ones(4, device=device, requires_grad=True)
+    (x * 2).backward(torch.ones(4, device=device))
+
+
 def _first_call(cfg, case) -> dict:
     """Target 5: the cold first call of a shape (compiles), and the first call of a new
     pattern with the same shapes (must not compile: metadata are kernel operands).
 
-    Before the cold calls, one trivial autograd backward with an explicit gradient runs and is
-    timed on its own (``torch_first_backward_s``): torch's first such backward imports its
-    symbolic-shapes module and sympy (``torch.autograd._make_grads``), 2.2-3.1 s on the device
-    tool's hosts (session 11, ``benchmarks/KERNEL_NOTES.md``). That is once per process and
-    the same for every attention implementation; without it ``cold_bwd_s`` would count it as
-    the backward's compile time, as it did up to session 10."""
+    Before the cold calls, :func:`torch_first_backward` runs and is timed on its own
+    (``torch_first_backward_s``); without it ``cold_bwd_s`` would count torch's one-time import
+    as the backward's compile time, as it did up to session 10."""
     import torch  # noqa: PLC0415
 
     from sparsetp.torch import sparse_attention  # noqa: PLC0415
@@ -967,11 +976,7 @@ def _first_call(cfg, case) -> dict:
     def fwd_bwd(lay):
         sparse_attention(q, k, v, lay).backward(do)
 
-    def torch_first_backward():
-        x = torch.ones(4, device=dev, requires_grad=True)
-        (x * 2).backward(torch.ones(4, device=dev))
-
-    rec["torch_first_backward_s"], _ = timed(torch_first_backward)
+    rec["torch_first_backward_s"], _ = timed(lambda: torch_first_backward(dev))
     rec["cold_fwd_s"], _ = timed(lambda: fwd(layout))
     out = sparse_attention(q, k, v, layout)
     rec["cold_bwd_s"], _ = timed(lambda: out.backward(do))

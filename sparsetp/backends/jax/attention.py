@@ -214,9 +214,9 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
 
     Args:
       q, k, v: ``[B, H, N, D]`` arrays of one dtype (float16, bfloat16, float32; float64 with
-        ``jax_enable_x64``: within 1e-10 of the float64 oracle, not a fast path). Supported head dims ``D`` are
-        16, 32, 64 and 128; any other ``D`` raises ``ValueError`` (above 128 the fp32
-        accumulators would not fit in registers).
+        ``jax_enable_x64``: within 1e-10 of the float64 oracle, not a fast path). Supported
+        head dims ``D`` are 16, 32, 64 and 128; any other ``D`` raises ``ValueError`` (above
+        128 the fp32 accumulators would not fit in registers).
       layout: a :class:`~sparsetp.core.layout.BlockLayout` or :class:`LayoutArrays` for
         ``H`` heads and ``N`` tokens.
       scale: softmax scale (a Python float, static); default ``D ** -0.5``.
