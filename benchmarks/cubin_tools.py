@@ -1,7 +1,8 @@
 """Reading a compiled kernel's cubin with the tools that ship in Triton's wheel (no GPU needed).
 
-Shared by ``kernel_resources.py`` (cubins Triton built on the GPU machine) and ``ptx_probe.py``
-(cubins built for sm_90 on a CPU machine). Flag-free, so both scripts can import it.
+Shared by ``kernel_resources.py`` and ``kernel_probe.py`` (kernels Triton compiled on the GPU
+machine) and ``ptx_probe.py`` (cubins built for sm_90 on a CPU machine). Flag-free, so every
+script can import it.
 """
 
 from __future__ import annotations
@@ -36,3 +37,12 @@ def sass_profile(cubin_path: str) -> dict:
             "stack_bytes": int(stack.group(1)) if stack else None,
             "res_usage": res.strip()[-800:], "n_instructions": sum(ops.values()),
             "opcodes": dict(ops.most_common(60))}
+
+
+def compiled_kernels(kernel) -> list:
+    """The compiled kernels (``CompiledKernel``) that a ``@triton.jit`` function's launches have
+    produced in this process, one per specialisation, from Triton's per-device JIT caches."""
+    out = []
+    for caches in getattr(kernel, "device_caches", {}).values():
+        out.extend(caches[0].values())
+    return out

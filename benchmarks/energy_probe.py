@@ -1,26 +1,26 @@
-"""Energy per call of our attention and FlexAttention's on the same layout (GPU, issue #8).
+"""Question: how much energy does one attention call take, ours against FlexAttention's (GPU)?
 
-Why: at Nsight Compute's fixed clocks our tile-64 backward is faster than Flex's (2.19 vs
-2.36 ms, causal N=8192, session 7), but at boost clocks it is 0-3.5 % slower, and the
-N=32768 runs sit at the board's software power cap (session 7, run 4). If that is the
-reason, what decides under the cap is energy per call, not cycles. This script measures it:
-for each (pattern, N, impl, pass) it runs the call back to back for ``--seconds`` and reads
-the board's energy counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver
-loaded, read through ctypes) before and after, with the SM clock and power sampled every
-100 ms in between. Output per row: ms per call, mJ per
-call, mean W and mean SM MHz; ratios ours / Flex.
+At the board's power cap time follows energy per call, not cycles, so a kernel that does more
+work per cycle may gain nothing end to end. For each (pattern, N, impl, pass) this runs the call
+back to back for ``--seconds`` and reads the board's energy counter (NVML
+``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded, read through ctypes: no
+pynvml needed) before and after, with the SM clock and power sampled every 100 ms in between.
+Output per row: ms per call, mJ per call, mean W and mean SM MHz; per case the ratios Flex / ours.
+It times without an L2 flush and includes host time, so its ms differ from ``do_bench``'s.
 
-Inputs as the targets' (bf16, B=1, H=16, D=128, block 128, default policy). ``fwd`` is the
-forward without autograd, ``fwd_bwd`` one forward plus backward through autograd.
-Believe it only if ``tests/torch_attention_test.py`` passes.
-
-Usage (GPU machine, repo root on PYTHONPATH)::
+Inputs as the targets' (bf16, B=1, H=16, D=128, block 128). ``fwd`` is the forward without
+autograd, ``fwd_bwd`` one forward plus backward through autograd. ``--arms`` runs ours under
+several launch arms (``attention_common``'s arm spec), e.g. an energy A/B of kernel tiles.
+Believe it only if ``python -m pytest -q tests/torch_attention_test.py`` passes::
 
     python benchmarks/energy_probe.py --out=$OUT/energy.json --n=8192,32768
+    python benchmarks/energy_probe.py \\
+        --arms='t128:kernel_tile=layout;t64:block=64,kernel_tile=layout'
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -35,6 +35,8 @@ flags.DEFINE_list("patterns", ["causal", "window"], "benchmark pattern specs")
 flags.DEFINE_list("passes", ["fwd", "fwd_bwd"], "fwd and/or fwd_bwd")
 flags.DEFINE_float("seconds", 4.0, "how long each (case, impl, pass) runs back to back")
 flags.DEFINE_integer("rounds", 2, "rounds; the impls alternate order every round")
+flags.DEFINE_multi_string("arms", ["default"], "launch arms of ours (attention_common's arm "
+                          "spec), ';'-separated or the flag repeated")
 
 
 class _Nvml:
@@ -115,8 +117,8 @@ def _measure(fn, seconds: float) -> dict:
             "samples": len(samples)}
 
 
-def _case(n: int, spec: str, tensors, flex) -> list[dict]:
-    """The interleaved measurements of one (N, pattern): both impls, every pass and round."""
+def _case(n: int, spec: str, tensors, flex, arms) -> list[dict]:
+    """The interleaved measurements of one (N, pattern): every impl, pass and round."""
     import torch
 
     from sparsetp.bench import attention as B
@@ -127,16 +129,22 @@ def _case(n: int, spec: str, tensors, flex) -> list[dict]:
     bp = B.bench_pattern(spec, n, 128, 16)
     lay = make_layout(bp.pattern, n, 16, 128)
     bm = B.flex_block_mask(lay, bp, "cuda")
-    impls = {"sparsetp": lambda a, b, c: sparse_attention(a, b, c, lay),
-             "flex": lambda a, b, c: flex(a, b, c, block_mask=bm)}
+    impls = {}  # name -> (attention function, the context it runs under, backward included)
+    for arm in arms:
+        al = lay if arm.block == 128 else make_layout(bp.pattern, n, 16, arm.block)
+        impls[_impl_name(arm, arms)] = (lambda a, b, c, al=al: sparse_attention(a, b, c, al),
+                                        arm.context)
+    impls["flex"] = (lambda a, b, c: flex(a, b, c, block_mask=bm), contextlib.nullcontext)
 
-    def run(fn, which):
-        if which == "fwd":
-            with torch.no_grad():
-                fn(q, k, v)
-        else:
-            fn(qg, kg, vg).backward(d_out)
-            qg.grad = kg.grad = vg.grad = None
+    def run(impl, which):
+        fn, context = impl
+        with context():
+            if which == "fwd":
+                with torch.no_grad():
+                    fn(q, k, v)
+            else:
+                fn(qg, kg, vg).backward(d_out)
+                qg.grad = kg.grad = vg.grad = None
 
     rows = []
     for r in range(FLAGS.rounds):
@@ -150,12 +158,19 @@ def _case(n: int, spec: str, tensors, flex) -> list[dict]:
     return rows
 
 
+def _impl_name(arm, arms) -> str:
+    return "sparsetp" if len(arms) == 1 else f"sparsetp[{arm.name}]"
+
+
 def main(argv):
     del argv
+    import attention_common as C
     import torch
 
     from sparsetp.bench import attention as B
 
+    arms = C.parse_arms(FLAGS.arms)
+    ours = [_impl_name(a, arms) for a in arms]
     flex = B._flex_fn()
     rows = []
     for n in map(int, FLAGS.n):
@@ -164,7 +179,7 @@ def main(argv):
                                       generator=g) for _ in range(4))
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         for spec in FLAGS.patterns:
-            rows += _case(n, spec, (q, k, v, qg, kg, vg, d_out), flex)
+            rows += _case(n, spec, (q, k, v, qg, kg, vg, d_out), flex, arms)
     summary = {}
     for n in map(int, FLAGS.n):
         for spec in FLAGS.patterns:
@@ -173,19 +188,17 @@ def main(argv):
                     xs = sorted(x[key] for x in rows if (x["N"], x["pattern"], x["pass"],
                                                          x["impl"]) == (n, spec, which, impl))
                     return xs[len(xs) // 2] if xs else None
-                ours, theirs = (med("sparsetp", "ms_per_call"), med("flex", "ms_per_call"))
-                e_ours, e_theirs = (med("sparsetp", "mJ_per_call"), med("flex", "mJ_per_call"))
-                summary[f"{spec} N={n} {which}"] = {
-                    "ms": {"sparsetp": ours, "flex": theirs},
-                    "mJ": {"sparsetp": e_ours, "flex": e_theirs},
-                    "time_flex_over_ours": theirs / ours,
-                    "energy_flex_over_ours": e_theirs / e_ours,
-                    "sm_MHz": {"sparsetp": med("sparsetp", "mean_sm_MHz"),
-                               "flex": med("flex", "mean_sm_MHz")},
-                    "W": {"sparsetp": med("sparsetp", "mean_W_counter"),
-                          "flex": med("flex", "mean_W_counter")}}
-                print(f"{spec} N={n} {which}: {json.dumps(summary[f'{spec} N={n} {which}'])}",
-                      flush=True)
+                case = f"{spec} N={n} {which}"
+                summary[case] = {key: {impl: med(impl, field) for impl in (*ours, "flex")}
+                                 for key, field in (("ms", "ms_per_call"), ("mJ", "mJ_per_call"),
+                                                    ("sm_MHz", "mean_sm_MHz"),
+                                                    ("W", "mean_W_counter"))}
+                for impl in ours:
+                    summary[case][f"time_flex_over_{impl}"] = (summary[case]["ms"]["flex"]
+                                                               / summary[case]["ms"][impl])
+                    summary[case][f"energy_flex_over_{impl}"] = (summary[case]["mJ"]["flex"]
+                                                                 / summary[case]["mJ"][impl])
+                print(f"{case}: {json.dumps(summary[case])}", flush=True)
     import triton
 
     with open(FLAGS.out, "w") as f:

@@ -1,12 +1,16 @@
-"""GPU check of the JAX frontend: jax_triton launches of the sparsetp kernels, vs torch.
+"""Question: do the JAX frontend's GPU launches (jax_triton) compute what torch's launches of the
+same kernels compute, right, and as fast?
 
-Run on the device machine (see ../shared/GPU.md), from the repo root::
+Believe it only if ``tests/jax_attention_test.py`` and ``tests/jax_torch_interop_test.py`` pass
+(the same kernels through the interpreter on CPU; JAX and torch bitwise equal there). On the GPU
+machine, from the repo root (jax_triton travels as a wheel)::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_jax_check.py --out=$OUT/jax.json
 
-Relies on: tests/jax_attention_test.py and tests/jax_torch_interop_test.py passing on CPU (same
-kernels through the interpreter; JAX and torch bitwise equal there).
+On CPU (the interpreter; a smoke test of this script)::
+
+    python benchmarks/gpu_jax_check.py --cpu-smoke --out=/tmp/jax.json
 
 1. Correctness: ``sparsetp.jax.sparse_attention`` (jit, jax_triton) forward, LSE and dq/dk/dv vs
    a dense float32 JAX reference (masked softmax from the layout's dense mask, HIGHEST precision)
@@ -37,12 +41,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpy as np  # noqa: E402
-
-from sparsetp import _runtime  # noqa: E402
-
-# Before anything imports triton: in interpreter mode (--cpu-smoke), Triton's own @jit library
-# functions must be created with TRITON_INTERPRET=1 set as well.
-_runtime.configure()
 
 ATOL = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 2e-5}
 
@@ -96,10 +94,6 @@ def _err(got, want, atol):
     return {"max_abs_err": float(diff.max(initial=0.0)), "n_bad": int(bad.sum()),
             "nan": int(np.isnan(got).sum()), "inf_match": same_inf,
             "ok": bool(not bad.any() and same_inf and not np.isnan(got).any())}
-
-
-def _runtime_interpret() -> bool:
-    return _runtime.interpret_mode()
 
 
 def _layout(name, n, h, bs):
@@ -192,7 +186,7 @@ def _time_torch(fn, iters, reps):
     return float(np.median(times)) * 1e3
 
 
-def timing_case(name, n, h, d, bs, dtype, iters, reps, b=1, seed=0):
+def timing_case(name, n, h, d, bs, dtype, iters, reps, b=1, seed=0, device="cuda"):
     import jax
     import jax.numpy as jnp
     import torch
@@ -215,7 +209,7 @@ def timing_case(name, n, h, d, bs, dtype, iters, reps, b=1, seed=0):
         return out, *vjp(do)
 
     td = getattr(torch, dtype)
-    dev = "cpu" if _runtime_interpret() else "cuda"
+    dev = device
     tq, tk, tv, tdo = (torch.from_numpy(x).to(dev, td) for x in host)
     tq.requires_grad_(True)
     tk.requires_grad_(True)
@@ -271,17 +265,21 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny cases through the interpreter on CPU, to check this script")
     a = ap.parse_args()
+    if a.cpu_smoke:  # JAX arrays on the CPU, where the kernels run in Triton's interpreter
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
     import jax
+
+    from sparsetp.backends.jax import launch as jlaunch
 
     result = {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "platform": jax.default_backend()}
     if not a.cpu_smoke:
         if jax.default_backend() != "gpu":
             raise SystemExit(f"needs a GPU JAX backend, got {jax.default_backend()}")
-        if _runtime_interpret():
-            raise SystemExit("kernels are in interpreter mode on a GPU machine; unset "
-                             "SPARSETP_INTERPRET / TRITON_INTERPRET")
+        if not jlaunch.gpu_path():
+            raise SystemExit("the JAX launches would run in the interpreter on this GPU machine; "
+                             "unset SPARSETP_INTERPRET / TRITON_INTERPRET")
     result["versions"] = _versions(with_jax_triton=not a.cpu_smoke)
     print(json.dumps(result["versions"]), flush=True)
 
@@ -346,7 +344,8 @@ def main():
     for c in timing_cases:
         t0 = time.perf_counter()
         try:
-            r = timing_case(*c, iters=a.iters, reps=a.reps)
+            r = timing_case(*c, iters=a.iters, reps=a.reps,
+                            device="cpu" if a.cpu_smoke else "cuda")
             msg = (f"jax fwd {r['jax_fwd_ms']:.3f} ms / torch {r['torch_fwd_ms']:.3f} ms "
                    f"(x{r['ratio_fwd']:.2f}); fwd+bwd {r['jax_fwd_bwd_ms']:.3f} / "
                    f"{r['torch_fwd_bwd_ms']:.3f} ms (x{r['ratio_fwd_bwd']:.2f}); "

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One batched device-tool call (nvidia-h200-x2): kernel checks + sweep, the attention targets
-# benchmark, the TP benchmark and the GPU parity run, each under its own wall-clock limit so a
-# failing or slow stage cannot starve the next. Logs and JSON land in $OUT (8 files at most come
-# back: 4 logs + 4 JSON). Run from the repo root with carry [".whl", ".gpu_deps"].
+# One batched device-tool call (tp and parity at TP=2 need 2 GPUs): the compiled kernels'
+# correctness check, the attention targets benchmark, the TP benchmark and the GPU parity run,
+# each under its own wall-clock limit so a failing or slow stage cannot starve the next. Logs and
+# JSON land in $OUT (one log and one JSON per stage). Run from the repo root with carry
+# [".whl", ".gpu_deps"] (jax_triton and any other wheels the GPU image lacks).
 #   usage: bash benchmarks/gpu_session.sh [stage ...]   (default: check attn tp parity)
-#   stages: check attn tp parity (PARITY_TP, default 1,2) parity16 (bf16/fp16 attention only;
-#   head dims PARITY16_D, default 128)
+#   stages: check (benchmarks/gpu_correctness.py; CHECK_ARGS adds flags) attn tp
+#   parity (PARITY_TP, default 1,2) parity16 (bf16/fp16 attention only; head dims PARITY16_D,
+#   default 128)
+#   ab (benchmarks/launch_ab.py; AB_ARGS, default the tile preset)
 #   probe (JAX MLP fwd+bwd variants on one GPU, issue #9)
 #   demo (the main job on 2 GPUs, torch and JAX, bf16)
 set -u
@@ -25,8 +28,8 @@ stage() {  # name limit_s command...
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
-  check) stage check "${CHECK_S:-85}" python3 benchmarks/gpu_attention_check.py \
-      --out="$OUT/check.json" --budget_s="${CHECK_BUDGET:-70}" --timing_n= ${CHECK_ARGS:-} ;;
+  check) stage check "${CHECK_S:-85}" python3 benchmarks/gpu_correctness.py \
+      --out="$OUT/check.json" --budget_s="${CHECK_BUDGET:-70}" ${CHECK_ARGS:-} ;;
   attn) stage attn "${ATTN_S:-160}" python3 -m sparsetp.bench attention --preset=targets \
       --out_dir="$OUT" --json_name=attention.json --noplots --budget_s="${ATTN_BUDGET:-130}" ;;
   tp) stage tp "${TP_S:-105}" python3 -m sparsetp.bench tp --preset=gpu2 --out_dir="$OUT" \
@@ -46,6 +49,8 @@ for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
       --device cuda --dtype bfloat16
     stage demo_jax "${DEMO_S:-90}" python3 -m sparsetp demo --backend jax --tp 2 --device cuda \
       --dtype bfloat16 ;;
+  ab) stage ab "${AB_S:-300}" python3 benchmarks/launch_ab.py --out="$OUT/ab.json" \
+      --budget_s="${AB_BUDGET:-280}" ${AB_ARGS:---arms=tiles} ;;
   probe) PROBE_OUT=$OUT/probe_default.json PROBE_HLO=$OUT/probe_fwd_bwd_hlo.txt \
       stage probe_default "${PROBE_S:-60}" python3 benchmarks/jax_mlp_probe.py ;;
   probe_notriton)

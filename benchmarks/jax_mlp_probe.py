@@ -1,9 +1,10 @@
-"""Why is the JAX MLP's fwd+bwd slower than torch's on one GPU? (issue #9 probe)
+"""Question: why is the JAX MLP's fwd+bwd slower than torch's on one GPU (issue #9)?
 
 Times the bf16 MLP (T=8192, d=8192, ff=32768 by default) forward+backward on one device with
 the library's layers, and with variants that keep XLA from fusing elementwise work into the
 GEMMs, and lists the GEMM kinds in the compiled HLO (cuBLAS custom calls vs Triton GEMM
-fusions). Run each XLA-flag variant in its own process:
+fusions). Believe it only if ``tests/jax_tp_test.py`` passes. Run each XLA-flag variant in its
+own process:
 
     python benchmarks/jax_mlp_probe.py
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/jax_mlp_probe.py

@@ -1,14 +1,14 @@
-"""Resources and instruction mix of our backward kernels next to FlexAttention's (issue #8).
+"""Question: how do our compiled kernels' resources and instruction mix compare with
+FlexAttention's on the same causal problem (GPU)?
 
-Why: per-kernel timings (``gpu_attention_check.py --bwd_kernels``) put our causal backward at
-N = 32768 at dQ 12.2 ms + dK/dV 19.2 ms against Flex's whole backward 27.8 ms, with the same
-tile shapes, warps and stages (Flex's sm90 default for D = 128 is 64 x 128 / 128 x 64, 8 warps,
-3 stages). This script compiles both on the GPU machine and records, per kernel: registers,
-spills, shared memory, and the static count of each SASS opcode (from the cubin, with the
-nvdisasm that ships with Triton), so the two can be compared instruction class by instruction
-class.
+Static resources can explain a per-kernel time gap (``bwd_kernels.py``) that tile shapes,
+warps and stages do not. This compiles both on the GPU machine (one causal forward+backward,
+bf16, H=16, D=128, block 128 under the default launch policy; Flex with its defaults) and
+records per kernel: registers, spills, shared memory, the static count of each SASS opcode
+(from the cubin, with the nvdisasm that ships with Triton) and the TTGIR dots; the TTGIR of
+each kernel is written next to ``--out``.
 
-Usage (GPU machine, repo root on PYTHONPATH)::
+Believe it only if ``python -m pytest -q tests/torch_attention_test.py`` passes::
 
     python benchmarks/kernel_resources.py --out=$OUT/kernel_resources.json
 """
@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 from absl import app, flags
-from cubin_tools import sass_profile
+from cubin_tools import compiled_kernels, sass_profile
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "kernel_resources.json", "where to write the JSON")
@@ -32,32 +32,34 @@ flags.DEFINE_integer("n", 8192, "sequence length of the compiled cases (any mult
 def ours(n: int) -> list[dict]:
     import torch
 
-    from sparsetp.backends.torch import attention as tattn
     from sparsetp.core import make_layout
     from sparsetp.core import patterns as P
+    from sparsetp.kernels import abi
+    from sparsetp.torch import sparse_attention
 
     h, d = 16, 128
     layout = make_layout(P.causal(), n, h, 128)
     q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_()
-    tattn.sparse_attention(q, k, v, layout).backward(do)
+    sparse_attention(q, k, v, layout).backward(do)
     torch.cuda.synchronize()
     rows, tmp = [], tempfile.mkdtemp()
-    for desc in list(tattn._CALLS.values()):
-        for compiled in desc.compiled.values():
-            path = os.path.join(tmp, f"{desc.call.name}.cubin")
+    for name in abi.KERNEL_NAMES:
+        for i, compiled in enumerate(compiled_kernels(abi.kernel(name))):
+            path = os.path.join(tmp, f"{name}_{i}.cubin")
             with open(path, "wb") as f:
                 f.write(compiled.asm["cubin"])
             with open(os.path.join(os.path.dirname(os.path.abspath(FLAGS.out)),
-                                   f"ours_{desc.call.name}.ttgir"), "w") as f:
+                                   f"ours_{name}_{i}.ttgir"), "w") as f:
                 f.write(compiled.asm["ttgir"])
             md = compiled.metadata
-            rows.append({"impl": "sparsetp", "kernel": desc.call.name,
+            rows.append({"impl": "sparsetp", "kernel": name,
                          "num_warps": md.num_warps, "num_stages": md.num_stages,
                          "shared": md.shared, "n_regs": getattr(compiled, "n_regs", None),
                          "n_spills": getattr(compiled, "n_spills", None),
-                         "ttgir_dots": [ln.strip()[:300] for ln in compiled.asm["ttgir"].splitlines()
+                         "ttgir_dots": [ln.strip()[:300]
+                                        for ln in compiled.asm["ttgir"].splitlines()
                                         if "warp_group_dot " in ln or "tt.dot " in ln],
                          **sass_profile(path)})
     return rows

@@ -1,23 +1,27 @@
-"""Nsight Compute profile of our causal attention kernels next to FlexAttention's (issue #8).
+"""Question: what do the hardware counters say about each of our causal attention kernels next to
+FlexAttention's (GPU, Nsight Compute)?
 
-Why: with the same tiles, warps, stages and (in TTGIR) the same main loop, Flex's causal backward
-is ~11 % faster than our dQ + dK/dV (``benchmarks/KERNEL_NOTES.md``, "Per-kernel backward
-timings"). Static resources (``kernel_resources.py``) did not explain it; this records what the
-hardware counters say about each kernel: duration, SM and tensor-pipe throughput, issue-slot use,
-occupancy, L2/DRAM traffic, and the warp stall reasons.
+Duration, SM and tensor-pipe throughput, issue-slot use, occupancy, L2/DRAM traffic and the warp
+stall reasons per kernel, at ncu's fixed clocks (repeated runs agree to < 1 %, unlike boost-clock
+timings; but a kernel at the board's power cap runs slower than its fixed-clock profile says).
+Optionally per-instruction counters (``--source``), launch arms (``--arms``, the arm spec of
+``attention_common.py``; an arm runs at its layout block, ``kernel_tile=layout`` unless it says
+otherwise) and kernel versions (``--variants``, copies of ``sparsetp/kernels/attention.py``
+launched by ``kernel_versions.py``).
 
-Two modes (plus two options of the drive):
+Two modes:
 
 * ``--impl=ours`` / ``--impl=flex``: the profiled program. It warms up (compiles) one causal
   fwd+bwd (bf16, B=1, H=16, D=128, block 128, N=``--n``), then runs one more between
   ``cudaProfilerStart`` and ``cudaProfilerStop``, so only that one is profiled.
-* ``--drive`` (default): runs ``ncu`` on both programs (if an ``ncu`` is found), writes each
-  raw CSV report next to ``--out`` and a JSON summary of the chosen metrics to ``--out``. If
+* ``--drive`` (default): runs ``ncu`` on the programs (if an ``ncu`` is found), keeps each raw
+  CSV report on the machine and writes a JSON summary of the chosen metrics to ``--out``. If
   there is no ``ncu`` or it may not read the counters, the JSON says so.
 
-Usage (GPU machine, repo root on PYTHONPATH)::
+Believe it only if ``python -m pytest -q tests/torch_attention_test.py`` passes::
 
     python benchmarks/ncu_backward.py --out=$OUT/ncu_backward.json
+    python benchmarks/ncu_backward.py --noflex --arms='t64:block=64;g4:block=64,head_group=4'
 """
 
 from __future__ import annotations
@@ -39,19 +43,18 @@ flags.DEFINE_string("out", "ncu_backward.json", "where to write the JSON summary
 flags.DEFINE_integer("n", 8192, "sequence length (a multiple of 128)")
 flags.DEFINE_enum("impl", None, ["ours", "flex"], "run the profiled program of one impl")
 flags.DEFINE_integer("timeout_s", 240, "limit per ncu run")
-flags.DEFINE_list("variants", [], "variant copies of sparsetp/kernels/attention.py: profile ours "
-                  "with each swapped in too (an A/B at ncu's fixed clocks)")
-flags.DEFINE_string("variant", None, "internal: the variant file the profiled program swaps in")
+flags.DEFINE_list("variants", [], "copies of sparsetp/kernels/attention.py: profile each version "
+                  "too (an A/B at ncu's fixed clocks)")
+flags.DEFINE_string("variant", None, "internal: the kernels file the profiled program runs")
 flags.DEFINE_bool("flex", True, "profile FlexAttention too")
-flags.DEFINE_list("configs", [], "tile configs to profile ours with: tag:tile:kernel=sub/warps/"
-                  "stages[+kernel=...] (see parse_config)")
-flags.DEFINE_string("config", None, "internal: the config the profiled program runs")
+flags.DEFINE_multi_string("arms", [], "launch arms to profile ours under (attention_common's "
+                          "arm spec, ';'-separated or the flag repeated)")
+flags.DEFINE_string("arm", None, "internal: the arm the profiled program runs")
 flags.DEFINE_bool("source", False, "per-instruction counters of the backward kernels (CSV + "
                   "summary)")
 flags.DEFINE_list("source_tags", ["ours", "flex"], "runs (tags) whose per-instruction counters "
                   "--source collects")
-flags.DEFINE_string("variant_config", None, "a config (see parse_config) the --variants run "
-                    "under")
+flags.DEFINE_string("variant_arm", None, "an arm the --variants run under")
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats",
             "Occupancy", "MemoryWorkloadAnalysis", "LaunchStats")
@@ -62,36 +65,15 @@ SOURCE_KERNELS = {"ours": {"dkdv": "regex:_attn_bwd_dkdv", "dq": "regex:_attn_bw
                   "flex": {"bwd": "regex:triton_tem_fused_flex_attention_backward"}}
 
 
-def parse_config(spec: str):
-    """``tag:tile[:kernel=sub/warps/stages[+kernel=...]][:order]`` -> (tag, tile,
-    {kernel: TileConfig}, {order options}). ``tile`` is the block of the causal layout, run at
-    that tile (``layout`` = 128); kernels not named keep their default config at that tile.
-    ``order``: ``hm`` (heads one after another), ``bh`` (all heads interleaved) or ``g<G>``
-    (heads interleaved in groups of G); absent: the layout's own order.
+def _arm(spec: str | None):
+    """The arm a profiled program runs: at its layout block, pinned there unless it says
+    otherwise (a profile is of one kernel tile)."""
+    import attention_common as C
 
-    >>> parse_config("t64:64:bwd_dkdv=64/4/2")[2]["bwd_dkdv"]
-    TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, sub=64)
-    >>> parse_config("g4:64::g4")[3]
-    {'head_group': 4}
-    """
-    from sparsetp.kernels import launch as L
-
-    tag, tile, *rest = spec.split(":")
-    tile = tile if tile == "layout" else int(tile)
-    cfgs = {}
-    for part in (rest[0].split("+") if rest and rest[0] else []):
-        name, vals = part.split("=")
-        sub, warps, stages = (int(x) for x in vals.split("/"))
-        bs = 128 if tile == "layout" else tile
-        cfgs[name] = L.TileConfig(bs, bs, warps, stages, sub=sub)
-    order = rest[1] if len(rest) > 1 else ""
-    orders = {"": {}, "hm": {"work_order": "longest_first"},
-              "bh": {"work_order": "longest_first_bh"}}
-    if order.startswith("g") and order[1:].isdigit():
-        orders[order] = {"head_group": int(order[1:])}
-    if order not in orders:
-        raise ValueError(f"order must be hm, bh or g<G>, got {order!r} in {spec!r}")
-    return tag, tile, cfgs, orders[order]
+    if not spec:
+        return C.Arm("default")
+    arm = C.parse_arm(spec)
+    return C.Arm(arm.name, arm.block, {"kernel_tile": "layout", **arm.options})
 
 
 def program(impl: str, n: int) -> None:
@@ -103,23 +85,23 @@ def program(impl: str, n: int) -> None:
     for t in (q, k, v):  # all three: Flex drops the dK computation when k needs no gradient
         t.requires_grad_()
     if impl == "ours":
-        from sparsetp.backends.torch import attention as tattn
         from sparsetp.core import make_layout
         from sparsetp.core import patterns as P
-        from sparsetp.kernels import launch as L
+        from sparsetp.torch import sparse_attention
 
-        kernels = L._load_kernels(FLAGS.variant) if FLAGS.variant else {}
-        _, tile, cfgs, order = (parse_config(FLAGS.config) if FLAGS.config
-                                else (None, 128, {}, {}))
-        # The same causal mask laid out at the config's tile, run at that tile ("layout":
-        # the default policy may refine a block-128 layout, so it is pinned).
-        tile = 128 if tile == "layout" else tile
-        layout = make_layout(P.causal(), n, h, tile)
-        pin = "layout" if FLAGS.config else None
+        arm = _arm(FLAGS.arm)
+        layout = make_layout(P.causal(), n, h, arm.block)
+        if FLAGS.variant:
+            import kernel_versions
+
+            kernels = kernel_versions.load(FLAGS.variant)
+            attn = lambda: kernel_versions.attention(q, k, v, layout, kernels)[0]
+        else:
+            attn = lambda: sparse_attention(q, k, v, layout)
 
         def step():
-            with L._using_kernels(kernels), L._override(kernel_tile=pin, **order, **cfgs):
-                tattn.sparse_attention(q, k, v, layout).backward(do)
+            with arm.context():
+                attn().backward(do)
     else:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -229,13 +211,13 @@ def drive() -> None:
     else:
         # The two references first: if the call runs out of time, the comparisons lose first.
         runs = [("ours", None, None)] + ([("flex", None, None)] if FLAGS.flex else [])
-        runs += [("ours", None, c) for c in FLAGS.configs]
-        runs += [("ours", v, FLAGS.variant_config) for v in FLAGS.variants]
+        runs += [("ours", None, a) for entry in FLAGS.arms for a in entry.split(";") if a]
+        runs += [("ours", v, FLAGS.variant_arm) for v in FLAGS.variants]
         tmp = tempfile.mkdtemp()
-        for impl, variant, config in runs:
+        for impl, variant, arm in runs:
             tag = impl if variant is None else os.path.splitext(os.path.basename(variant))[0]
-            if config:
-                tag = (tag + "_" if variant else "") + parse_config(config)[0]
+            if arm:
+                tag = (tag + "_" if variant else "") + _arm(arm).name
             tag = tag.lstrip(".")
             source = FLAGS.source and tag in FLAGS.source_tags
             report = os.path.join(tmp, tag)
@@ -248,8 +230,8 @@ def drive() -> None:
                     f"--n={FLAGS.n}", "--out=/dev/null"]
             if variant:
                 cmd.append(f"--variant={os.path.abspath(variant)}")
-            if config:
-                cmd.append(f"--config={config}")
+            if arm:
+                cmd.append(f"--arm={arm}")
             env = dict(os.environ)
             if impl == "flex":  # a fresh Inductor/Triton cache: nothing stale is reused
                 cache = tempfile.mkdtemp()

@@ -1,32 +1,29 @@
 """Compile the attention kernels for sm_90 on a machine without a GPU and count what matters.
 
-Why: device time is short (30 minutes a session), but Triton compiles for any target without
-a GPU (``triton.compile`` with a ``GPUTarget``; ptxas, cuobjdump and nvdisasm ship in its
-wheel, read through ``cubin_tools.py`` as ``kernel_resources.py`` does). So the shape of the
-generated code (registers, spills, SASS opcode counts, the width of every ``cp.async`` copy) can be
-read here, for the GPU machine's Triton, before a kernel variant costs a device call. Session 9
-found this way that Triton 3.6 moves dK/dV's per-step LSE and Delta column vectors with as
-many ``cp.async`` instructions as the Q and dO tiles (8-byte copies, one set per thread;
-``benchmarks/KERNEL_NOTES.md``, "Session 9").
+Question: what code does Triton generate for each kernel (registers, spills, shared memory, SASS
+opcode counts, the width of every ``cp.async`` copy), for the GPU machine's Triton, before a
+kernel variant costs a device call? Triton compiles for any target without a GPU
+(``triton.compile`` with a ``GPUTarget``; ptxas, cuobjdump and nvdisasm ship in its wheel, read
+through ``cubin_tools.py``). Findings: ``benchmarks/KERNEL_NOTES.md``.
 
 Install the GPU machine's Triton beside the local one and point PYTHONPATH at it::
 
     pip install --target /tmp/t36 --no-deps triton==3.6.0
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/ptx_probe.py --kernels=bwd_dkdv,bwd_dq
 
-``--source`` takes a copy of ``sparsetp/kernels/attention.py`` (a variant) instead of the
-tree's. Each kernel compiles under the launch's own config for ``--dtype`` (bf16 by default)
-at ``--block`` and ``--head_dim`` (``launch.tile_config``; flags override sub, warps and
-stages); every pointer is marked 16-byte aligned and the unit strides are specialised to 1,
-as Triton does for the contiguous tensors of a real launch. ``tests/ptx_probe_test.py`` runs
-it on the CI's Triton.
+``--source`` takes a copy of ``sparsetp/kernels/attention.py`` (a variant, loaded by
+``kernel_versions.py``) instead of the tree's. Each kernel compiles under the launch's own
+config for ``--dtype`` (bf16 by default) at ``--block`` and ``--head_dim``
+(``sparsetp.kernels.tiles.tile_config``; flags override sub, warps and stages); every pointer is
+marked 16-byte aligned and the unit strides are specialised to 1, as Triton does for the
+contiguous tensors of a real launch. ``tests/ptx_probe_test.py`` runs it on the CI's Triton and
+must pass before its numbers are believed.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-import os
 import re
 import sys
 import tempfile
@@ -36,13 +33,12 @@ from cubin_tools import sass_profile
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("source", None, "a copy of sparsetp/kernels/attention.py (default: the tree's)")
-flags.DEFINE_list("kernels", ["fwd", "bwd_dq", "bwd_dkdv"], "launch names (launch.KERNEL_NAMES)"
-                  ", or fwd_split / fwd_merge (the row-splitting kernels, at the forward's and "
-                  "the preprocess's configs)")
+flags.DEFINE_list("kernels", ["fwd", "bwd_dq", "bwd_dkdv"], "kernel names "
+                  "(sparsetp.kernels.abi.KERNEL_NAMES)")
 flags.DEFINE_integer("block", 64, "kernel tile (BLOCK)")
 flags.DEFINE_integer("head_dim", 128, "HEAD_DIM")
 flags.DEFINE_integer("sub", None, "sub-tile walked per step (SUB_N / SUB_M); default: the "
-                     "launch's (launch.tile_config for bf16 on CUDA)")
+                     "launch's (tiles.tile_config on CUDA)")
 flags.DEFINE_integer("num_warps", None, "warps; default: the launch's")
 flags.DEFINE_integer("num_stages", None, "pipeline stages; default: the launch's")
 flags.DEFINE_integer("capability", 90, "CUDA compute capability of the target")
@@ -53,22 +49,25 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32", "float
 
 # Arguments by role; anything else that is not a constexpr is an int32 scalar.
 _INPUT = {"Q", "K", "V", "DO", "DQ", "DK", "DV", "Out"}  # the input dtype
-# The statistics dtype; DQA: the fp32 dQ of an atomic-dQ variant (session 10); AccP, MP, LP:
-# the split forward's scratch.
-_STATS = {"LSE", "Delta", "DQA", "AccP", "MP", "LP"}
+_STATS = {"LSE", "Delta"}  # the statistics dtype (abi.stats_dtype)
 _PTR = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "float64": "*fp64"}
-# The row-splitting kernels launch with the forward's and the preprocess's configs (launch.py).
-_CONFIG_OF = {"fwd_split": "fwd", "fwd_merge": "bwd_preprocess"}
 _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dqd",
                  "stride_dkd", "stride_dvd", "stride_ln", "stride_mw", "stride_ik"}
 
 
 def _kernels(source: str | None) -> dict:
-    # Compiled (not interpreted) kernel objects even without a GPU: this tool only compiles.
-    os.environ["SPARSETP_INTERPRET"] = "0"
-    from sparsetp.kernels import launch as L
+    from sparsetp.kernels import abi, interpreter
 
-    return dict(L._KERNELS) if source is None else L._load_kernels(source)
+    if source is None:
+        kernels = {name: abi.kernel(name) for name in abi.KERNEL_NAMES}
+    else:
+        import kernel_versions  # imports torch: only for a variant
+
+        kernels = kernel_versions.load(source)
+    if any(interpreter.is_interpreted(k) for k in kernels.values()):
+        raise SystemExit("the kernels were created interpreted (TRITON_INTERPRET=1): unset it, "
+                         "this tool compiles them")
+    return kernels
 
 
 def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages: int,
@@ -79,11 +78,11 @@ def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from sparsetp.kernels import launch as L
+    from sparsetp.kernels import abi
 
     names = fn.arg_names
-    constexprs = {"BLOCK": block, "HEAD_DIM": head_dim, "MASK_WORDS": max(1, block // 32),
-                  "DOT_PRECISION": L.dot_precision(dtype), "DOT_UPCAST": False,
+    constexprs = {"BLOCK": block, "HEAD_DIM": head_dim, "MASK_WORDS": abi.mask_words(block),
+                  "DOT_PRECISION": abi.dot_precision(dtype), "DOT_UPCAST": False,
                   "ORDERED": True, "ALIGNED": True,
                   "SUB_N": sub, "SUB_M": sub}
     constexprs = {k: v for k, v in constexprs.items() if k in names}
@@ -95,7 +94,7 @@ def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages
         elif n in _INPUT:
             sig[n] = _PTR[dtype]
         elif n in _STATS:
-            sig[n] = _PTR[L.stats_dtype(dtype)]
+            sig[n] = _PTR[abi.stats_dtype(dtype)]
         elif n in ("sm_scale", "sm_scale_lo"):
             sig[n] = "fp32"
         elif n.startswith(("q_", "k_")) or n == "masks":
@@ -123,13 +122,15 @@ def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages
 
 def main(argv):
     del argv
+    from sparsetp.kernels.tiles import tile_config
+
     kernels = _kernels(FLAGS.source)
     out = {}
-    from sparsetp.kernels import launch as L
-
     for name in FLAGS.kernels:
-        cfg = L.tile_config(_CONFIG_OF.get(name, name), head_dim=FLAGS.head_dim,
-                            dtype=FLAGS.dtype, block_size=FLAGS.block, device_kind="cuda")
+        if name not in kernels:
+            raise app.UsageError(f"--kernels: {name!r} is not one of {sorted(kernels)}")
+        cfg = tile_config(name, head_dim=FLAGS.head_dim, dtype=FLAGS.dtype,
+                          block_size=FLAGS.block, device_kind="cuda")
         config = {"sub": FLAGS.sub or cfg.sub, "num_warps": FLAGS.num_warps or cfg.num_warps,
                   "num_stages": FLAGS.num_stages or cfg.num_stages}
         out[name] = {**config, **probe(kernels[name], block=FLAGS.block, head_dim=FLAGS.head_dim,

@@ -1,7 +1,8 @@
 """sparsetp for JAX: the same Triton kernels and the same block, with ``shard_map`` parallelism.
 
 On GPU the kernels launch through jax-triton; on CPU through Triton's interpreter inside
-``jax.experimental.buffer_callback`` (for correctness, not speed).
+``jax.experimental.buffer_callback`` (for correctness, not speed), chosen per platform in one
+process (:mod:`sparsetp._runtime`).
 
 >>> import numpy as np
 >>> from sparsetp.core import make_layout, patterns as P

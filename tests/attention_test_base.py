@@ -15,13 +15,25 @@ so pytest does not collect the base itself) and implements the hooks below on nu
 * ``call_raw(q, k, v, layout, **kwargs)``: call the op on numpy arrays converted to the
   backend's arrays *keeping their numpy dtype* (float16, float32, int32, ...), for the
   bad-input tests. Errors must be ``ValueError`` naming the offending argument.
+* ``device_kind``: the kernel device kind the backend's launches run (``"cuda"``: compiled
+  kernels, ``"interpreter"``: Triton's interpreter; :mod:`sparsetp._runtime` states the rule).
+* ``poisons_outputs``: False where the backend cannot pre-fill its outputs (JAX on a GPU:
+  jax-triton allocates them); the poisoned-output test then runs on the CPU class only.
+
+Devices: every backend runs this base on CPU arrays (the interpreter) always, and on GPU arrays
+(compiled kernels) in a subclass that skips with "needs a CUDA GPU" where there is none. GPU
+subclasses derive from :class:`CompiledAttentionTestBase`, which adds the GPU-only cases
+(every example pattern at N=1024 in bfloat16 and float16, head dims 64 and 128).
+
+Abstract bases set ``__test__ = False`` in their own body (pytest collects every TestCase of a
+file it is given, this one included); every other subclass is collected.
 
 Every numeric test compares against the float64 oracle :mod:`sparsetp.core.reference` with the
 tolerance table of :mod:`testing_utils` (rtol = atol / 10, gradients at 2 * atol).
 
-CI cost: the interpreter costs ~10-30 ms per computed tile per pass on 2 cores, so the matrix
-is sparse: every example pattern at one small ragged shape, and dtypes / block sizes / head
-dims on a few patterns each.
+CI cost (CPU classes): the interpreter costs ~10-30 ms per computed tile per pass on 2 cores,
+so the matrix is sparse: every example pattern at one small ragged shape, and dtypes / block
+sizes / head dims on a few patterns each.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from absl.testing import parameterized
 
 from sparsetp.core import make_layout, reference
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
-from sparsetp.kernels import launch as kl
+from sparsetp.kernels import options, schedule
 
 # (pattern, seq_len, block_size, batch, heads, head_dim, dtype, scale): seq_len is mostly not a
 # multiple of the block size (ragged last tile).
@@ -51,11 +63,25 @@ SHAPE_CASES = (
 
 PATTERN_SHAPE = dict(seq_len=150, block_size=32, batch=1, heads=3, head_dim=32)
 
+# GPU-only cases (CompiledAttentionTestBase): every example pattern, compiled kernels vs the
+# float64 oracle at a moderate size, in both half-precision dtypes and the two head dims the
+# tile heuristic treats apart; block 64 at D=64 and 128 at D=128 (both layout blocks).
+COMPILED_SHAPE = dict(seq_len=1024, batch=1, heads=2)
+COMPILED_CASES = tuple((name, dtype, d) for name in sorted(EXAMPLE_PATTERNS)
+                       for dtype in ("bfloat16", "float16") for d in (64, 128))
+
 
 class AttentionTestBase(parameterized.TestCase):
     """Shared correctness tests; see the module docstring for the hooks to implement."""
 
+    __test__ = False  # abstract; see the module docstring
     dtypes: tuple[str, ...] = ()
+    device_kind: str = "interpreter"
+    poisons_outputs: bool = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__test__ = cls.__dict__.get("__test__", True)
 
     # ------------------------------------------------------------------ hooks
     def forward(self, q, k, v, layout, scale, dtype):
@@ -113,28 +139,22 @@ class AttentionTestBase(parameterized.TestCase):
     def test_shapes_and_dtypes(self, name, n, bs, b, h, d, dtype, scale):
         self._check_all(name, n, bs, b, h, d, dtype, scale=scale, seed=n + bs + d)
 
-    # (pattern, seq_len, block, heads, head_dim, scale, split cap): float64 at float64's
-    # tolerance (1e-10; fp32 constants in the kernels used to leave ~1e-7). D=128 and D=32 have
-    # irrational default scales; the last case runs the split forward and its merge.
+    # (pattern, seq_len, block, heads, head_dim, scale): float64 at float64's tolerance (1e-10;
+    # fp32 constants in the kernels used to leave ~1e-7). D=128 and D=32 have irrational default
+    # scales.
     @parameterized.named_parameters(
-        ("causal_d128", "causal", 90, 32, 1, 128, None, None),
-        ("bigbird_d32", "bigbird", 130, 32, 2, 32, None, None),
-        ("masked_rows_d16", "masked_rows", 70, 16, 2, 16, 0.3, None),
-        ("longformer_split", "longformer", 96, 16, 1, 32, None, 2),
+        ("causal_d128", "causal", 90, 32, 1, 128, None),
+        ("bigbird_d32", "bigbird", 130, 32, 2, 32, None),
+        ("masked_rows_d16", "masked_rows", 70, 16, 2, 16, 0.3),
     )
-    def test_float64_matches_oracle(self, name, n, bs, h, d, scale, cap):
+    def test_float64_matches_oracle(self, name, n, bs, h, d, scale):
         """float64 inputs against the float64 oracle: the scale and the base-2 constants reach
-        the fp64 kernels in fp64 (``launch.scale_args``, ``attention._stats_const``)."""
+        the fp64 kernels in fp64 (``abi.scale_args``, ``attention._stats_const``)."""
         layout, q, k, v, d_out = self._case(name, n, bs, 1, h, d, "float64", seed=n + d)
         tag = f"float64 {name} N={n} bs={bs} D={d}"
         with self.float64_context():
-            if cap is None:
-                self._check_forward(layout, q, k, v, scale, "float64", tag)
-                self._check_backward(layout, q, k, v, scale, "float64", d_out, tag)
-            else:
-                self.assertGreater(int(layout.metadata()["q_count"].max()), 2 * cap)
-                with kl._override(split_cap=cap):
-                    self._check_forward(layout, q, k, v, scale, "float64", f"{tag} C={cap}")
+            self._check_forward(layout, q, k, v, scale, "float64", tag)
+            self._check_backward(layout, q, k, v, scale, "float64", d_out, tag)
 
     def test_fully_masked_rows(self):
         """Rows with no allowed key: output exactly 0, LSE -inf, zero gradients, no NaN."""
@@ -184,6 +204,9 @@ class AttentionTestBase(parameterized.TestCase):
 
     def test_poisoned_outputs(self):
         """Outputs pre-filled with NaN: every element must be written (ragged N, sparse rows)."""
+        if not self.poisons_outputs:
+            self.skipTest("this backend cannot pre-fill its outputs on this device; its CPU "
+                          "class runs the test")
         for name in ("causal", "bigbird", "masked_rows"):
             with self.subTest(pattern=name):
                 layout, q, k, v, d_out = self._case(name, 75, 32, 2, 2, 16, "float32", seed=5)
@@ -204,47 +227,19 @@ class AttentionTestBase(parameterized.TestCase):
                 for a, b in zip(first, second, strict=True):
                     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    # (pattern, seq_len, block, heads, head_dim, dtype index, cap): global rows (bigbird,
-    # longformer) split into several chunks, rows with no key (masked_rows) at cap 1.
-    @parameterized.named_parameters(
-        ("bigbird_cap2", "bigbird", 192, 32, 2, 16, 0, 2),
-        ("longformer_cap2", "longformer", 160, 32, 1, 32, -1, 2),
-        ("masked_rows_cap1", "masked_rows", 90, 32, 2, 16, 0, 1),
-    )
-    def test_split_forward(self, name, n, bs, h, d, dtype_index, cap):
-        """Row splitting (launch option split_cap): out and LSE vs the oracle with outputs and
-        scratch poisoned, rows split into several chunks; deterministic; with a cap no row
-        exceeds, bitwise equal to the unsplit forward (one chunk merges exactly)."""
-        dtype = self.dtypes[dtype_index]
-        layout, q, k, v, _ = self._case(name, n, bs, 1, h, d, dtype, seed=n + cap)
-        counts = layout.metadata()["q_count"]
-        if name != "masked_rows":  # its rows list <= 1 tile: it tests empty rows (count 0)
-            self.assertGreater(int(counts.max()), 2 * cap)  # some row has >= 3 chunks
-        with kl._override(split_cap=cap), self.poison_outputs():
-            out, lse = self._check_forward(layout, q, k, v, 0.5, dtype, f"split {name} C={cap}")
-            again = self.forward(q, k, v, layout, 0.5, dtype)
-        for a, b in zip((out, lse), again, strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        dead = ~layout.dense_mask().any(-1)
-        np.testing.assert_array_equal(np.asarray(out, np.float64)[:, dead], 0.0)
-        np.testing.assert_array_equal(np.asarray(lse, np.float64)[:, dead], -np.inf)
-        if name == "masked_rows":
-            self.assertTrue(dead.any())
-            with kl._override(split_cap=int(counts.max())):
-                whole = self.forward(q, k, v, layout, 0.5, dtype)
-            plain = self.forward(q, k, v, layout, 0.5, dtype)
-            for a, b in zip(whole, plain, strict=True):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
     def test_larger_kernel_tile(self):
-        """Layouts launched at a kernel tile larger than their block (launch.kernel_layout, the
-        GPU's default for small blocks, forced here): out, LSE and gradients vs the oracle of
-        the layout as given, outputs poisoned; a ragged N and a partial row of kernel tiles."""
+        """Layouts launched at a kernel tile larger than their block (schedule.kernel_layout,
+        the GPU's default for small blocks, forced here): out, LSE and gradients vs the oracle
+        of the layout as given, outputs poisoned (where the backend can); a ragged N and a
+        partial row of kernel tiles."""
         for name, bs in (("local", 16), ("causal", 32), ("masked_rows", 32)):
             with self.subTest(pattern=name, block=bs):
                 layout, q, k, v, d_out = self._case(name, 100, bs, 1, 2, 16, "float32", seed=bs)
-                with kl._override(kernel_tile=64), self.poison_outputs():
-                    self.assertEqual(kl.kernel_layout(layout, "interpreter").block_size, 64)
+                poison = (self.poison_outputs() if self.poisons_outputs
+                          else contextlib.nullcontext())
+                with options.launch_options(kernel_tile=64), poison:
+                    self.assertEqual(
+                        schedule.kernel_layout(layout, self.device_kind).block_size, 64)
                     tag = f"{name} bs={bs} kernel tile 64"
                     self._check_forward(layout, q, k, v, None, "float32", tag)
                     self._check_backward(layout, q, k, v, None, "float32", d_out, tag)
@@ -296,3 +291,21 @@ class AttentionTestBase(parameterized.TestCase):
             arrays[name] = arr.astype(spec.get(f"{name}_dtype", np.float32))
         with self.assertRaisesRegex(ValueError, regex):
             self.call_raw(arrays["q"], arrays["k"], arrays["v"], layout)
+
+
+class CompiledAttentionTestBase(AttentionTestBase):
+    """:class:`AttentionTestBase` plus the GPU-only cases; GPU subclasses derive from this."""
+
+    __test__ = False  # abstract; see the module docstring
+
+    @parameterized.named_parameters(
+        (f"{name}_{dtype}_d{d}", name, dtype, d) for name, dtype, d in COMPILED_CASES)
+    def test_compiled_example_pattern(self, name, dtype, d):
+        """Compiled kernels vs the float64 oracle: out, LSE, dq, dk, dv at N=1024 (a size the
+        interpreter cannot afford), in the precision the GPU runs."""
+        if self.device_kind != "cuda":  # SPARSETP_INTERPRET=1 / TRITON_INTERPRET=1 process
+            self.skipTest("compiled kernels only: this process forces the interpreter")
+        s = COMPILED_SHAPE
+        bs = 64 if d == 64 else 128
+        self._check_all(name, s["seq_len"], bs, s["batch"], s["heads"], d, dtype,
+                        seed=len(name) + d)

@@ -1,7 +1,8 @@
 """The attention benchmark tool (``python -m sparsetp.bench attention``): its CPU preset runs
 end to end, and what it records is consistent with the layouts and with its own timings.
 
-The CPU preset runs once in-process (Triton interpreter, tiny shapes, ~25 s on 2 cores); the
+The CPU preset runs once in-process on CPU tensors and CPU JAX arrays, whatever GPUs the machine
+has (Triton interpreter, tiny shapes, ~25 s on 2 cores); the
 tests then check the JSON it wrote, the derived numbers, the targets logic (on synthetic GPU
 records, since no GPU numbers exist here), the Flex mask_mods and block lists (against the
 layouts, on CPU tensors), the markdown and the plots.
@@ -53,6 +54,12 @@ class CpuPresetTest(parameterized.TestCase):
         self.assertEqual((s["preset"], s["device_kind"]), ("cpu", "cpu"))
         self.assertTrue(s["interpreter"])
         self.assertIn("torch", s["versions"])
+        # A CPU run names the CPU as its device, on a GPU machine too.
+        self.assertTrue(s["versions"]["device"].startswith("cpu ("), s["versions"]["device"])
+        jax_recs = [r for r in self.timed() if r["impl"] == "sparsetp_jax"]
+        self.assertNotEmpty(jax_recs)
+        for r in jax_recs:
+            self.assertEqual(r["jax_platform"], "cpu")
         self.assertEqual(s["errors"], [])  # every CPU implementation must run at these sizes
         self.assertEqual(s["skipped"], [])
         jobs = {(sec, i, tuple(sorted(c.items()))) for sec, c, i in A._jobs(self.cfg)}
@@ -221,6 +228,24 @@ def _rec(impl, pattern, n, fwd, fwd_bwd, block=128, elements=None, **extra):
          "flop_elements": elements or 10**9, "computed_elements": elements or 10**9}
     r.update(extra)
     return r
+
+
+class DeviceRuleTest(absltest.TestCase):
+    def test_preset_and_device_flags(self):
+        """--device=auto: the cpu preset on CPU (GPU machine too), the GPU presets on the GPU
+        when there is one; --preset=auto follows the device; an explicit --device wins."""
+        rule = A.resolve_device
+        for has_cuda in (False, True):
+            self.assertEqual(rule("cpu", "auto", has_cuda), ("cpu", "cpu"))
+            self.assertEqual(rule("targets", "cpu", has_cuda), ("targets", "cpu"))
+        self.assertEqual(rule("auto", "auto", True), ("targets", "cuda"))
+        self.assertEqual(rule("auto", "auto", False), ("cpu", "cpu"))
+        self.assertEqual(rule("targets", "auto", True), ("targets", "cuda"))
+        self.assertEqual(rule("sweep", "auto", False), ("sweep", "cpu"))
+        self.assertEqual(rule("cpu", "cuda", True), ("cpu", "cuda"))
+        self.assertEqual(rule("auto", "cpu", True), ("cpu", "cpu"))
+        with self.assertRaisesRegex(RuntimeError, "--device=cuda but torch sees no GPU"):
+            rule("cpu", "cuda", False)
 
 
 class TargetsTest(absltest.TestCase):

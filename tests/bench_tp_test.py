@@ -1,5 +1,9 @@
 """``python -m sparsetp.bench tp --preset=cpu`` end to end (gloo, 2 processes, JAX 2 host devices).
 
+The ``cpu`` preset runs on CPU ranks on any machine (``tp.resolve_device``: a GPU machine too),
+so these checks hold on a one-GPU machine as on a CPU one; the same tool on 2 GPUs (NCCL, JAX on
+the GPUs) runs only where torch sees 2 GPUs.
+
 The CPU numbers themselves mean nothing (2 cores shared by the ranks); what is checked is that
 the tool measures what it says: every stage is present and passed, efficiencies are computed
 from the recorded times, per-GPU parameter and saved-activation bytes equal what the parameter
@@ -17,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 from absl.testing import absltest
 
 from sparsetp.bench import tp
@@ -25,6 +30,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL_STAGES = ["comm", "torch_mlp", "torch_overlap", "dtensor", "ddp", "pipeline", "torch_block",
               "jax:jax_mlp", "jax:jax_dp", "jax:jax_block", "jax_lhs_on:jax_mlp_world",
               "jax_lhs_off:jax_mlp_world"]
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _bench(out_dir, *extra, timeout=240):
@@ -53,6 +62,14 @@ class BenchTpTest(absltest.TestCase):
             self.assertTrue(stages[name]["ok"], f"{name}: {stages[name].get('error')}")
         self.assertEqual(self.res["failed_or_skipped"], [])
         self.assertEqual(self.spec["world"], 2)
+        # The cpu preset ran on CPU, whatever GPUs the machine has, and says so.
+        self.assertEqual(self.spec["device"], "cpu")
+        self.assertTrue(self.res["versions"]["device"].startswith("cpu ("),
+                        self.res["versions"]["device"])
+        self.assertEqual(self.res["versions"]["gpus_visible"], _gpus())
+        for name in ("jax:jax_mlp", "jax:jax_block"):
+            self.assertTrue(all(d.startswith("cpu") for d in stages[name]["devices"]),
+                            stages[name]["devices"])
 
     def test_efficiency_is_computed_from_the_times(self):
         rows = [r for r in self.res["rows"] if "efficiency" in r]
@@ -167,6 +184,48 @@ class BenchTpTest(absltest.TestCase):
             self.assertFalse(entry["ok"])
             self.assertTrue(entry.get("skipped") or entry.get("error"), name)
         self.assertEqual(res["rows"], [])
+
+
+class DeviceRuleTest(absltest.TestCase):
+    def test_preset_picks_the_device(self):
+        """cpu preset on CPU ranks (GPU machine or not); gpu2 one rank per GPU, 2 GPUs needed;
+        an explicit --device wins; every failure names what it needs."""
+        rule = tp.resolve_device
+        for gpus in (0, 1, 2, 8):
+            self.assertEqual(rule("cpu", "auto", gpus, None), ("cpu", 4))
+            self.assertEqual(rule("cpu", "auto", gpus, 2), ("cpu", 2))
+            self.assertEqual(rule("gpu2", "cpu", gpus, None), ("cpu", 4))
+        self.assertEqual(rule("gpu2", "auto", 2, None), ("cuda", 2))
+        self.assertEqual(rule("gpu2", "auto", 8, None), ("cuda", 8))
+        self.assertEqual(rule("cpu", "cuda", 2, 2), ("cuda", 2))
+        for preset, device, gpus, world, need in (("gpu2", "auto", 1, None, 2),
+                                                  ("gpu2", "auto", 0, None, 2),
+                                                  ("cpu", "cuda", 2, None, 4),
+                                                  ("gpu2", "cuda", 2, 4, 4)):
+            with self.assertRaisesRegex(ValueError, f"--preset={preset} on the GPUs needs "
+                                                    f"{need} GPUs \\(one rank each\\); torch "
+                                                    f"sees {gpus}"):
+                rule(preset, device, gpus, world)
+        with self.assertRaisesRegex(ValueError, "needs at least 2 ranks"):
+            rule("cpu", "auto", 1, 1)
+        with self.assertRaisesRegex(ValueError, "--preset must be one of"):
+            rule("gpu1", "auto", 1, None)
+
+
+@absltest.skipIf(_gpus() < 2, f"needs 2 GPUs (NCCL ranks, JAX on the GPUs); torch sees {_gpus()}")
+class BenchTpTwoGpuTest(absltest.TestCase):
+    def test_cpu_shapes_on_two_gpus(self):
+        """The tool's GPU path at the cpu preset's tiny shapes: NCCL ranks, JAX on 2 GPUs."""
+        out_dir = tempfile.mkdtemp(prefix="bench_tp_gpu_")
+        proc, res = _bench(out_dir, "--device=cuda", "--notp_jax_variants", timeout=400)
+        self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-4000:])
+        self.assertEqual((res["spec"]["device"], res["spec"]["world"]), ("cuda", 2))
+        self.assertEqual(res["failed_or_skipped"], [])
+        self.assertEqual(res["versions"]["device_count"], _gpus())
+        for name in ("jax:jax_mlp", "jax:jax_block"):
+            self.assertTrue(all(d.startswith(("cuda", "gpu"))
+                                for d in res["stages"][name]["devices"]),
+                            res["stages"][name]["devices"])
 
 
 if __name__ == "__main__":

@@ -15,3 +15,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/ helpers (no package)
 from jax_test_utils import ensure_cpu_devices  # noqa: E402
 
 ensure_cpu_devices()
+
+
+def pytest_report_header(config):
+    """The versions this run used, first thing in the log (tests/versions_test.py checks them)."""
+    from versions_test import installed_versions  # noqa: PLC0415
+
+    return "sparsetp ran with: " + ", ".join(
+        f"{n} {v}" for n, v in sorted(installed_versions().items()))

@@ -1,9 +1,20 @@
-"""A small multi-process harness for torch.distributed tests (gloo on CPU).
+"""A small multi-process harness for torch.distributed tests (NCCL on GPUs, gloo on CPU).
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh processes (spawn start
 method), each joining its OWN process group on a free localhost port, runs
 ``fn(rank, world_size, *args)`` in each and returns the per-rank results (rank order; they must
-pickle). It never hangs and never leaks processes:
+pickle).
+
+Devices (the suite's rule, :func:`backend_for`): a run of ``world_size`` ranks uses NCCL with one
+GPU per rank when torch sees at least ``world_size`` GPUs, else gloo with every rank on the CPU
+(CPU tensors: the kernels run in Triton's interpreter). The rank functions create their tensors
+on torch's default device, which the harness sets in each rank: ``cuda:<rank>`` under NCCL,
+``cpu`` under gloo (explicitly, whatever the machine has). A test that compares runs of several
+sizes picks one backend for all of them, ``backend_for(largest size)``, so that one device type
+computes every number it compares. ``backend="nccl"`` with too few GPUs is an error, not a
+silent fallback.
+
+It never hangs and never leaks processes:
 
 * a rank that raises sends its traceback; the harness kills the other ranks at once (they may
   be blocked in a collective waiting for it) and raises :class:`RankFailedError` with it;
@@ -15,8 +26,7 @@ A rank that succeeded passes a barrier before ``destroy_process_group``: without
 teardown aborted in about 1 of 4 otherwise passing runs.
 
 ``fn`` must be a module-level function (it is pickled by name). Each rank uses one intra-op
-thread (several ranks share few cores). With ``backend="nccl"`` rank r uses GPU r, made torch's
-default device.
+thread (several ranks share few cores).
 
 Example::
 
@@ -37,7 +47,8 @@ import socket
 import time
 import traceback
 
-__all__ = ["run_distributed", "RankFailedError", "RankTimeoutError", "free_port"]
+__all__ = ["run_distributed", "backend_for", "gpu_count", "generator", "RankFailedError",
+           "RankTimeoutError", "free_port"]
 
 
 class RankFailedError(AssertionError):
@@ -55,6 +66,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gpu_count() -> int:
+    """GPUs torch sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def backend_for(world_size: int) -> str:
+    """The process-group backend a test of ``world_size`` ranks runs on: "nccl" (one GPU per
+    rank) when torch sees ``world_size`` GPUs and has NCCL, else "gloo" (CPU ranks).
+
+    >>> backend_for(2)        # "gloo" on a CPU machine or one with a single GPU
+    """
+    import torch.distributed as dist
+
+    return "nccl" if gpu_count() >= world_size and dist.is_nccl_available() else "gloo"
+
+
+def generator(seed: int):
+    """A ``torch.Generator`` seeded ``seed`` on torch's default device: in a rank function, the
+    rank's device (the same draws on every rank of one backend)."""
+    import torch
+
+    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
+
 def _worker(rank, world_size, port, backend, timeout, fn, args, results):
     try:
         import torch
@@ -64,6 +101,8 @@ def _worker(rank, world_size, port, backend, timeout, fn, args, results):
         if backend == "nccl":  # one GPU per rank; tensors the rank creates land on it
             torch.cuda.set_device(rank)
             torch.set_default_device(f"cuda:{rank}")
+        else:  # CPU ranks, even where GPUs are visible
+            torch.set_default_device("cpu")
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout))
@@ -77,8 +116,17 @@ def _worker(rank, world_size, port, backend, timeout, fn, args, results):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
-                    backend: str = "gloo") -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; per-rank results."""
+                    backend: str | None = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; per-rank results.
+
+    ``backend=None`` takes :func:`backend_for` ``(world_size)``; "gloo" runs CPU ranks anywhere;
+    "nccl" needs ``world_size`` GPUs (ValueError otherwise, before any process starts)."""
+    backend = backend or backend_for(world_size)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and gpu_count() < world_size:
+        raise ValueError(f"backend='nccl' with {world_size} ranks needs {world_size} GPUs; "
+                         f"torch sees {gpu_count()}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

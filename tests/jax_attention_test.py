@@ -1,9 +1,13 @@
 """JAX frontend of block-sparse attention: the shared AttentionTestBase plus JAX-only tests.
 
-Every numeric hook runs under ``jax.jit`` (layout metadata as operands). On CPU the kernels run
-in Triton's interpreter through ``buffer_callback``; the JAX-only tests cover ``shard_map``
-with heads split over 2 and 4 host devices (both ways of giving each shard its heads' metadata),
-the no-retrace property, the LSE cotangent and ``jit(grad(...))``.
+Every numeric hook runs under ``jax.jit`` (layout metadata as operands), on CPU arrays (Triton's
+interpreter through ``buffer_callback``) always and on GPU arrays (the compiled kernels through
+jax-triton) where ``jax.devices("gpu")`` has a device; the GPU class skips with "needs a CUDA
+GPU" elsewhere and adds the GPU-only cases (``attention_test_base.CompiledAttentionTestBase``).
+Arrays are placed explicitly (``jax.device_put`` and ``jax.default_device``), so on a GPU
+machine the CPU classes really run on CPU. The JAX-only tests (CPU) cover ``shard_map`` with
+heads split over 2 and 4 host devices (both ways of giving each shard its heads' metadata), the
+no-retrace property, the LSE cotangent and ``jit(grad(...))``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ ensure_cpu_devices()
 
 import contextlib  # noqa: E402
 import functools  # noqa: E402
+import unittest  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import attention_test_base as base  # noqa: E402
@@ -34,11 +39,20 @@ from sparsetp.backends.jax.block import make_mesh  # noqa: E402
 from sparsetp.core import make_layout, reference  # noqa: E402
 from sparsetp.core import patterns as PT  # noqa: E402
 from sparsetp.core.examples import example_pattern  # noqa: E402
-from sparsetp.kernels import launch as kl  # noqa: E402
+from sparsetp.kernels import options  # noqa: E402
+from sparsetp.kernels.tiles import TileConfig  # noqa: E402
 
 
-def _to(x: np.ndarray, dtype: str) -> jax.Array:
-    return jnp.asarray(x).astype(jnp.dtype(dtype))
+def _gpu_devices() -> list:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:  # this JAX has no GPU backend
+        return []
+
+
+CPU = jax.devices("cpu")[0]
+GPUS = _gpu_devices()
+NEEDS_GPU = "needs a CUDA GPU (jax.devices('gpu') is empty)"
 
 
 def _np(a) -> np.ndarray:
@@ -47,41 +61,68 @@ def _np(a) -> np.ndarray:
 
 
 def _jitted(scale, return_lse=True):
-    # The split_cap launch option is read at trace time, so it keys the jit cache too.
-    return _jitted_for(scale, return_lse, kl.fwd_split_cap())
+    # Launch options are read at trace time, so they key the jit cache too.
+    return _jitted_for(scale, return_lse, options.current().key())
 
 
 @functools.cache
-def _jitted_for(scale, return_lse, split_cap):
-    del split_cap  # only a cache key
+def _jitted_for(scale, return_lse, options_key):
+    del options_key  # only a cache key
     return jax.jit(functools.partial(jattn.sparse_attention, scale=scale, return_lse=return_lse))
 
 
-class JaxSparseAttentionTest(base.AttentionTestBase):
+class _JaxHooks:
+    """AttentionTestBase's hooks for JAX arrays on one device of ``platform``."""
+
+    platform: str  # "cpu" or "gpu"
     dtypes = ("float32", "bfloat16")
 
+    def setUp(self):
+        super().setUp()
+        self.device = CPU if self.platform == "cpu" else GPUS[0]
+        # Arrays the code under test creates (layout metadata, zeros) land here too.
+        self.enter_context(jax.default_device(self.device))
+
+    @property
+    def device_kind(self) -> str:
+        return "cuda" if self.platform == "gpu" and jlaunch.gpu_path() else "interpreter"
+
+    @property
+    def poisons_outputs(self) -> bool:
+        # The interpreter path allocates its outputs NaN-filled; jax-triton allocates its own.
+        return self.device_kind == "interpreter"
+
+    def _to(self, x: np.ndarray, dtype: str) -> jax.Array:
+        return jax.device_put(np.asarray(x), self.device).astype(jnp.dtype(dtype))
+
+    def _on_device(self, *arrays):
+        for a in arrays:
+            self.assertEqual(a.devices(), {self.device})
+
     def forward(self, q, k, v, layout, scale, dtype):
-        out, lse = _jitted(scale)(_to(q, dtype), _to(k, dtype), _to(v, dtype),
+        out, lse = _jitted(scale)(self._to(q, dtype), self._to(k, dtype), self._to(v, dtype),
                                   jattn.layout_arrays(layout))
         self.assertEqual(out.dtype, jnp.dtype(dtype))
+        self._on_device(out, lse)
         return _np(out), _np(lse)
 
     def backward(self, q, k, v, layout, scale, dtype, d_out):
         lay = jattn.layout_arrays(layout)
         fn = _jitted(scale, return_lse=False)
-        _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), _to(q, dtype), _to(k, dtype),
-                         _to(v, dtype))
-        dq, dk, dv = vjp(_to(d_out, dtype))
+        _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), self._to(q, dtype),
+                         self._to(k, dtype), self._to(v, dtype))
+        dq, dk, dv = vjp(self._to(d_out, dtype))
         for g in (dq, dk, dv):
             self.assertEqual(g.dtype, jnp.dtype(dtype))
+        self._on_device(dq, dk, dv)
         return _np(dq), _np(dk), _np(dv)
 
     @contextlib.contextmanager
     def poison_outputs(self):
         # The interpreter path allocates every kernel output NaN-filled (ints: -2**31) always;
         # check that every launch in the block really went through that allocation.
-        self.assertTrue(jlaunch.is_interpreted(jattn._kl.kernel("fwd")),
-                        "poisoned outputs are a property of the interpreter path")
+        self.assertEqual(self.device_kind, "interpreter",
+                         "poisoned outputs are a property of the interpreter path")
         calls = []
         real = jlaunch._poisoned
 
@@ -100,8 +141,47 @@ class JaxSparseAttentionTest(base.AttentionTestBase):
         return jax.enable_x64(True)
 
     def call_raw(self, q, k, v, layout, **kwargs):
-        return jattn.sparse_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), layout,
-                                      **kwargs)
+        q, k, v = (jax.device_put(x, self.device) for x in (q, k, v))
+        return jattn.sparse_attention(q, k, v, layout, **kwargs)
+
+
+class JaxCpuAttentionTest(_JaxHooks, base.AttentionTestBase):
+    """CPU arrays: the kernels in Triton's interpreter."""
+
+    platform = "cpu"
+
+
+@unittest.skipUnless(GPUS, NEEDS_GPU)
+class JaxGpuAttentionTest(_JaxHooks, base.CompiledAttentionTestBase):
+    """GPU arrays: the compiled kernels (jax-triton), plus the GPU-only cases."""
+
+    platform = "gpu"
+
+    def test_one_jitted_function_on_cpu_and_gpu_arrays(self):
+        """One jitted function, staged for both platforms (jax.lax.platform_dependent): CPU
+        arrays run the interpreter, GPU arrays the compiled kernels; both match the oracle."""
+        layout, q, k, v, d_out = _per_head_case(n=128, bs=32, b=1, h=2, seed=12)
+        fn = jax.jit(functools.partial(jattn.sparse_attention, return_lse=True))
+        lay = jattn.layout_arrays(layout)
+        for device in (CPU, self.device):
+            with self.subTest(platform=device.platform):
+                args = [jax.device_put(x, device) for x in (q, k, v)]
+                lay_d = jax.device_put(lay, device)
+                (out, lse), vjp = jax.vjp(lambda q, k, v, lay_d=lay_d: fn(q, k, v, lay_d), *args)
+                grads = vjp((jax.device_put(d_out, device),
+                             jax.device_put(np.zeros(lse.shape, np.float32), device)))
+                for a in (out, lse, *grads):
+                    self.assertEqual(a.devices(), {device})
+                _check(layout, q, k, v, d_out, out, lse, grads, tag=device.platform)
+
+
+def _check(layout, q, k, v, d_out, out, lse, grads, scale=None, tag=""):
+    ref_out, ref_lse = reference.attention(q, k, v, layout, scale)
+    tu.assert_close(out, ref_out, "float32", what=f"{tag} out")
+    tu.assert_close(lse, ref_lse, "float32", what=f"{tag} lse")
+    for name, g, r in zip(("dq", "dk", "dv"), grads,
+                          reference.attention_grad(q, k, v, layout, d_out, scale), strict=True):
+        tu.assert_close(g, r, "float32", grad=True, what=f"{tag} {name}")
 
 
 def _per_head_case(n=96, bs=32, b=2, h=4, d=16, seed=0, name="per_head_mix"):
@@ -111,50 +191,29 @@ def _per_head_case(n=96, bs=32, b=2, h=4, d=16, seed=0, name="per_head_mix"):
 
 
 class JaxAttentionExtrasTest(parameterized.TestCase):
-    """JAX-only behaviour: shard_map over heads, no retrace, LSE cotangent, jit(grad)."""
+    """JAX-only behaviour on CPU devices (explicitly, also on a GPU machine): shard_map over
+    heads, no retrace, LSE cotangent, jit(grad)."""
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(jax.default_device(CPU))
 
     def _check(self, layout, q, k, v, d_out, out, lse, grads, scale=None, tag=""):
-        ref_out, ref_lse = reference.attention(q, k, v, layout, scale)
-        tu.assert_close(out, ref_out, "float32", what=f"{tag} out")
-        tu.assert_close(lse, ref_lse, "float32", what=f"{tag} lse")
-        for name, g, r in zip(("dq", "dk", "dv"), grads,
-                              reference.attention_grad(q, k, v, layout, d_out, scale),
-                              strict=True):
-            tu.assert_close(g, r, "float32", grad=True, what=f"{tag} {name}")
-
-    def test_split_forward_bitwise_torch_and_grads(self):
-        """Split forward (heads-fastest grid) under jit: bitwise equal to torch's split forward
-        (one kernel source, one launch description), and its out/LSE feed the backward."""
-        import torch  # noqa: PLC0415
-
-        from sparsetp.backends.torch import attention as tattn  # noqa: PLC0415
-
-        layout, q, k, v, d_out = _per_head_case(n=128, bs=32, b=1, h=1, seed=3, name="bigbird")
-        self.assertGreater(int(layout.metadata()["q_count"].max()), 2)
-        lay = jattn.layout_arrays(layout)
-        with kl._override(split_cap=1, work_order="longest_first_bh"):
-            fn = jax.jit(functools.partial(jattn.sparse_attention, return_lse=True))
-            (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), q, k, v)
-            grads = vjp((jnp.asarray(d_out), jnp.zeros(lse.shape, lse.dtype)))
-            t_out, t_lse = tattn.sparse_attention(*(torch.from_numpy(x) for x in (q, k, v)),
-                                                  layout, return_lse=True)
-        np.testing.assert_array_equal(np.asarray(out), t_out.numpy())
-        np.testing.assert_array_equal(np.asarray(lse), t_lse.numpy())
-        self._check(layout, q, k, v, d_out, _np(out), _np(lse), [_np(g) for g in grads],
-                    tag="split")
+        for a in (out, lse, *grads):
+            self.assertEqual({d.platform for d in a.devices()}, {"cpu"})
+        _check(layout, q, k, v, d_out, out, lse, grads, scale=scale, tag=tag)
 
     def test_sub_tiles_and_work_order(self):
         """A non-default sub-tile config and the heads-fastest longest-first grid through the
         JAX launch (the same launch description as torch's), under jit, vs the oracle; the
         layout's work orders travel as LayoutArrays leaves."""
-        from sparsetp.kernels import launch as kl  # noqa: PLC0415
-
         layout, q, k, v, d_out = _per_head_case(n=100, bs=32, b=1, h=2, seed=7)
         lay = jattn.layout_arrays(layout)
         np.testing.assert_array_equal(np.asarray(lay.q_order), layout.q_order)
         np.testing.assert_array_equal(np.asarray(lay.k_order), layout.k_order)
-        cfg = kl.TileConfig(32, 32, 4, 2, sub=16)
-        with kl._override(work_order="longest_first_bh", fwd=cfg, bwd_dq=cfg, bwd_dkdv=cfg):
+        cfg = TileConfig(32, 32, 4, 2, sub=16)
+        with options.launch_options(work_order="longest_first_bh",
+                                    tiles={"fwd": cfg, "bwd_dq": cfg, "bwd_dkdv": cfg}):
             fn = jax.jit(functools.partial(jattn.sparse_attention, return_lse=True))
             (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), q, k, v)
             grads = vjp((jnp.asarray(d_out), jnp.zeros(lse.shape, lse.dtype)))
@@ -168,7 +227,7 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
         metadata (or the whole layout's first heads) fails the comparison."""
         layout, q, k, v, d_out = _per_head_case(seed=tp)
         lay = jattn.layout_arrays(layout)
-        mesh = make_mesh(tp)
+        mesh = make_mesh(tp, devices=jax.devices("cpu")[:tp])
         spec = P(None, "tp")
         if how == "sharded_metadata":
             lay_spec = lay.partition_specs("tp")

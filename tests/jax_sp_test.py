@@ -3,8 +3,10 @@
 The same checks as the plain tensor-parallel tests (``tests/jax_tp_test.py``): one unsharded
 problem from fixed seeds, the JAX layers inside ``shard_map`` (``check_vma=True``) under ``jit``,
 the output, the input gradient and every (gathered) weight gradient compared with
-:mod:`sparsetp.core.reference` for a random cotangent. With SP the activations between the
-parallel layers are split along the tokens, so on top of that:
+:mod:`sparsetp.core.reference` for a random cotangent, on the devices of the suite's rule
+(``tests/jax_test_utils.py``: the default backend's when it has enough, else CPU host devices).
+With SP the activations between the parallel layers are split along the tokens, so on top of
+that:
 
 * the replicated parameters (layer norms, row-parallel biases) see only their shard's tokens on
   each device, and their gradients must come out summed over all shards: a missing all-reduce
@@ -34,6 +36,7 @@ import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import jax_test_utils as jtu  # noqa: E402
 import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -103,13 +106,13 @@ class SequenceParallelLayersTest(parameterized.TestCase):
     @parameterized.parameters(*MESH_SIZES)
     def test_column_parallel_linear(self, tp):
         x, w, b, dy = self._linear_problem(1)
-        mesh = B.make_mesh(tp)
+        mesh = jtu.mesh(tp)
         fn = jax.jit(jax.shard_map(
             functools.partial(column_parallel_linear, axis_name="tp", sequence_parallel=True),
             mesh=mesh, in_specs=(TOKENS, P(None, "tp"), P("tp")),
             out_specs=P(None, None, "tp")))  # all tokens, this shard's columns
         y, vjp = jax.vjp(fn, x, w, b)
-        dx, dw, db = vjp(jnp.asarray(dy))
+        dx, dw, db = vjp(jax.device_put(dy, y.sharding))
         ref_dx, ref_dw, ref_db = reference._linear_grad(x.astype(np.float64),
                                                         w.astype(np.float64), dy, True)
         assert_close(y, x.astype(np.float64) @ w + b, "float32", what="y")
@@ -125,14 +128,14 @@ class SequenceParallelLayersTest(parameterized.TestCase):
     @parameterized.product(tp=MESH_SIZES, bias=(True, False))
     def test_row_parallel_linear(self, tp, bias):
         x, w, b, dy = self._linear_problem(2)
-        mesh = B.make_mesh(tp)
+        mesh = jtu.mesh(tp)
         fn = jax.jit(jax.shard_map(
             functools.partial(row_parallel_linear, axis_name="tp", sequence_parallel=True),
             mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None), P() if bias else None),
             out_specs=TOKENS))
         b = b if bias else None
         y, vjp = jax.vjp(fn, x, w, b)
-        dx, dw, db = vjp(jnp.asarray(dy))
+        dx, dw, db = vjp(jax.device_put(dy, y.sharding))
         ref_dx, ref_dw, ref_db = reference._linear_grad(x.astype(np.float64),
                                                         w.astype(np.float64), dy, bias)
         ref_y = x.astype(np.float64) @ w + (b if bias else 0.0)
@@ -157,7 +160,7 @@ class SequenceParallelLayersTest(parameterized.TestCase):
         w1, w2 = w1 / np.sqrt(d), w2 / np.sqrt(ff)
         if not bias:
             b1 = b2 = None
-        mesh = B.make_mesh(tp)
+        mesh = jtu.mesh(tp)
 
         def mlp(x, w1, b1, w2, b2):
             return parallel_mlp(x, w1, b1, w2, b2, axis_name="tp", sequence_parallel=True)
@@ -168,7 +171,7 @@ class SequenceParallelLayersTest(parameterized.TestCase):
             in_specs=(TOKENS, P(None, "tp"), bias_spec(P("tp")), P("tp", None), bias_spec(P()))))
         args = (x, w1, b1, w2, b2)
         y, vjp = jax.vjp(fn, *args)
-        grads = vjp(jnp.asarray(dy))
+        grads = vjp(jax.device_put(dy, y.sharding))
         ref_y = reference.mlp((w1, b1, w2, b2), x)
         ref_dx, ref_g = reference.mlp_grad((w1, b1, w2, b2), x, dy)
         assert_close(y, ref_y, "float32", what="y")
@@ -185,7 +188,7 @@ class SequenceParallelLayersTest(parameterized.TestCase):
         self.assertEqual((_gathers(*bwd), _scatters(*bwd), _psums(*bwd)), (1, 1, int(bias)))
 
     def test_bad_inputs(self):
-        mesh = B.make_mesh(2)
+        mesh = jtu.mesh(2)
         x, w, b, _ = self._linear_problem(4)
         with self.assertRaisesRegex(ValueError, "sequence_parallel=True needs an axis_name"):
             column_parallel_linear(x, w, b, axis_name=None, sequence_parallel=True)
@@ -230,13 +233,13 @@ class SequenceParallelBlockTest(parameterized.TestCase):
         return params, x, dy
 
     def _run(self, params, x, dy, config, tp, sequence_parallel):
-        mesh = B.make_mesh(tp)
+        mesh = jtu.mesh(tp)
         p = B.shard_params(params, config, mesh)
         y, vjp = jax.vjp(lambda p, x: _block_fn(p, x, config, mesh=mesh,
                                                 sequence_parallel=sequence_parallel), p, x)
         # The caller's global arrays: SP hands back y split along N, the plain mode replicated.
         self.assertEqual(y.sharding.spec, P(None, "tp") if sequence_parallel else P())
-        gp, gx = vjp(jnp.asarray(dy))
+        gp, gx = vjp(jax.device_put(dy, y.sharding))
         return np.asarray(y), np.asarray(gx), B.export_params(gp)
 
     def _assert_matches(self, got, ref, label):
@@ -272,7 +275,7 @@ class SequenceParallelBlockTest(parameterized.TestCase):
         # jax.make_mesh's default (Explicit axes on JAX >= 0.10): x is resharded along N.
         config = _block_config()
         params, x, _ = self._problem(config, seed=2)
-        mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+        mesh = jtu.mesh(2, explicit=True)
         y = B.hybrid_block(B.shard_params(params, config, mesh), x, config, mesh=mesh,
                            sequence_parallel=True)
         assert_close(y, reference.hybrid_block(params, x, config), "float32", what="y")
@@ -282,7 +285,7 @@ class SequenceParallelBlockTest(parameterized.TestCase):
         """Compiled fwd+bwd HLO: SP moves activations only by all-gather / reduce-scatter."""
         config = _block_config()
         params, x, dy = self._problem(config, seed=3)
-        mesh = B.make_mesh(tp)
+        mesh = jtu.mesh(tp)
         p = B.shard_params(params, config, mesh)
         b, n, d = x.shape
 
@@ -292,7 +295,7 @@ class SequenceParallelBlockTest(parameterized.TestCase):
                     p, x, config, mesh=mesh, sequence_parallel=sequence_parallel), p, x)
                 return y, vjp(dy)
 
-            hlo = jax.jit(fwd_bwd).lower(p, jnp.asarray(x), jnp.asarray(dy)).compile().as_text()
+            hlo = jax.jit(fwd_bwd).lower(p, x, dy).compile().as_text()
             return _hlo_collectives(hlo)
 
         plain = collectives(False)
@@ -318,7 +321,7 @@ class SequenceParallelBlockTest(parameterized.TestCase):
             B.hybrid_block(params, x, config, sequence_parallel=True)
         odd = _block_config(seq_len=126)
         with self.assertRaisesRegex(ValueError, r"N=126 tokens .* size 4: N must be divisible"):
-            B.hybrid_block(params, x[:, :126], odd, mesh=B.make_mesh(4), sequence_parallel=True)
+            B.hybrid_block(params, x[:, :126], odd, mesh=jtu.mesh(4), sequence_parallel=True)
 
 
 if __name__ == "__main__":

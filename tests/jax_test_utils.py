@@ -4,11 +4,21 @@
 every test file in one process, so ``tests/conftest.py`` calls it at collection time, before any
 test module is imported; each JAX test file also calls it at its top so that it runs alone
 (``python tests/jax_attention_test.py``) as well.
+
+Devices (the suite's rule, the one :func:`sparsetp.backends.jax.block.mesh_devices` implements):
+a test that needs ``n`` devices runs on the first ``n`` devices of JAX's default backend if it has
+``n`` (the GPUs of a GPU machine), else on ``n`` CPU host devices (:func:`ensure_cpu_devices`
+provides 4), else it is skipped with a reason naming what it needs. :func:`devices`,
+:func:`mesh` and :func:`on_devices_of` are that rule for tests; a test that compares runs of
+several sizes (unsharded against 2 and 4 shards, say) takes the devices of its largest size for
+all of them, so that one platform computes every number it compares.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import unittest
 
 NUM_CPU_DEVICES = 4
 
@@ -19,7 +29,12 @@ def ensure_cpu_devices(n: int = NUM_CPU_DEVICES) -> None:
     Uses ``jax.config.update("jax_num_cpu_devices", n)``, which only works before the backend
     starts; if it already started with fewer devices, fail loudly rather than let the multi-device
     tests be skipped or silently run on fewer shards.
+
+    Also, unless the environment says otherwise, has JAX allocate GPU memory as it needs it
+    (``XLA_PYTHON_CLIENT_PREALLOCATE=false``): in a test run torch and JAX share the GPU, as do
+    pytest-xdist's workers, and JAX's default (75% of the GPU at its first use) starves them.
     """
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # read when JAX's GPU starts
     import jax  # noqa: PLC0415  (callers control when JAX is first imported)
 
     if jax.config.jax_num_cpu_devices >= n:
@@ -39,3 +54,39 @@ def cpu_device_count() -> int:
     import jax  # noqa: PLC0415
 
     return len(jax.devices("cpu"))
+
+
+def devices(n: int) -> list:
+    """The ``n`` devices a test needing ``n`` devices runs on (the rule above); raises
+    ``unittest.SkipTest`` naming what is missing when neither the default backend nor the CPU
+    backend has ``n``."""
+    from sparsetp.backends.jax.block import mesh_devices  # noqa: PLC0415
+
+    try:
+        return mesh_devices(n)
+    except ValueError as e:
+        raise unittest.SkipTest(f"needs {n} JAX devices: {e}") from None
+
+
+def mesh(n: int, axis_name: str = "tp", *, explicit: bool = False):
+    """A 1-D mesh over :func:`devices` ``(n)``: ``make_mesh``'s Auto axis, or with
+    ``explicit=True`` ``jax.make_mesh``'s Explicit one."""
+    import jax  # noqa: PLC0415
+
+    from sparsetp.backends.jax.block import make_mesh  # noqa: PLC0415
+
+    if explicit:
+        return jax.make_mesh((n,), (axis_name,), axis_types=(jax.sharding.AxisType.Explicit,),
+                             devices=devices(n))
+    return make_mesh(n, axis_name, devices=devices(n))
+
+
+@contextlib.contextmanager
+def on_devices_of(n: int):
+    """Make the first of :func:`devices` ``(n)`` JAX's default device inside the block: the
+    unsharded runs of a test that compares them with runs on ``n`` devices then compute on the
+    same platform as those."""
+    import jax  # noqa: PLC0415
+
+    with jax.default_device(devices(n)[0]):
+        yield

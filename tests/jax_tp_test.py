@@ -1,8 +1,10 @@
-"""JAX tensor parallelism (``shard_map``, 1 / 2 / 4 CPU host devices) against the float64 oracle.
+"""JAX tensor parallelism (``shard_map`` over 1 / 2 / 4 devices) against the float64 oracle.
 
 Every case builds one unsharded problem from fixed seeds, runs the JAX layers inside
 ``shard_map`` (``check_vma=True``) under ``jit``, and compares the output, the input gradient and
 every (gathered) weight gradient with :mod:`sparsetp.core.reference`, for a random cotangent.
+Devices follow the suite's rule (``tests/jax_test_utils.py``): a mesh of ``n`` devices is the
+default backend's (the GPUs) when it has ``n``, else ``n`` CPU host devices.
 
 Tolerances: the shared table of ``tests/testing_utils.py`` (float32 atol 2e-5, rtol atol/10,
 gradients 2x). Values are O(1) and reductions short (<= 256 terms), so float32 error is ~1e-6;
@@ -20,9 +22,13 @@ from jax_test_utils import ensure_cpu_devices  # noqa: E402
 ensure_cpu_devices()
 
 import functools  # noqa: E402
+import types  # noqa: E402
+import unittest  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import jax_test_utils as jtu  # noqa: E402
 import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -65,12 +71,12 @@ class LayersTest(parameterized.TestCase):
     @parameterized.parameters(*MESH_SIZES)
     def test_column_parallel_linear(self, tp):
         x, w, b, dy = self._linear_problem(1)
-        mesh = B.make_mesh(tp)
+        mesh = jtu.mesh(tp)
         fn = jax.jit(jax.shard_map(
             functools.partial(column_parallel_linear, axis_name="tp"), mesh=mesh,
             in_specs=(P(), P(None, "tp"), P("tp")), out_specs=P(None, None, "tp")))
         y, vjp = jax.vjp(fn, x, w, b)
-        dx, dw, db = vjp(jnp.asarray(dy))
+        dx, dw, db = vjp(jax.device_put(dy, y.sharding))
         ref_dx, ref_dw, ref_db = reference._linear_grad(x.astype(np.float64),
                                                         w.astype(np.float64), dy, True)
         assert_close(y, x.astype(np.float64) @ w + b, "float32", what="y")
@@ -84,12 +90,12 @@ class LayersTest(parameterized.TestCase):
     @parameterized.parameters(*MESH_SIZES)
     def test_row_parallel_linear(self, tp):
         x, w, b, dy = self._linear_problem(2)
-        mesh = B.make_mesh(tp)
+        mesh = jtu.mesh(tp)
         fn = jax.jit(jax.shard_map(
             functools.partial(row_parallel_linear, axis_name="tp"), mesh=mesh,
             in_specs=(P(None, None, "tp"), P("tp", None), P()), out_specs=P()))
         y, vjp = jax.vjp(fn, x, w, b)
-        dx, dw, db = vjp(jnp.asarray(dy))
+        dx, dw, db = vjp(jax.device_put(dy, y.sharding))
         ref_dx, ref_dw, ref_db = reference._linear_grad(x.astype(np.float64),
                                                         w.astype(np.float64), dy, True)
         assert_close(y, x.astype(np.float64) @ w + b, "float32", what="y")
@@ -107,7 +113,7 @@ class LayersTest(parameterized.TestCase):
         w1, w2 = w1 / np.sqrt(d), w2 / np.sqrt(ff)
         if not bias:
             b1 = b2 = None
-        mesh = B.make_mesh(tp)
+        mesh = jtu.mesh(tp)
 
         def mlp(x, w1, b1, w2, b2):
             return parallel_mlp(x, w1, b1, w2, b2, axis_name="tp")
@@ -117,7 +123,7 @@ class LayersTest(parameterized.TestCase):
             mlp, mesh=mesh, out_specs=P(),
             in_specs=(P(), P(None, "tp"), bias_spec(P("tp")), P("tp", None), bias_spec(P()))))
         y, vjp = jax.vjp(fn, x, w1, b1, w2, b2)
-        grads = vjp(jnp.asarray(dy))
+        grads = vjp(jax.device_put(dy, y.sharding))
         ref_y = reference.mlp((w1, b1, w2, b2), x)
         ref_dx, ref_g = reference.mlp_grad((w1, b1, w2, b2), x, dy)
         assert_close(y, ref_y, "float32", what="y")
@@ -138,7 +144,7 @@ class LayersTest(parameterized.TestCase):
         d, ff = 16, 64
         arrays = [jnp.asarray(a, dtype) for a in _rng_arrays(
             4, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))]
-        mesh = B.make_mesh(2)
+        mesh = jtu.mesh(2)
         fn = jax.shard_map(lambda x, w1, b1, w2, b2: parallel_mlp(x, w1, b1, w2, b2,
                                                                   axis_name="tp"),
                            mesh=mesh, out_specs=P(),
@@ -159,7 +165,7 @@ class LayersTest(parameterized.TestCase):
                 self.assertIn(f"x{short}>", ln, ln)
 
     def test_bad_inputs(self):
-        mesh = B.make_mesh(2)
+        mesh = jtu.mesh(2)
         x, w, b, _ = self._linear_problem(4)
         with self.assertRaisesRegex(ValueError, "input features"):
             column_parallel_linear(x[..., :-1], w, b, axis_name=None)
@@ -193,14 +199,14 @@ class HybridBlockTest(parameterized.TestCase):
         return params, x, dy
 
     def _run(self, params, x, dy, config, tp):
-        mesh = None if tp is None else B.make_mesh(tp)
+        mesh = None if tp is None else jtu.mesh(tp)
         p = params if mesh is None else B.shard_params(params, config, mesh)
         if mesh is not None:
             for name, a in p.items():  # placed as the torch ranks shard them
                 self.assertEqual(a.sharding.spec, B.param_specs(config)[name], name)
         fn = jax.jit(B.hybrid_block, static_argnames=("config", "mesh", "axis_name"))
         y, vjp = jax.vjp(lambda p, x: fn(p, x, config, mesh=mesh), p, x)
-        gp, gx = vjp(jnp.asarray(dy))
+        gp, gx = vjp(jax.device_put(dy, y.sharding))
         return np.asarray(y), np.asarray(gx), B.export_params(gp)
 
     @parameterized.parameters(None, *MESH_SIZES)
@@ -221,7 +227,8 @@ class HybridBlockTest(parameterized.TestCase):
     def test_sharded_equals_unsharded(self, bias, mesh_sizes):
         config = _block_config(bias=bias, pattern="per_head_mix")
         params, x, dy = self._problem(config, seed=1)
-        y0, dx0, g0 = self._run(params, x, dy, config, None)
+        with jtu.on_devices_of(max(mesh_sizes)):  # the platform of the sharded runs
+            y0, dx0, g0 = self._run(params, x, dy, config, None)
         assert_close(y0, reference.hybrid_block(params, x, config), "float32", what="y")
         for tp in mesh_sizes:
             y, dx, g = self._run(params, x, dy, config, tp)
@@ -245,8 +252,8 @@ class HybridBlockTest(parameterized.TestCase):
         config = _block_config()
         params = init_params(config, 3)
         for loaded in (B.load_params(params, config),
-                       B.shard_params(params, config, B.make_mesh(4)),
-                       B.shard_params(B.load_params(params, config), config, B.make_mesh(2))):
+                       B.shard_params(params, config, jtu.mesh(4)),
+                       B.shard_params(B.load_params(params, config), config, jtu.mesh(2))):
             out = B.export_params(loaded)
             self.assertEqual(list(out), list(params))
             for name in params:
@@ -258,7 +265,7 @@ class HybridBlockTest(parameterized.TestCase):
         # jax.make_mesh's default (Explicit axes on JAX >= 0.10) works too, forward only.
         config = _block_config()
         params, x, _ = self._problem(config, seed=4)
-        mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+        mesh = jtu.mesh(2, explicit=True)
         y = B.hybrid_block(B.shard_params(params, config, mesh), x, config, mesh=mesh)
         assert_close(y, reference.hybrid_block(params, x, config), "float32", what="y")
 
@@ -280,18 +287,64 @@ class HybridBlockTest(parameterized.TestCase):
             B.hybrid_block(params, x, "config")
         three = HybridConfig(d_model=48, num_heads=3, d_ff=96, pattern=PT.causal(), block_size=32)
         with self.assertRaisesRegex(ValueError, "num_heads=3 is not divisible"):
-            B.hybrid_block(init_params(three, 0), x[..., :48], three, mesh=B.make_mesh(2))
+            B.hybrid_block(init_params(three, 0), x[..., :48], three, mesh=jtu.mesh(2))
         with self.assertRaisesRegex(ValueError, "num_heads=3 is not divisible"):
-            B.shard_params(init_params(three, 0), three, B.make_mesh(2))
+            B.shard_params(init_params(three, 0), three, jtu.mesh(2))
         with self.assertRaisesRegex(ValueError, "not 'model'"):
-            B.hybrid_block(params, x, config, mesh=B.make_mesh(2), axis_name="model")
-        with self.assertRaisesRegex(ValueError, "tp=64 needs 64 devices"):
+            B.hybrid_block(params, x, config, mesh=jtu.mesh(2), axis_name="model")
+        with self.assertRaisesRegex(ValueError, "tp=64 needs 64 devices; JAX sees .*"
+                                                "jax_num_cpu_devices', 64"):
             B.make_mesh(64)
+
+
+class MeshDevicesTest(absltest.TestCase):
+    """make_mesh's device rule (``B.mesh_devices``), which every mesh of these tests follows."""
+
+    def test_default_backend_first(self):
+        default = jax.devices()
+        for n in range(1, len(default) + 1):
+            self.assertEqual(B.mesh_devices(n), default[:n])
+        mesh = B.make_mesh(1)
+        self.assertEqual(list(mesh.devices.flat), default[:1])
+        self.assertEqual(mesh.axis_names, ("tp",))
+        with self.assertRaisesRegex(ValueError, "make_mesh\\(tp=2\\) got 1 devices"):
+            B.make_mesh(2, devices=default[:1])
+        with self.assertRaisesRegex(ValueError, "tp must be a positive int"):
+            B.mesh_devices(0)
+
+    def test_one_gpu_falls_back_to_cpu_devices(self):
+        """With one (fake) GPU as the default backend: tp=1 is the GPU, tp=2 and 4 the CPU host
+        devices, more the error naming how to get CPU devices; the tests' helper skips then."""
+        real = jax.devices
+        gpu = types.SimpleNamespace(platform="gpu", id=0)
+        cpu = real("cpu")
+
+        def devices(backend=None):
+            return [gpu] if backend in (None, "gpu") else real(backend)
+
+        with mock.patch.object(jax, "devices", devices):
+            self.assertEqual(B.mesh_devices(1), [gpu])
+            self.assertEqual(B.mesh_devices(2), cpu[:2])
+            self.assertEqual(B.mesh_devices(4), cpu[:4])
+            self.assertEqual(jtu.devices(4), cpu[:4])
+            with mock.patch.object(B.compat, "auto_mesh") as auto:
+                B.make_mesh(4, "model")
+            auto.assert_called_once_with((4,), ("model",), devices=cpu[:4])
+            n = len(cpu) + 1
+            msg = (f"tp={n} needs {n} devices; JAX sees 1 gpu and {len(cpu)} cpu. For {n} CPU "
+                   f"devices set XLA_FLAGS=--xla_force_host_platform_device_count={n} or "
+                   f"jax.config.update('jax_num_cpu_devices', {n}) before JAX starts.")
+            with self.assertRaises(ValueError) as err:
+                B.mesh_devices(n)
+            self.assertEqual(str(err.exception), msg)
+            with self.assertRaisesRegex(unittest.SkipTest, f"needs {n} JAX devices: tp={n}"):
+                jtu.devices(n)
 
 
 class DemoTest(absltest.TestCase):
     def test_small_demo_passes(self):
-        """The --backend jax main job on 2 host devices (small sizes) checks out vs the oracle."""
+        """The --backend jax main job on 2 devices (small sizes; the demos' device rule picks
+        them) checks out vs the oracle."""
         from sparsetp.backends.jax import demo  # noqa: PLC0415
         from sparsetp.demo import DemoArgs  # noqa: PLC0415
 

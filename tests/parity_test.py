@@ -3,17 +3,29 @@
 For every combination of the flags, from the same numpy inputs, cotangent and ``init_params``
 weights, each backend computes
   * sparse attention: output, log-sum-exp and dq/dk/dv;
-  * the whole HybridBlock at the flagged TP size (torch: that many gloo/NCCL processes; JAX: a
+  * the whole HybridBlock at the flagged TP size (torch: that many NCCL/gloo processes; JAX: a
     mesh of that many devices): output, input gradient and every parameter gradient;
 and each result is compared with the float64 oracle and with the other backend. The kernel
 metadata each backend actually hands its kernels is compared bitwise, and canonical weights
 round-trip torch -> JAX -> torch bitwise.
 
-Run as a program (flags) or under pytest (defaults: a quick CPU run)::
+Run as a program (flags) or under pytest (the defaults)::
 
     python tests/parity_test.py --patterns=causal,bigbird --seq_lens=256 --tp_sizes=2,4 \\
         --report=/tmp/parity.json
     python -m pytest tests/parity_test.py
+
+Devices (``--device``, default ``auto``): ``gpu`` when torch and JAX both see a GPU (compiled
+kernels), else ``cpu`` (CPU tensors and CPU JAX devices: Triton's interpreter). The sizes left
+unset are the device's defaults (``_DEFAULTS``): on CPU small shapes for the interpreter (N=100,
+4 heads of 32, blocks of 32, TP 2; ~70 s on 2 cores); on a GPU shapes whose float64 oracle
+stays cheap (N=300, 4 heads of 64, blocks of 64; the oracle of a whole block at N=1000 alone
+outran a 75 s limit), and the TP sizes of 1 and 2 that the GPUs hold (TP 1 on one GPU: the
+whole program then takes ~60 s on an H100, most of it first compiles). A HybridBlock case
+of a TP size given with ``--tp_sizes`` runs on that many GPUs when there are that many; with
+``auto`` and fewer GPUs it runs on CPU ranks / CPU devices at the CPU sizes (the suite's rule:
+``tests/dist_utils.py``, ``tests/jax_test_utils.py``), with ``--device=gpu`` it fails saying
+how many GPUs it needs. Every report row names its device.
 
 A failure names the backend, pattern, shape and tensor, and gives the max abs/rel error and
 where it is. ``--report=path.json`` writes every case's errors (for the docs).
@@ -41,9 +53,11 @@ from absl import flags  # noqa: E402
 from absl.testing import absltest  # noqa: E402
 from testing_utils import round_to_dtype, tolerance  # noqa: E402
 
+from sparsetp import _runtime  # noqa: E402
 from sparsetp.backends.jax import attention as jax_attn  # noqa: E402
 from sparsetp.backends.jax import block as jblock  # noqa: E402
 from sparsetp.backends.torch import attention as torch_attn  # noqa: E402
+from sparsetp.backends.torch import launch as torch_launch  # noqa: E402
 from sparsetp.backends.torch.block import HybridBlock  # noqa: E402
 from sparsetp.core import (  # noqa: E402
     HybridConfig,
@@ -54,29 +68,40 @@ from sparsetp.core import (  # noqa: E402
     unshard_param,
 )
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern  # noqa: E402
-from sparsetp.kernels import launch as kernel_launch  # noqa: E402
+from sparsetp.kernels import schedule  # noqa: E402
 
 _DEFAULT_PATTERNS = ("causal,local,block_diagonal,fixed,strided_causal,random,bigbird,longformer,"
                      "per_head_mix")
 flags.DEFINE_list("backends", ["torch", "jax"], "backends to compare (torch, jax)")
 flags.DEFINE_list("patterns", _DEFAULT_PATTERNS.split(","),
                   f"named example patterns: {sorted(EXAMPLE_PATTERNS)}")
-flags.DEFINE_list("seq_lens", ["100"], "sequence lengths (not multiples of the block: ragged)")
-flags.DEFINE_list("num_heads", ["4"], "head counts")
-flags.DEFINE_list("head_dims", ["32"], "head dims (16, 32, 64, 128)")
-flags.DEFINE_list("block_sizes", ["32"], "layout block sizes (16, 32, 64, 128)")
+flags.DEFINE_list("seq_lens", None, "sequence lengths (not multiples of the block: ragged; "
+                  "default: the device's, see _DEFAULTS)")
+flags.DEFINE_list("num_heads", None, "head counts (default: the device's)")
+flags.DEFINE_list("head_dims", None, "head dims (16, 32, 64, 128; default: the device's)")
+flags.DEFINE_list("block_sizes", None, "layout block sizes (16, 32, 64, 128; default: the "
+                  "device's)")
 flags.DEFINE_list("dtypes", ["float32"], "float32, bfloat16, float16")
-flags.DEFINE_list("tp_sizes", ["2"], "tensor-parallel sizes for the HybridBlock cases")
+flags.DEFINE_list("tp_sizes", None, "tensor-parallel sizes for the HybridBlock cases (default: "
+                  "the device's)")
 flags.DEFINE_list("block_patterns", ["bigbird", "per_head_mix"],
                   "patterns for the HybridBlock cases (a subset: each runs whole blocks)")
 flags.DEFINE_integer("batch", 2, "batch size")
 flags.DEFINE_integer("seed", 0, "seed of inputs, cotangents and weights")
 flags.DEFINE_float("atol_scale", 1.0, "multiplies every tolerance (>= 1 only for bigger shapes)")
-flags.DEFINE_enum("device", "cpu", ["cpu", "gpu"], "where both frameworks run")
+flags.DEFINE_enum("device", "auto", ["auto", "cpu", "gpu"], "where both frameworks run "
+                  "(auto: gpu when torch and JAX both see a GPU, else cpu)")
 flags.DEFINE_string("report", None, "write every case's errors to this JSON file")
 FLAGS = flags.FLAGS
 
 _REPORT: list[dict] = []
+
+# Sizes per device when their flag is unset (see the module docstring).
+_DEFAULTS = {
+    "cpu": dict(seq_lens=[100], num_heads=[4], head_dims=[32], block_sizes=[32], tp_sizes=[2]),
+    "gpu": dict(seq_lens=[300], num_heads=[4], head_dims=[64], block_sizes=[64],
+                tp_sizes=[1, 2]),
+}
 
 
 def _flags():
@@ -85,13 +110,55 @@ def _flags():
     return FLAGS
 
 
+def gpu_counts() -> tuple[int, int]:
+    """GPUs seen by (torch, JAX)."""
+    try:
+        n_jax = len(jax.devices("gpu"))
+    except RuntimeError:  # no GPU backend
+        n_jax = 0
+    return (torch.cuda.device_count() if torch.cuda.is_available() else 0), n_jax
+
+
+def device() -> str:
+    """Where the attention cases run: ``--device``, with ``auto`` resolved."""
+    want = _flags().device
+    n_torch, n_jax = gpu_counts()
+    if want == "gpu" and not (n_torch and n_jax):
+        raise AssertionError(f"--device=gpu needs a GPU seen by torch and JAX; torch sees "
+                             f"{n_torch}, JAX {n_jax}")
+    if want == "auto":
+        return "gpu" if n_torch and n_jax else "cpu"
+    return want
+
+
+def sizes(name: str, dev: str) -> list[int]:
+    """The ints of flag ``name`` if set, else ``dev``'s default (``_DEFAULTS``)."""
+    values = getattr(_flags(), name)
+    return [int(v) for v in values] if values else list(_DEFAULTS[dev][name])
+
+
+def block_device(tp: int) -> str:
+    """Where a HybridBlock case of TP ``tp`` runs: the GPUs if there are ``tp`` (for both
+    frameworks), else, with ``--device=auto``, CPU ranks / CPU devices."""
+    dev = device()
+    if dev == "cpu" or tp <= min(gpu_counts()):
+        return dev
+    if _flags().device == "auto":
+        return "cpu"
+    n_torch, n_jax = gpu_counts()
+    raise AssertionError(f"tp={tp} on --device=gpu needs {tp} GPUs; torch sees {n_torch}, JAX "
+                         f"{n_jax} (--device=auto runs it on CPU ranks)")
+
+
 def _write_report():
     if FLAGS.is_parsed() and FLAGS.report and _REPORT:
+        n_torch, n_jax = gpu_counts()
         with open(FLAGS.report, "w") as f:
             json.dump(dict(flags={k: str(getattr(FLAGS, k)) for k in (
                 "backends", "patterns", "seq_lens", "num_heads", "head_dims", "block_sizes",
                 "dtypes", "tp_sizes", "batch", "seed", "atol_scale", "device")},
-                torch=torch.__version__, jax=jax.__version__, cases=_REPORT), f, indent=1)
+                torch=torch.__version__, jax=jax.__version__, gpus_torch=n_torch,
+                gpus_jax=n_jax, cases=_REPORT), f, indent=1)
 
 
 atexit.register(_write_report)
@@ -145,16 +212,16 @@ _JAX_DT = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16,
            "float16": jax.numpy.float16}
 
 
-def _torch_device():
-    return torch.device("cuda" if _flags().device == "gpu" else "cpu")
+def _torch_device(dev):
+    return torch.device("cuda" if dev == "gpu" else "cpu")
 
 
-def _jax_device():
-    return jax.devices("gpu" if _flags().device == "gpu" else "cpu")[0]
+def _jax_device(dev):
+    return jax.devices(dev)[0]
 
 
-def torch_attention(q, k, v, d_out, layout, dtype):
-    dev = _torch_device()
+def torch_attention(q, k, v, d_out, layout, dtype, dev):
+    dev = _torch_device(dev)
     q, k, v = (torch.tensor(a, dtype=_TORCH_DT[dtype], device=dev, requires_grad=True)
                for a in (q, k, v))
     out, lse = torch_attn.sparse_attention(q, k, v, layout, return_lse=True)
@@ -163,8 +230,8 @@ def torch_attention(q, k, v, d_out, layout, dtype):
     return [t.detach().float().cpu().numpy() for t in (out, lse, dq, dk, dv)]
 
 
-def jax_attention(q, k, v, d_out, layout, dtype):
-    with jax.default_device(_jax_device()):
+def jax_attention(q, k, v, d_out, layout, dtype, dev):
+    with jax.default_device(_jax_device(dev)):
         q, k, v, d_out = (jax.numpy.asarray(a, _JAX_DT[dtype]) for a in (q, k, v, d_out))
         lay = jax_attn.layout_arrays(layout)
         fn = jax.jit(lambda q, k, v, lay: jax_attn.sparse_attention(q, k, v, lay,
@@ -174,24 +241,24 @@ def jax_attention(q, k, v, d_out, layout, dtype):
         return [np.asarray(t.astype(jax.numpy.float32)) for t in (out, lse, dq, dk, dv)]
 
 
-def torch_layout_arrays(layout, head_dim, dtype):
+def torch_layout_arrays(layout, head_dim, dtype, dev):
     """The metadata the torch frontend launches for q [*, *, *, head_dim] of ``dtype``."""
-    q = torch.empty((1, 1, 1, head_dim), dtype=_TORCH_DT[dtype], device=_torch_device())
-    kind = torch_attn._device_kind(q)
+    q = torch.empty((1, 1, 1, head_dim), dtype=_TORCH_DT[dtype], device=_torch_device(dev))
+    kind = torch_launch.device_kind(q)
     return {n: t if isinstance(t, int) else t.cpu().numpy()  # ints: the head order
-            for n, t in torch_attn._metadata(layout, q, kind).items()}
+            for n, t in torch_launch.metadata(layout, q, kind).items()}
 
 
-def jax_layout_arrays(layout, head_dim, dtype):
+def jax_layout_arrays(layout, head_dim, dtype, dev):
     lay = jax_attn.layout_arrays(layout, head_dim=head_dim, dtype=_JAX_DT[dtype])
     return {**{n: np.asarray(a) for n, a in lay.metadata().items()},
             "q_head_group": lay.q_head_group, "k_head_group": lay.k_head_group}
 
 
-def kernel_layout(layout, head_dim, dtype):
-    """The layout both frontends must launch (launch.kernel_layout's policy)."""
-    kind = "cuda" if _flags().device == "gpu" else "interpreter"
-    return kernel_launch.kernel_layout(layout, kind, head_dim=head_dim, dtype=dtype)
+def kernel_layout(layout, head_dim, dtype, dev):
+    """The layout both frontends must launch on ``dev`` (schedule.kernel_layout's policy)."""
+    kind = _runtime.device_kind("cuda" if dev == "gpu" else "cpu")
+    return schedule.kernel_layout(layout, kind, head_dim=head_dim, dtype=dtype)
 
 
 def _torch_block_rank(rank, world, config, params, x, dy, device):
@@ -208,29 +275,28 @@ def _torch_block_rank(rank, world, config, params, x, dy, device):
     return y.detach().float().cpu().numpy(), xt.grad.float().cpu().numpy(), grads, exported
 
 
-def torch_block(config, params, x, dy, tp):
-    backend = "nccl" if _flags().device == "gpu" else "gloo"
+def torch_block(config, params, x, dy, tp, dev):
+    backend = "nccl" if dev == "gpu" else "gloo"
     if tp == 1:  # no process group: a single process
-        results = [_torch_block_rank(0, 1, config, params, x, dy, _flags().device)]
+        results = [_torch_block_rank(0, 1, config, params, x, dy, dev)]
     else:
         results = dist_utils.run_distributed(_torch_block_rank, tp, config, params, x, dy,
-                                             _flags().device, backend=backend, timeout=600)
+                                             dev, backend=backend, timeout=600)
     y, dx = results[0][0], results[0][1]
     grads = {n: (unshard_param(n, [r[2][n] for r in results]) if partition_dim(n) is not None
                  else results[0][2][n]) for n in params}
     return y, dx, grads, results[0][3]
 
 
-def jax_block(config, params, x, dy, tp):
-    devices = jax.devices("gpu" if _flags().device == "gpu" else "cpu")
+def jax_block(config, params, x, dy, tp, dev):
+    devices = jax.devices(dev)
     if len(devices) < tp:
-        raise AssertionError(f"JAX has {len(devices)} {_flags().device} devices, tp={tp} needs "
-                             f"more")
+        raise AssertionError(f"JAX has {len(devices)} {dev} devices, tp={tp} needs more")
     mesh = jblock.make_mesh(tp, "tp", devices=devices[:tp]) if tp > 1 else None
-    p = (jblock.shard_params(params, config, mesh, "tp") if mesh is not None
-         else jblock.load_params(params, config))
     fn = jax.jit(lambda p, x: jblock.hybrid_block(p, x, config, mesh=mesh))
-    with jax.default_device(devices[0]):
+    with jax.default_device(devices[0]):  # every array of the case on ``dev``
+        p = (jblock.shard_params(params, config, mesh, "tp") if mesh is not None
+             else jblock.load_params(params, config))
         xj = jax.numpy.asarray(x, _JAX_DT[config.dtype])
         y, vjp = jax.vjp(fn, p, xj)
         dp, dx = vjp(jax.numpy.asarray(dy, y.dtype))
@@ -253,17 +319,18 @@ class ParityTest(absltest.TestCase):
         self.assertFalse(unknown, f"unknown backends {unknown}")
         self.backends = list(f.backends)
 
-    def _attention_cases(self):
+    def _attention_cases(self, dev):
         f = _flags()
-        return itertools.product(f.patterns, map(int, f.seq_lens), map(int, f.num_heads),
-                                 map(int, f.head_dims), map(int, f.block_sizes), f.dtypes)
+        return itertools.product(f.patterns, sizes("seq_lens", dev), sizes("num_heads", dev),
+                                 sizes("head_dims", dev), sizes("block_sizes", dev), f.dtypes)
 
     def test_attention(self):
         f = _flags()
         failures = []
-        for name, n, heads, hd, bs, dtype in self._attention_cases():
+        dev = device()
+        for name, n, heads, hd, bs, dtype in self._attention_cases(dev):
             case = dict(op="attention", pattern=name, seq_len=n, num_heads=heads, head_dim=hd,
-                        block_size=bs, dtype=dtype, batch=f.batch)
+                        block_size=bs, dtype=dtype, batch=f.batch, device=dev)
             layout = make_layout(example_pattern(name, n, bs), n, heads, bs)
             rng = np.random.default_rng(f.seed)
             shape = (f.batch, heads, n, hd)
@@ -274,9 +341,9 @@ class ParityTest(absltest.TestCase):
             got = {}
             meta = {}
             for b in self.backends:
-                got[b] = ATTENTION[b](q, k, v, d_out, layout, dtype)
-                meta[b] = LAYOUT_ARRAYS[b](layout, hd, dtype)
-            launched = kernel_layout(layout, hd, dtype)
+                got[b] = ATTENTION[b](q, k, v, d_out, layout, dtype, dev)
+                meta[b] = LAYOUT_ARRAYS[b](layout, hd, dtype, dev)
+            launched = kernel_layout(layout, hd, dtype, dev)
             case["kernel_block"] = launched.block_size
             try:
                 for b in self.backends:
@@ -288,10 +355,12 @@ class ParityTest(absltest.TestCase):
                         if not np.array_equal(meta[b][nm], arr) or meta[b][nm].dtype != np.int32:
                             raise AssertionError(f"[{case}] {b} kernel metadata {nm} differs "
                                                  f"from the kernel layout's")
-                    for nm in ("q_head_group", "k_head_group"):
-                        if meta[b][nm] != getattr(launched, nm):
+                    groups = dict(zip(("q_head_group", "k_head_group"),
+                                      schedule.head_groups(launched), strict=True))
+                    for nm, want in groups.items():
+                        if meta[b][nm] != want:
                             raise AssertionError(f"[{case}] {b} launches {nm}={meta[b][nm]}, "
-                                                 f"the kernel layout says {getattr(launched, nm)}")
+                                                 f"the kernel layout's schedule says {want}")
                 for a, b in itertools.combinations(self.backends, 2):
                     for nm, va, vb in zip(names, got[a], got[b], strict=True):
                         _compare(va, vb, dtype=dtype, grad=nm.startswith("d"),
@@ -303,25 +372,38 @@ class ParityTest(absltest.TestCase):
                 failures.append(str(e))
         self.assertEmpty(failures, "\n".join(failures))
 
+    def _block_cases(self):
+        """(device, pattern, N, heads, head_dim, block, dtype, tp): each TP size on the device
+        :func:`block_device` gives it, at that device's sizes. The GPU's default TP sizes are
+        those its GPUs hold (1 on one GPU: its CPU fallback would add ~45 s there)."""
+        f = _flags()
+        dev = device()
+        tp_sizes = sizes("tp_sizes", dev)
+        if dev == "gpu" and not f.tp_sizes:
+            tp_sizes = [p for p in tp_sizes if p <= min(gpu_counts())]
+        for tp in tp_sizes:
+            dev = block_device(tp)
+            yield from itertools.product(
+                [dev], f.block_patterns, sizes("seq_lens", dev), sizes("num_heads", dev),
+                sizes("head_dims", dev), sizes("block_sizes", dev), f.dtypes, [tp])
+
     def test_hybrid_block(self):
         f = _flags()
         failures = []
-        for name, n, heads, hd, bs, dtype, tp in itertools.product(
-                f.block_patterns, map(int, f.seq_lens), map(int, f.num_heads),
-                map(int, f.head_dims), map(int, f.block_sizes), f.dtypes, map(int, f.tp_sizes)):
+        for dev, name, n, heads, hd, bs, dtype, tp in self._block_cases():
             d = heads * hd
             config = HybridConfig(d_model=d, num_heads=heads, d_ff=2 * d,
                                   pattern=example_pattern(name, n, bs), block_size=bs,
                                   dtype=dtype)
             case = dict(op="hybrid_block", pattern=name, seq_len=n, num_heads=heads, head_dim=hd,
-                        block_size=bs, dtype=dtype, tp=tp, batch=f.batch)
+                        block_size=bs, dtype=dtype, tp=tp, batch=f.batch, device=dev)
             params = {k: round_to_dtype(v, dtype) for k, v in init_params(config, f.seed).items()}
             rng = np.random.default_rng(f.seed + 1)
             x, dy = (round_to_dtype(rng.standard_normal((f.batch, n, d)), dtype)
                      for _ in range(2))
             y_ref = reference.hybrid_block(params, x, config)
             dx_ref, dp_ref = reference.hybrid_block_grad(params, x, config, dy)
-            got = {b: BLOCK[b](config, params, x, dy, tp) for b in self.backends}
+            got = {b: BLOCK[b](config, params, x, dy, tp, dev) for b in self.backends}
             tokens = f.batch * n  # every parameter gradient sums over all tokens
             try:
                 for b in self.backends:

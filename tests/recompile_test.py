@@ -8,7 +8,7 @@ ELL width, so without padding (``layout._ELL_ALIGN``) a pattern whose longest ro
 and one with 32 compiled two variants (issue 4 audit).
 
 This test builds the forward, dQ and dK/dV launch descriptions exactly as the torch frontend
-does (``sparsetp.kernels.launch``, ``device_kind="cuda"``) for several patterns at one
+does (``sparsetp.kernels.abi``, ``device_kind="cuda"``) for several patterns at one
 (B, H, N, D, block, dtype), and asserts that the constexprs, warps/stages and the per-argument
 signature (computed with Triton's own ``native_specialize_impl``, the function its launcher
 calls) are identical. Pointer alignment comes from the allocator (the CUDA caching allocator
@@ -27,11 +27,13 @@ from unittest import mock
 import numpy as np
 import torch
 from absl.testing import absltest, parameterized
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 
 from sparsetp.core import layout as layout_lib
 from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
-from sparsetp.kernels import launch as L
+from sparsetp.kernels import abi, schedule
 
 # (B, H, N, D, block, dtype). The first has 32 tiles per side, so padded widths differ across
 # patterns (16 for local, 32 for dense); the second is ragged (N % block != 0, ALIGNED off).
@@ -55,10 +57,13 @@ def _patterns(b: int) -> dict[str, P.Pattern]:
     }
 
 
-def _meta(lay) -> dict[str, torch.Tensor]:
-    # As sparsetp.backends.torch.attention._metadata: C-contiguous int32 tensors.
-    return {name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C"))
-            for name, arr in lay.metadata().items()}
+def _meta(lay) -> dict:
+    # As sparsetp.backends.torch.launch.metadata: C-contiguous int32 tensors plus the layout's
+    # head groups (they shape the grid, never the compiled kernel).
+    q_group, k_group = schedule.head_groups(lay)
+    return {**{name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C"))
+               for name, arr in lay.metadata().items()},
+            "q_head_group": q_group, "k_head_group": k_group}
 
 
 def _calls(lay, batch: int, head_dim: int, dtype: str):
@@ -73,26 +78,22 @@ def _calls(lay, batch: int, head_dim: int, dtype: str):
     lse, delta = (torch.empty((batch, h, n), dtype=sdt, device="meta") for _ in range(2))
     meta = _meta(lay)
     scale = head_dim ** -0.5
-    fwd = L.fwd_call(q, k, v, meta, scale=scale, dtype=dtype, device_kind="cuda",
-                     strides={"q": q.stride(), "k": k.stride(), "v": v.stride(),
-                              "out": out.stride(), "lse": lse.stride()})
+    fwd = abi.fwd_call(q, k, v, meta, scale=scale, dtype=dtype, device_kind="cuda",
+                         strides={"q": q.stride(), "k": k.stride(), "v": v.stride(),
+                                "out": out.stride(), "lse": lse.stride()})
     st = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
           "lse": lse.stride()}
-    dq_call = L.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
-                            device_kind="cuda", strides={**st, "dq": dq.stride()})
-    dkdv_call = L.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
-                                device_kind="cuda",
-                                strides={**st, "dk": dk.stride(), "dv": dv.stride()})
+    dq_call = abi.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
+                              device_kind="cuda", strides={**st, "dq": dq.stride()})
+    dkdv_call = abi.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
+                                  device_kind="cuda",
+                                  strides={**st, "dk": dk.stride(), "dv": dv.stride()})
     return {"fwd": (fwd, (out, lse)), "bwd_dq": (dq_call, (dq,)),
             "bwd_dkdv": (dkdv_call, (dk, dv))}
 
 
 def _int_key(x: int):
     """(x % 16 == 0, x == 1) plus Triton's own (type, specialisation) of the integer ``x``."""
-    # Imported here: sparsetp must configure Triton (interpreter mode) before triton is imported.
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
     return (x % 16 == 0, x == 1, native_specialize_impl(BaseBackend, x, False, True, True))
 
 

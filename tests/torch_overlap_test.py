@@ -4,8 +4,9 @@
 then computes d(W) and d(b) while it runs. It issues the same GEMMs on the same operands as
 autograd's matmul backward and all-reduces the same tensor, so the claim is **bitwise**
 equality with ``overlap_comm=False`` (not a tolerance): only the order in time differs. Checked
-on gloo with 2 and 4 processes for the linear layers, the MLP and (2 processes) the hybrid block,
-in float32 and float64; plus the schedule itself: the all-reduce is started asynchronously
+with 2 and 4 processes for the linear layers, the MLP and (2 processes) the hybrid block, in
+float32 and float64 (NCCL with one GPU per rank when torch sees enough GPUs, else gloo on CPU:
+``tests/dist_utils.py``); plus the schedule itself: the all-reduce is started asynchronously
 *before* the weight-gradient GEMM, whereas the plain path reduces synchronously after it.
 (Both paths are also held to the float64 oracle by ``tests/torch_tp_test.py``, whose layers use
 the default, overlapped path.)
@@ -48,9 +49,11 @@ def _assert_bitwise(a, b, what):
                                  f"{(u.double() - v.double()).abs().max().item():.3e}")
 
 
+# Rank functions create tensors (and generators: dist_utils.generator) on torch's default
+# device, which the harness sets per rank (cuda:<rank> under NCCL, cpu under gloo).
 def _check_layers_bitwise(rank, world):
     for dtype_name, dtype in DTYPES.items():
-        g = torch.Generator().manual_seed(0)  # same draws on every rank
+        g = dist_utils.generator(0)  # same draws on every rank
         x = torch.randn(3, 5, 16, generator=g, dtype=dtype)
         for gather in (False, True):
             out = 24 if gather else 24 // world
@@ -71,7 +74,7 @@ def _check_block_bitwise(rank, world):
     cfg = HybridConfig(d_model=64, num_heads=4, d_ff=128, pattern=P.bigbird(16, 3, 1, 1, seed=3),
                        block_size=32)
     params = init_params(cfg, 11)
-    g = torch.Generator().manual_seed(1)
+    g = dist_utils.generator(1)
     x, dy = (torch.randn(2, 64, 64, generator=g) for _ in range(2))
     a, b = (HybridBlock.from_params(cfg, params, overlap_comm=o) for o in (True, False))
     _assert_bitwise(_grads(a, x, dy), _grads(b, x, dy), "hybrid block")

@@ -1,5 +1,7 @@
-"""Sequence parallelism (``sequence_parallel=True``) of the PyTorch TP layers, on 2 and 4 gloo
-processes, against the float64 oracle and against plain tensor parallelism.
+"""Sequence parallelism (``sequence_parallel=True``) of the PyTorch TP layers, on 2 and 4
+processes, against the float64 oracle and against plain tensor parallelism. Processes follow the
+suite's rule (``tests/dist_utils.py``): NCCL with one GPU per rank when torch sees enough GPUs,
+else gloo with CPU ranks.
 
 Every rank builds the same unsharded float64 problem (same seeds) and feeds its contiguous
 sequence shard (tokens ``[r T / tp, (r + 1) T / tp)``) to the SP layer, then checks, for a
@@ -109,12 +111,8 @@ def _assert_bitwise(a, b, what):
 
 # ---------------------------------------------------------------------------------------------
 # Rank functions (module level: pickled by name into the spawned processes). They create
-# tensors on torch's default device, so they also run with NCCL, one GPU per rank
-# (``dist_utils.run_distributed(..., backend="nccl")`` makes cuda:<rank> the default device).
-
-
-def _generator(seed):
-    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+# tensors on torch's default device, which the harness sets per rank: cuda:<rank> under NCCL,
+# cpu under gloo.
 
 
 def _check_comm(rank, world):
@@ -374,7 +372,7 @@ def _count_collectives(rank, world):
     returns ``{(layer, overlap, pass): [(kind, elements), ...]}``."""
     cfg = HybridConfig(d_model=64, num_heads=4, d_ff=128, pattern=P.causal(), block_size=16)
     params = init_params(cfg, 5)
-    g = _generator(3)
+    g = dist_utils.generator(3)
     x0, dy = (torch.randn(1, 32 // world, 64, generator=g) for _ in range(2))
     out = {}
     for overlap in (True, False):
@@ -402,7 +400,7 @@ def _backward_schedule(rank, world, overlap):
     y = lin(x)
     gemms = {(torch, "matmul"): "gemm", (torch.Tensor, "mm"): "gemm"}
     with _recording(gemms) as events:
-        y.backward(torch.randn(y.shape, generator=_generator(1)))
+        y.backward(torch.randn(y.shape, generator=dist_utils.generator(1)))
     return [e if isinstance(e, str) else e[0] for e in events]
 
 

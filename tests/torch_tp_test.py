@@ -1,4 +1,7 @@
-"""PyTorch tensor parallelism on 1, 2 and 4 gloo processes against the float64 oracle.
+"""PyTorch tensor parallelism on 1, 2 and 4 processes against the float64 oracle.
+
+Processes and devices follow the suite's rule (``tests/dist_utils.py``): NCCL with one GPU per
+rank when torch sees enough GPUs, else gloo with CPU ranks (kernels in Triton's interpreter).
 
 Every rank builds the same unsharded float64 problem (same seeds), runs its shard, and compares
 its outputs, input gradients and *its shard* of every weight gradient with the oracle, for a
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import unittest
+import unittest.mock
 
 import numpy as np
 import torch
@@ -68,8 +72,8 @@ def _narrow(a, dim, rank, world):
 
 # ---------------------------------------------------------------------------------------------
 # Rank functions (module level: pickled by name into the spawned processes). They create
-# tensors on torch's default device, so benchmarks/gpu_tp_check.py runs the same checks on GPUs
-# (the harness makes cuda:<rank> the default device under NCCL).
+# tensors (and generators: dist_utils.generator) on torch's default device, which the harness
+# sets: cuda:<rank> under NCCL, cpu under gloo; benchmarks/gpu_tp_check.py runs them with NCCL.
 
 
 def _check_linears(rank, world, dtype):
@@ -298,7 +302,7 @@ def _count_collectives(rank, world):
     the overlapped backward; returns ``{(layer, overlap, pass): [(name, shape), ...]}``."""
     cfg = HybridConfig(d_model=32, num_heads=2, d_ff=64, pattern=P.causal(), block_size=16)
     params = init_params(cfg, 5)
-    g = torch.Generator().manual_seed(3)
+    g = dist_utils.generator(3)
     x0, dy = (torch.randn(1, 32, 32, generator=g) for _ in range(2))
     out = {}
     for overlap in (True, False):
@@ -320,6 +324,10 @@ def _fail_on_rank_one(rank, world):
         raise RuntimeError("deliberate failure on rank 1")
     dist.barrier()  # would wait forever for rank 1: the harness must kill us
     return True
+
+
+def _default_device(rank, world):
+    return torch.empty(()).device.type
 
 
 def _sleep_forever(rank, world):
@@ -435,11 +443,14 @@ class DistributedBlockTest(parameterized.TestCase):
         float64 oracle; then outputs and dx must agree ACROSS TP sizes much more tightly than
         with the oracle: only float32 summation order differs (K-split matmuls, all-reduce), a
         few ulp of O(1-10) values, so 1e-5 (2e-5 for dx) is 10x tighter than the oracle check.
-        (One spawn per size serves both checks: the interpreter makes each run ~5-15 s.)"""
+        (One spawn per size serves both checks: the interpreter makes each run ~5-15 s.) All
+        sizes on one backend, the one TP 4 gets, so that one device type computes them all."""
         base = None
+        backend = dist_utils.backend_for(4)
         for world in (1, 2, 4):
-            with self.subTest(tp=world):
-                results = dist_utils.run_distributed(_check_block, world, True, timeout=180)
+            with self.subTest(tp=world, backend=backend):
+                results = dist_utils.run_distributed(_check_block, world, True, timeout=180,
+                                                     backend=backend)
                 if base is None:
                     base = results[0]
                 for rank, (y, dx) in enumerate(results):
@@ -453,6 +464,26 @@ class DistributedBlockTest(parameterized.TestCase):
 
 
 class HarnessTest(absltest.TestCase):
+    def test_backend_rule(self):
+        """NCCL when torch sees world_size GPUs, else gloo; NCCL with too few is an error."""
+        import torch
+
+        for gpus, want in ((0, ["gloo"] * 4), (1, ["nccl", "gloo", "gloo", "gloo"]),
+                           (2, ["nccl", "nccl", "gloo", "gloo"]), (4, ["nccl"] * 4)):
+            with unittest.mock.patch.object(torch.cuda, "is_available", return_value=gpus > 0), \
+                    unittest.mock.patch.object(torch.cuda, "device_count", return_value=gpus), \
+                    unittest.mock.patch.object(dist, "is_nccl_available", return_value=True):
+                self.assertEqual([dist_utils.backend_for(w) for w in (1, 2, 3, 4)], want)
+                if gpus < 2:
+                    with self.assertRaisesRegex(ValueError, f"backend='nccl' with 2 ranks needs "
+                                                            f"2 GPUs; torch sees {gpus}"):
+                        dist_utils.run_distributed(_sleep_forever, 2, backend="nccl")
+        self.assertEqual(multiprocessing.active_children(), [])
+
+    def test_gloo_ranks_compute_on_cpu(self):
+        self.assertEqual(dist_utils.run_distributed(_default_device, 2, backend="gloo"),
+                         ["cpu", "cpu"])
+
     def test_failing_rank_fails_promptly_with_its_traceback(self):
         import time
         start = time.monotonic()

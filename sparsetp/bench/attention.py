@@ -35,8 +35,11 @@ forward FLOPs = ``4 * D * computed_elements``, backward = 2.5x that. Dense SDPA 
 (``N*(N+1)/2`` per head for ``sdpa_causal``). Ratios: ``speedup_vs_X = X_ms / this_ms`` (> 1:
 this implementation is faster).
 
-Presets: ``targets`` (issue #8's targets, ~150 s on one H200 including compiles), ``sweep``
-(speed-up over dense vs N, time vs sparsity), ``cpu`` (tiny sizes; what CI runs). Examples::
+Presets: ``targets`` (the performance targets, ~150 s on one H200 with compiles), ``sweep``
+(speed-up over dense vs N, time vs sparsity), ``cpu`` (tiny sizes; what CI runs). Devices
+(:func:`resolve_device`): with ``--device=auto`` the ``cpu`` preset runs on CPU tensors and CPU
+JAX arrays (Triton's interpreter) on any machine, the GPU presets on the GPU when there is one;
+every record says which (``device_kind``, ``versions.device``, ``jax_device``). Examples::
 
     python -m sparsetp.bench attention --preset=targets --out_dir=/tmp/bench
     python -m sparsetp.bench attention --preset=cpu --docs=docs/performance.md
@@ -70,9 +73,6 @@ from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
 
-# Decide compiled vs interpreted Triton before anything here imports triton (see _runtime).
-_runtime.configure()
-
 __all__ = [
     "BenchConfig", "BenchPattern", "bench_pattern", "preset_config", "run", "compute_targets",
     "add_derived", "render_markdown", "write_docs", "plot", "block_mask_tables", "main",
@@ -92,7 +92,8 @@ _PRESETS = ["auto", "targets", "sweep", "cpu", "none"]
 # (absl DEFINE_ function, name, default, help[, extra args]): defined by define_flags().
 _FLAG_DEFS = [
     (flags.DEFINE_enum, "preset", "auto", "Case set (auto: targets on a GPU, cpu otherwise; "
-     "none: only the flags below).", _PRESETS),
+     "none: only the flags below). With --device=auto, --preset=cpu runs on CPU and the GPU "
+     "presets on the GPU (see resolve_device).", _PRESETS),
     (flags.DEFINE_list, "patterns", None, "Override: pattern specs (causal, window[:W], "
      "bigbird[:blk], strided_causal[:blk], random:<density>, window_density:<density>, dense, "
      "or a sparsetp.core.examples name)."),
@@ -227,11 +228,32 @@ def preset_config(preset: str, device: str) -> BenchConfig:
     raise ValueError(f"unknown preset {preset!r}")
 
 
-def config_from_flags() -> BenchConfig:
-    device = FLAGS.device
+def resolve_device(preset: str, device: str, has_cuda: bool) -> tuple[str, str]:
+    """``(preset, device)`` from the ``--preset`` and ``--device`` flags on a machine with or
+    without a CUDA GPU (torch's view).
+
+    ``--device=auto``: the ``cpu`` preset runs on CPU (CPU tensors, Triton's interpreter: what
+    CI runs, on a GPU machine too); every other preset on the GPU if there is one, else on CPU.
+    ``--preset=auto``: ``targets`` on CUDA, ``cpu`` on CPU. An explicit ``--device`` wins
+    (``--preset=cpu --device=cuda`` runs the tiny cases on the GPU); ``--device=cuda`` without a
+    GPU is an error.
+
+    >>> resolve_device("cpu", "auto", has_cuda=True)
+    ('cpu', 'cpu')
+    """
+    if device == "cuda" and not has_cuda:
+        raise RuntimeError("--device=cuda but torch sees no GPU")
     if device == "auto":
-        device = "cuda" if _runtime.cuda_available() and not _runtime.interpret_mode() else "cpu"
-    preset = FLAGS.preset if FLAGS.preset != "auto" else ("targets" if device == "cuda" else "cpu")
+        device = "cpu" if preset == "cpu" or not has_cuda else "cuda"
+    if preset == "auto":
+        preset = "targets" if device == "cuda" else "cpu"
+    return preset, device
+
+
+def config_from_flags() -> BenchConfig:
+    import torch  # noqa: PLC0415
+
+    preset, device = resolve_device(FLAGS.preset, FLAGS.device, torch.cuda.is_available())
     cfg = preset_config(preset, device)
     over = {"pattern": FLAGS.patterns, "N": FLAGS.seq_lens, "D": FLAGS.head_dims,
             "dtype": FLAGS.dtypes, "block": FLAGS.block_sizes,
@@ -563,13 +585,12 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
     if cfg.device == "cpu" and layout.nnz_blocks * case["B"] > cfg.max_interp_tiles:
         raise Skip(f"interpreter: {layout.nnz_blocks * case['B']} tiles > max_interp_tiles="
                    f"{cfg.max_interp_tiles}")
-    from sparsetp.kernels import launch  # noqa: PLC0415
+    from sparsetp.kernels import schedule  # noqa: PLC0415
 
     # The tile the kernels run at (the layout's block, or the same pattern re-laid at another
-    # block by launch.kernel_layout's cost model on CUDA).
-    rec["kernel_block"] = launch.kernel_layout(
-        layout, "cuda" if cfg.device != "cpu" else "interpreter", head_dim=case["D"],
-        dtype=case["dtype"]).block_size
+    # block by schedule.kernel_layout's cost model on CUDA).
+    rec["kernel_block"] = schedule.kernel_layout(
+        layout, _kernels_kind(cfg), head_dim=case["D"], dtype=case["dtype"]).block_size
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
     f, fb, g = _torch_pair(lambda q, k, v: sparse_attention(q, k, v, layout), sets)
     return Prepared(f, fb, g)
@@ -794,18 +815,24 @@ def _prep_sparsetp_jax(cfg, case, layout, bp, rec):
     if cfg.device == "cpu" and layout.nnz_blocks * case["B"] > cfg.max_interp_tiles:
         raise Skip(f"interpreter: {layout.nnz_blocks * case['B']} tiles > max_interp_tiles")
     want = "gpu" if cfg.device == "cuda" else "cpu"
-    if jax.default_backend() != want:
-        raise Skip(f"JAX backend is {jax.default_backend()}, not {want}")
+    try:  # the run's platform, whatever JAX's default backend is (CPU runs on a GPU machine)
+        dev = jax.devices(want)[0]
+    except RuntimeError as e:
+        raise Skip(f"JAX has no {want} device: {e}") from None
+    rec["jax_device"], rec["jax_platform"] = str(dev), dev.platform
     if cfg.device == "cuda":
         from sparsetp.backends.jax import compat  # noqa: PLC0415
 
         rec["jax_triton"] = compat.jax_triton().__version__  # ImportError -> recorded error
-    # Same kernel tiles as the torch launch (launch.kernel_layout sees the same D and dtype).
-    lay = layout_arrays(layout, head_dim=case["D"], dtype=case["dtype"])
+    # Same kernel tiles as the torch launch (schedule.kernel_layout sees the same D and dtype).
+    # Every operand committed to ``dev``, so the jitted calls run there.
+    lay = jax.device_put(layout_arrays(layout, head_dim=case["D"], dtype=case["dtype"]), dev)
     shape = (case["B"], case["H"], case["N"], case["D"])
     dt = jnp.dtype(case["dtype"])
-    keys = jax.random.split(jax.random.PRNGKey(1234), 4 * cfg.input_sets)
-    arrs = [jax.random.normal(kk, shape, jnp.float32).astype(dt) for kk in keys]
+    with jax.default_device(dev):
+        keys = jax.random.split(jax.random.PRNGKey(1234), 4 * cfg.input_sets)
+        arrs = [jax.device_put(jax.random.normal(kk, shape, jnp.float32).astype(dt), dev)
+                for kk in keys]
     sets = [tuple(arrs[4 * i:4 * i + 4]) for i in range(cfg.input_sets)]
     fwd_j = jax.jit(lambda q, k, v, lay: sparse_attention(q, k, v, lay))
 
@@ -931,7 +958,7 @@ def _torch_wall(cfg, case, layout, loop_ms, reps):
 def torch_first_backward(device) -> None:
     """One trivial autograd backward with an explicit gradient on ``device``. Torch's first
     such backward imports its symbolic-shapes module and sympy (``torch.autograd._make_grads``),
-    2.2-3.1 s on the device tool's hosts (session 11, ``benchmarks/KERNEL_NOTES.md``): once per
+    2.2-3.1 s on the device tool's hosts (``benchmarks/KERNEL_NOTES.md``): once per
     process and the same for every attention implementation. Cold-start timings run this first
     and time it apart, so that they count compiles, not that import."""
     import torch  # noqa: PLC0415
@@ -946,7 +973,7 @@ def _first_call(cfg, case) -> dict:
 
     Before the cold calls, :func:`torch_first_backward` runs and is timed on its own
     (``torch_first_backward_s``); without it ``cold_bwd_s`` would count torch's one-time import
-    as the backward's compile time, as it did up to session 10."""
+    as the backward's compile time (older recorded results do)."""
     import torch  # noqa: PLC0415
 
     from sparsetp.torch import sparse_attention  # noqa: PLC0415
@@ -1063,12 +1090,18 @@ def _merge_rounds(records: list, rounds: dict) -> list:
     return merged
 
 
+def _kernels_kind(cfg: BenchConfig) -> str:
+    """How this run's kernels execute: "cuda" (compiled) or "interpreter" (CPU tensors, or
+    SPARSETP_INTERPRET=1 on a GPU)."""
+    return _runtime.device_kind("cuda" if cfg.device == "cuda" else "cpu")
+
+
 def run(cfg: BenchConfig) -> dict:
     """Run ``cfg``'s jobs; returns the results dict (also written as JSON with plots)."""
     t_start = time.perf_counter()
     result = {"tool": "sparsetp.bench.attention", "schema_version": SCHEMA_VERSION,
               "command": cfg.command, "preset": cfg.preset, "device_kind": cfg.device,
-              "interpreter": _runtime.interpret_mode(), "conventions": CONVENTIONS,
+              "interpreter": _kernels_kind(cfg) == "interpreter", "conventions": CONVENTIONS,
               "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "sections"},
               "records": [], "skipped": [], "errors": [], "warnings": [],
               # CPU timings of other processes' load are noise: say how busy the machine was.
@@ -1080,9 +1113,9 @@ def run(cfg: BenchConfig) -> dict:
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device=cuda but torch sees no GPU")
-    # versions() imports jax_triton, whose 0.3.1 import sets TRITON_CACHE_DIR="" for the
-    # process: choose the cache directory after it.
-    result["versions"] = common.versions()
+    # jax_triton's 0.3.1 import sets TRITON_CACHE_DIR="" for the process (versions() no longer
+    # imports it, but a caller may have): choose the cache directory here.
+    result["versions"] = common.versions(device=cfg.device)
     if cfg.fresh_triton_cache and cfg.device == "cuda":
         # Cold-start numbers must include compilation; a warm on-disk cache would hide it.
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="sparsetp_bench_triton_")
@@ -1238,8 +1271,8 @@ def _target(tid, name, value, threshold, op, unit, applicable, note=""):
 
 
 def compute_targets(result: dict) -> list:
-    """Issue #8's targets from the records (value, threshold, pass/fail; pass is None when the
-    value was not measured or the run was not on a GPU)."""
+    """The performance targets from the records (value, threshold, pass/fail; pass is None
+    when the value was not measured or the run was not on a GPU)."""
     recs = result["records"]
     gpu = result.get("device_kind") == "cuda"
     out = []
@@ -1391,11 +1424,11 @@ _TORCH_FIRST_BACKWARD_NOTE = (
     "`torch_first_backward_s` is a trivial autograd backward with an explicit gradient, run "
     "before the cold calls: torch's once-per-process imports (its symbolic-shapes module and "
     "sympy), which `cold_bwd_s` does not count.")
-# Results recorded before session 11 have no torch_first_backward_s.
+# Older recorded results have no torch_first_backward_s.
 _NO_TORCH_FIRST_BACKWARD_NOTE = (
     "This run predates `torch_first_backward_s`: its `cold_bwd_s` includes torch's "
     "once-per-process imports at the first backward with an explicit gradient (its "
-    "symbolic-shapes module and sympy; 2.2-3.1 s in session 11's runs).")
+    "symbolic-shapes module and sympy; 2.2-3.1 s on the device hosts).")
 
 
 def render_markdown(results: dict | Sequence[dict], plots: Sequence[str] = (),
@@ -1405,8 +1438,8 @@ def render_markdown(results: dict | Sequence[dict], plots: Sequence[str] = (),
     lines = ["## Attention", ""]
     cpu = any(r.get("device_kind") != "cuda" for r in results)
     if cpu:
-        lines += ["> **CPU / Triton-interpreter numbers.** These come from the `cpu` preset on a "
-                  "CPU machine: the Triton kernels run in Triton's interpreter, so the times "
+        lines += ["> **CPU / Triton-interpreter numbers.** These come from a CPU run (CPU "
+                  "tensors): the Triton kernels run in Triton's interpreter, so the times "
                   "say nothing about GPU performance. They show what the tool records; the GPU "
                   "run replaces them.", ""]
     for res in results:

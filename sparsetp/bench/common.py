@@ -8,6 +8,7 @@ redefine them): ``--out_dir`` (where JSON and plots go), ``--device`` (auto|cpu|
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -27,31 +28,44 @@ def define_flags() -> None:
                             "Directory for the JSON results and the plots.")
     if "device" not in FLAGS:
         flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"],
-                          "Where to run (auto: GPU if any).")
+                          "Where to run (auto: the cpu preset on CPU, the GPU presets on the "
+                          "GPU if there is one).")
     if "plots" not in FLAGS:
         flags.DEFINE_bool("plots", True, "Draw plots (matplotlib) next to the JSON.")
 
 
-def versions() -> dict:
+def versions(device: str | None = None) -> dict:
     """Versions and device of this process, for every JSON result (frameworks only if imported
-    or importable; nothing is initialised on their behalf except torch's CUDA query)."""
+    or importable; nothing is initialised on their behalf except torch's CUDA query).
+
+    ``device``: what the run computes on, "cpu" or "cuda" (None: the GPU if torch sees one).
+    ``device`` in the result names it: a CPU run on a GPU machine says ``cpu (N cores)``, and
+    ``gpus_visible`` how many GPUs it left alone. jax_triton's version comes from its package
+    metadata: importing it starts JAX's CUDA backend and clears ``TRITON_CACHE_DIR`` (0.3.1).
+    """
     out = {"python": platform.python_version(), "platform": platform.platform(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "argv": sys.argv}
-    for name in ("numpy", "triton", "torch", "jax", "jax_triton"):
+    for name in ("numpy", "triton", "torch", "jax"):
         try:
             mod = __import__(name)
-        except Exception:  # noqa: BLE001  (jax_triton raises more than ImportError on CPU jax)
+        except Exception:  # noqa: BLE001
             continue
         out[name] = getattr(mod, "__version__", "?")
+    try:
+        out["jax_triton"] = importlib.metadata.version("jax-triton")
+    except importlib.metadata.PackageNotFoundError:
+        pass
     if "torch" in sys.modules:
         import torch  # noqa: PLC0415
 
-        if torch.cuda.is_available():
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus and device != "cpu":
             out["device"] = torch.cuda.get_device_name()
-            out["device_count"] = torch.cuda.device_count()
+            out["device_count"] = gpus
         else:
             out["device"] = f"cpu ({os.cpu_count()} cores)"
+            out["gpus_visible"] = gpus
     return out
 
 

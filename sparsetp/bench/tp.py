@@ -20,9 +20,12 @@ runs; ``--budget_s`` bounds the wall clock (stages that no longer fit are record
 
 Usage::
 
-    python -m sparsetp.bench tp --preset=cpu                      # tiny, gloo, 4 processes
+    python -m sparsetp.bench tp --preset=cpu                      # tiny, gloo, 4 CPU processes
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         python -m sparsetp.bench tp --preset=gpu2 --out_dir=$OUT   # 2 GPUs, ~150 s
+
+Devices (:func:`resolve_device`): ``--preset=cpu`` runs on CPU ranks wherever it runs (a GPU
+machine too) unless ``--device=cuda``; ``--preset=gpu2`` runs one rank per GPU and needs 2 GPUs.
 
 Output: ``<out_dir>/tp.json`` (and ``tp_*.png`` with matplotlib). Believe the numbers only when
 ``tests/torch_tp_test.py``, ``tests/torch_overlap_test.py``, ``tests/torch_sp_test.py`` and
@@ -200,9 +203,8 @@ class _Run:
         self.t0 = time.monotonic()
         self.deadline = self.t0 + budget_s
         self.path = os.path.join(out_dir, "tp.json")
-        # common.versions() imports jax_triton, which on a GPU machine starts JAX's CUDA backend
-        # (preallocating most of each GPU) and clears TRITON_CACHE_DIR in this process's
-        # environment, which the torch ranks inherit: so it runs after every child has ended.
+        # common.versions() runs after every child has ended: it queries torch's CUDA state in
+        # this process, which the children need not inherit.
         self.result = dict(versions=dict(argv=sys.argv, python=sys.version.split()[0]),
                            spec=spec, budget_s=budget_s, stages={}, warnings=[])
         try:
@@ -884,9 +886,9 @@ def _jax_stage_dp(spec, world):
 
 def _jax_block_params(cfg, rng) -> dict:
     """Random canonical block parameters (weights ~ N(0, 1/fan_in), norms at 1 / 0) held in
-    ``cfg.dtype``, as the torch block holds its parameters. Until session 5 they were float32:
-    every JAX block step then cast them to the compute dtype, its gradients came back in
-    float32, and the rows reported twice torch's parameter bytes (3.2 vs 1.6 GB at TP 1, bf16)."""
+    ``cfg.dtype``, as the torch block holds its parameters. Held in float32, every JAX block
+    step would cast them to the compute dtype, its gradients would come back in float32, and
+    the rows would report twice torch's parameter bytes."""
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -1101,6 +1103,33 @@ def _plots(result, rows, out_dir) -> list[str]:
     return made
 
 
+def resolve_device(preset: str, device: str, gpus: int, world: int | None) -> tuple[str, int]:
+    """``(device, world)`` of a run: the device rule of the ``--preset``/``--device`` flags on a
+    machine where torch sees ``gpus`` GPUs, and the number of ranks (``--tp_world`` or the
+    preset's).
+
+    ``--device=auto``: the ``cpu`` preset runs on CPU (gloo ranks, CPU JAX devices), on a GPU
+    machine too; ``gpu2`` on the GPUs. ``--device`` given: that device. A CUDA run has one rank
+    per GPU (``world`` defaults to every GPU) and needs ``world`` GPUs; every run needs at least
+    2 ranks (the bench compares TP, DP and pipeline sizes). Violations raise ValueError naming
+    what is needed, before any process starts.
+
+    >>> resolve_device("cpu", "auto", gpus=1, world=2)
+    ('cpu', 2)
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)} for tp, got {preset!r}")
+    if device == "auto":
+        device = "cpu" if preset == "cpu" else "cuda"
+    world = world or PRESETS[preset]["world"] or (gpus if device == "cuda" else 4)
+    if device == "cuda" and gpus < max(2, world or 0):
+        raise ValueError(f"--preset={preset} on the GPUs needs {max(2, world or 0)} GPUs "
+                         f"(one rank each); torch sees {gpus}. --preset=cpu runs on CPU ranks.")
+    if not world or world < 2:
+        raise ValueError(f"the tp bench needs at least 2 ranks (--tp_world), got {world}")
+    return device, world
+
+
 def resolve_spec(preset: str, world: int | None, device: str) -> dict:
     if preset not in PRESETS:
         raise ValueError(f"--preset must be one of {sorted(PRESETS)} for tp, got {preset!r}")
@@ -1113,25 +1142,18 @@ def main(argv=None) -> int:
     common.define_flags()
     _define_shared_flags()
     FLAGS(argv if argv is not None else sys.argv)
-    want_cuda = FLAGS.device == "cuda"
-    if FLAGS.device == "auto":
-        import torch  # noqa: PLC0415
-        want_cuda = torch.cuda.is_available()
-    device = "cuda" if want_cuda else "cpu"
+    import torch  # noqa: PLC0415
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, world = resolve_device(FLAGS.preset, FLAGS.device, gpus, FLAGS.tp_world)
     if device == "cuda":
         for k, v in _GPU_ENV.items():  # keep NVLink multicast off here and in every child
             os.environ.setdefault(k, v)
-    spec = resolve_spec(FLAGS.preset, FLAGS.tp_world, device)
-    if spec["world"] is None:
-        import torch  # noqa: PLC0415
-        spec["world"] = torch.cuda.device_count()
+    spec = resolve_spec(FLAGS.preset, world, device)
     if FLAGS.tp_iters:
         spec["iters"] = FLAGS.tp_iters
     budget = FLAGS.budget_s or spec["budget_s"]
     del spec["budget_s"]
-    world = spec["world"]
-    if world < 1:
-        raise ValueError("no devices to run on")
     from sparsetp.core import make_layout  # noqa: PLC0415
     spec["density"] = make_layout(_pattern(spec), spec["seq_len"], spec["num_heads"],
                                   spec["block_size"]).density
@@ -1174,7 +1196,7 @@ def main(argv=None) -> int:
                     run.record(f"{label}:jax_mlp_world",
                                dict(ok=False, skipped=True, error=None, reason="budget"))
     try:
-        run.result["versions"] = common.versions()
+        run.result["versions"] = common.versions(device=device)
     except Exception as e:  # noqa: BLE001
         run.result["warnings"].append(f"versions(): {e!r}")
     rows = _rows(run.result, spec)

@@ -22,11 +22,8 @@ Work order (both views): ``q_order[h, r]`` / ``k_order[h, r]`` (int32) is the ti
 ``r`` of head ``h`` processes: tiles sorted by list length, longest first (stable, so equal
 lengths keep tile order). Launching long rows first keeps them from forming the tail of the
 launch (causal's last rows, BigBird's global rows). A permutation of ``range(num_blocks)``.
-``q_head_group`` / ``k_head_group`` (int G, a divisor of H) say how the launch orders heads:
-in groups of G heads, one group after another, dispatching rank ``r`` of each head of a group
-before rank ``r + 1`` of any. G = H interleaves every head (needed when some list is long next
-to the whole launch); G = 1 runs the heads one after another (each longest first), which L2
-likes best. See :func:`head_group`.
+How a launch orders *heads* is a GPU-scheduling question, answered by
+:mod:`sparsetp.kernels.schedule` from these counts.
 
 ``masks[u, r, w]`` (int32)
     The element mask of partial tiles as a compact bitmask: bit ``c % 32`` of word ``c // 32`` of
@@ -64,7 +61,7 @@ from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
 
-__all__ = ["BlockLayout", "make_layout", "work_order", "head_group", "SUPPORTED_BLOCK_SIZES"]
+__all__ = ["BlockLayout", "make_layout", "work_order", "SUPPORTED_BLOCK_SIZES"]
 
 
 def work_order(count: np.ndarray) -> np.ndarray:
@@ -75,51 +72,6 @@ def work_order(count: np.ndarray) -> np.ndarray:
     """
     count = np.asarray(count)
     return np.argsort(-count.astype(np.int64), axis=-1, kind="stable").astype(np.int32)
-
-
-# Head order of a launch. Heads one after another keep the programs running together on one
-# head's K/V (or Q/dO), which L2 then serves; heads interleaved start every head's longest lists
-# before anyone's short ones. Between the two, a launch takes the heads in groups of G: each
-# group's heads interleaved, one group after another. The cost of grouping: the last group's
-# longest list starts after about (H - G) / H of the work, so the launch ends about
-#     tail(G) = L_max * P / W - G / H
-# of its ideal time late (W: listed tiles over all heads, L_max: the longest list, P: programs
-# running at once, CONCURRENT_PROGRAMS by kernel tile). The launch takes the smallest G (a
-# divisor of H) whose tail is at most HEAD_MAJOR_TAIL; G = 1 runs the heads one after another,
-# G = H interleaves them all.
-#   Why groups (session 8, H200, bf16, H=16, D=128; benchmarks/results/
-#   gpu_attention_check_h200_s8_run1.json): causal N=8192 at tile 64 (L_max * P / W = 0.26)
-#   interleaving all heads leaves L2 hit rates of 84-87 % in the forward, dQ and dK/dV (ncu);
-#   groups of 4 give 93-95 % and DRAM traffic / 2.5, and fwd / fwd+bwd 0.638 / 2.507 ms against
-#   0.673 / 2.637 all interleaved and 0.716 / 2.654 one head after another. Earlier A/B (H100,
-#   tile 128, session 5, gpu_attention_check_h100_s5_run9.json): causal N=32768 (tail(1) =
-#   0.002) 9.94 / 40.38 ms one head after another vs 10.63 / 41.08 interleaved; BigBird (global
-#   rows, tail >> 0) much slower one head after another (N=32768: 1.00 / 4.28 vs 0.68 / 2.86).
-# P: the tile-128 kernels run one program per SM (132 on an H100/H200); the tile-64 ones
-# (bf16/fp16, D=128; session 7) two. Tiles 32 and 16 are taken as 64 (not measured).
-CONCURRENT_PROGRAMS = {16: 264, 32: 264, 64: 264, 128: 132}
-HEAD_MAJOR_TAIL = 0.02
-
-
-def head_group(count: np.ndarray, concurrent: int) -> int:
-    """How many heads a launch over lists of lengths ``count[h, I]`` interleaves per group (see
-    ``HEAD_MAJOR_TAIL`` above): the smallest divisor G of H with tail(G) <= HEAD_MAJOR_TAIL,
-    else H; H when nothing is listed. 1 runs the heads one after another.
-
-    >>> head_group(np.full((16, 256), 9), 132), head_group(np.full((16, 64), 9), 132)
-    (1, 2)
-    >>> head_group(np.full((16, 64), 9), 264), head_group(np.full((16, 8), 9), 264)
-    (4, 16)
-    """
-    count = np.asarray(count)
-    if count.ndim != 2:
-        raise ValueError(f"count must be [H, tiles], got shape {count.shape}")
-    heads, work = count.shape[0], float(count.sum())
-    if work <= 0:
-        return heads
-    load = float(count.max()) * concurrent / work
-    return next((g for g in range(1, heads + 1)
-                 if heads % g == 0 and load - g / heads <= HEAD_MAJOR_TAIL), heads)
 
 
 def _words(block_size: int) -> int:
@@ -147,20 +99,15 @@ class BlockLayout:
     # Derived from the counts when not given (see the module docstring).
     q_order: np.ndarray | None = None
     k_order: np.ndarray | None = None
-    # Derived from the whole layout's counts when not given; head slices (:meth:`heads`) keep
-    # the whole layout's choice, so every tensor-parallel rank launches alike.
-    q_head_group: int | None = None
-    k_head_group: int | None = None
+    # The layout a head slice (:meth:`heads`) was cut from, and the slice's first head in it;
+    # None and 0 for a whole layout.
+    source: BlockLayout | None = dataclasses.field(default=None, repr=False)
+    head_offset: int = 0
 
     def __post_init__(self):
         for name in ("q_order", "k_order"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, work_order(getattr(self, name[0] + "_count")))
-        for name in ("q_head_group", "k_head_group"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, head_group(
-                    getattr(self, name[0] + "_count"),
-                    CONCURRENT_PROGRAMS.get(self.block_size, CONCURRENT_PROGRAMS[64])))
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, np.ndarray):
@@ -234,6 +181,8 @@ class BlockLayout:
             self,
             pattern=_HeadSlice(self.pattern, start) if self.pattern is not None else None,
             num_heads=stop - start,
+            source=self.source if self.source is not None else self,
+            head_offset=self.head_offset + start,
             **{name: getattr(self, name)[sl] for name in (
                 "block_mask", "q_count", "q_partial", "q_index", "q_mask_id", "k_count",
                 "k_partial", "k_index", "k_mask_id", "q_order", "k_order")})
@@ -254,8 +203,8 @@ class _HeadSlice(Pattern):
     def _token(self, h, i, j, n):
         return self.base._token(h + self.start, i, j, n)
 
-    def _block_kinds(self, h, block_size, n):
-        return self.base._block_kinds(h + self.start, block_size, n)
+    def block_kinds(self, h, block_size, n):
+        return self.base.block_kinds(h + self.start, block_size, n)
 
     def head_key(self, h):
         return self.base.head_key(h + self.start)
@@ -302,7 +251,7 @@ def _eval_tiles(pattern: Pattern, h: int, bs: int, n: int, qi: np.ndarray, kj: n
 
 def _head_tiles(pattern: Pattern, h: int, bs: int, n: int, mask_ids: dict):
     """Exact kinds int8[nb, nb] and mask-id int32[nb, nb] (-1 where not partial) of one head."""
-    kinds = np.array(pattern._block_kinds(h, bs, n), dtype=np.int8, copy=True)
+    kinds = np.array(pattern.block_kinds(h, bs, n), dtype=np.int8, copy=True)
     nb = -(-n // bs)
     if kinds.shape != (nb, nb):
         raise AssertionError(f"{pattern!r} returned block kinds of shape {kinds.shape}")
@@ -357,10 +306,9 @@ def _ell(kinds: np.ndarray, mid: np.ndarray):
 
 # ELL widths are rounded up to a multiple of this. Triton specialises every integer kernel
 # argument on "divisible by 16" (and on "== 1"), and the list strides are multiples of the width:
-# with the exact width, a pattern whose longest row has 9 tiles and one with 64 compiled two
-# kernels (a new pattern's first forward took 1.34 s on an H200, all of it compiling:
-# benchmarks/results/bench_attention_targets_h200.json). Padded, every pattern with the same
-# (heads, tiles) presents the same specialisation. Padding entries are never read.
+# with the exact width, patterns whose longest rows differ would compile different kernels
+# (benchmarks/KERNEL_NOTES.md, "v1.1"). Padded, every pattern with the same (heads, tiles)
+# presents the same specialisation. Padding entries are never read.
 _ELL_ALIGN = 16
 
 

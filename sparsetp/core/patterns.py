@@ -7,7 +7,7 @@ Patterns compose with ``|`` (union) and ``&`` (intersection) and :func:`per_head
 Every pattern answers two questions, both vectorised with numpy and never over an N x N grid:
 
 * ``token_mask(h, i, j, n)``: the token-level truth for broadcastable index arrays ``i``, ``j``.
-* ``_block_kinds(h, block_size, n)``: a *structural* classification of every
+* ``block_kinds(h, block_size, n)``: a *structural* classification of every
   ``block_size x block_size`` tile: 0 surely empty, 2 surely full, 1 "maybe" (partial, or not
   provable from the structure alone). :func:`sparsetp.core.layout.make_layout` evaluates
   ``token_mask`` only inside the "maybe" tiles and re-classifies them exactly, so the
@@ -129,7 +129,7 @@ def _part(pattern, h, block_size, n):
     if out is None:
         if len(_KINDS_CACHE) >= 32:
             _KINDS_CACHE.clear()
-        out = np.broadcast_to(pattern._block_kinds(h, block_size, n), (-(-n // block_size),) * 2)
+        out = np.broadcast_to(pattern.block_kinds(h, block_size, n), (-(-n // block_size),) * 2)
         out.setflags(write=False)
         _KINDS_CACHE[key] = out
     return out
@@ -150,7 +150,7 @@ class Pattern:
     def _token(self, h: int, i: np.ndarray, j: np.ndarray, n: int) -> np.ndarray:
         raise NotImplementedError
 
-    def _block_kinds(self, h: int, block_size: int, n: int) -> np.ndarray:
+    def block_kinds(self, h: int, block_size: int, n: int) -> np.ndarray:
         """int8[nb, nb]: EMPTY / FULL where provable from the structure, PARTIAL otherwise."""
         nb = -(-n // block_size)
         return np.full((nb, nb), PARTIAL, np.int8)
@@ -198,7 +198,7 @@ class Dense(Pattern):
     def _token(self, h, i, j, n):
         return np.ones(np.broadcast_shapes(i.shape, j.shape), bool)
 
-    def _block_kinds(self, h, block_size, n):
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
         nb = -(-n // block_size)
         return np.full((nb, nb), FULL, np.int8)
 
@@ -230,7 +230,7 @@ class Local(Pattern):
         d = j - i
         return (d >= lo) & (d <= hi)
 
-    def _block_kinds(self, h, block_size, n):
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
         lo_t, hi_t = _tile_bounds(block_size, n)
         dmin = lo_t[None, :] - hi_t[:, None]
         dmax = hi_t[None, :] - lo_t[:, None]
@@ -258,7 +258,7 @@ class BlockDiagonal(Pattern):
     def _token(self, h, i, j, n):
         return (i // self.size) == (j // self.size)
 
-    def _block_kinds(self, h, block_size, n):
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
         lo, hi = _tile_bounds(block_size, n)
         g_lo, g_hi = lo // self.size, hi // self.size
         # Group ranges of rows and columns are contiguous integer ranges: the tile is full when
@@ -282,7 +282,7 @@ class _Column(Pattern):
     def _token(self, h, i, j, n):
         return np.broadcast_to(self._col(h, j, n), np.broadcast_shapes(i.shape, j.shape))
 
-    def _block_kinds(self, h, block_size, n):
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
         col = _vector_kinds(self._col(h, np.arange(n, dtype=np.int64), n), block_size)
         return np.broadcast_to(col[None, :], (col.shape[0], col.shape[0])).copy()
 
@@ -317,7 +317,7 @@ class Strided(_Column):
     def _period(self):
         return self.block * self.stride
 
-    def head_key(self, h):
+    def head_key(self, h) -> Hashable:
         return self._shift(h) % self.stride if self.per_head_offset else None
 
 
@@ -355,8 +355,8 @@ class Fixed(Pattern):
         a, b = self._parts()
         return a._token(h, i, j, n) | b._token(h, i, j, n)
 
-    def _block_kinds(self, h, block_size, n):
-        return _union_kinds([p._block_kinds(h, block_size, n) for p in self._parts()])
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
+        return _union_kinds([p.block_kinds(h, block_size, n) for p in self._parts()])
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         return _parts_classes(self._parts(), h, block_size, n, qi, kj)
@@ -374,7 +374,7 @@ class GlobalTokens(Pattern):
     def _token(self, h, i, j, n):
         return (i < self.n_global) | (j < self.n_global)
 
-    def _block_kinds(self, h, block_size, n):
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
         k = _vector_kinds(np.arange(n) < self.n_global, block_size)
         return _union_kinds([k[:, None], k[None, :]])
 
@@ -494,7 +494,7 @@ class RandomBlocks(Pattern):
             out |= ci[..., k] == cj
         return out
 
-    def _block_kinds(self, h, block_size, n):
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
         return _chosen_kinds(self.chosen(h, n), self.block, block_size, n)
 
     def _tile_classes(self, h, block_size, n, qi, kj):
@@ -512,7 +512,7 @@ class RandomBlocks(Pattern):
         bits = hit.reshape(qi.size, c * c).astype(np.int64)
         return bits @ (np.int64(1) << np.arange(c * c, dtype=np.int64))
 
-    def head_key(self, h):
+    def head_key(self, h) -> Hashable:
         return h
 
 
@@ -533,7 +533,7 @@ class BlockLocal(Pattern):
         d = j // self.block - i // self.block
         return (d >= -self.left_blocks) & (d <= self.right_blocks)
 
-    def _block_kinds(self, h, block_size, n):
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
         lo, hi = _tile_bounds(block_size, n)
         r0, r1 = lo // self.block, hi // self.block
         return _band_kinds(r0[None, :] - r1[:, None], r1[None, :] - r0[:, None],
@@ -550,13 +550,13 @@ class _Union(Pattern):
     def _token(self, h, i, j, n):
         return np.logical_or.reduce([p._token(h, i, j, n) for p in self.parts])
 
-    def _block_kinds(self, h, block_size, n):
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
         return _union_kinds([_part(p, h, block_size, n) for p in self.parts])
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         return _parts_classes(self.parts, h, block_size, n, qi, kj)
 
-    def head_key(self, h):
+    def head_key(self, h) -> Hashable:
         return tuple(p.head_key(h) for p in self.parts)
 
     def _validate(self, seq_len):
@@ -569,7 +569,7 @@ class _Intersection(_Union):
     def _token(self, h, i, j, n):
         return np.logical_and.reduce([p._token(h, i, j, n) for p in self.parts])
 
-    def _block_kinds(self, h, block_size, n):
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
         return _intersection_kinds([_part(p, h, block_size, n) for p in self.parts])
 
 
@@ -592,13 +592,13 @@ class PerHead(Pattern):
     def _token(self, h, i, j, n):
         return self._pick(h)._token(h, i, j, n)
 
-    def _block_kinds(self, h, block_size, n):
-        return self._pick(h)._block_kinds(h, block_size, n)
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
+        return self._pick(h).block_kinds(h, block_size, n)
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         return self._pick(h)._tile_classes(h, block_size, n, qi, kj)
 
-    def head_key(self, h):
+    def head_key(self, h) -> Hashable:
         return (h % len(self.patterns), self._pick(h).head_key(h))
 
     def _validate(self, seq_len):

@@ -1,14 +1,13 @@
-"""Triton kernels (``attention``) and their framework-neutral launch logic (``launch``).
+"""Triton kernels and their framework-neutral launch layer (no torch, no jax).
 
-Importing this package first calls :func:`sparsetp._runtime.configure`, which sets
-``TRITON_INTERPRET=1`` when no CUDA GPU is present (Triton reads it when the ``@triton.jit``
-functions are created), so the same kernels run on CPU under Triton's interpreter.
+* :mod:`~sparsetp.kernels.attention`: the ``@triton.jit`` sources (one per pass).
+* :mod:`~sparsetp.kernels.abi`: argument orders, input checks, launch descriptions.
+* :mod:`~sparsetp.kernels.tiles`: tile configs and the heuristic that picks one.
+* :mod:`~sparsetp.kernels.schedule`: head grouping, work order, the kernel-tile cost model.
+* :mod:`~sparsetp.kernels.options`: the frozen launch options and how to change them.
+* :mod:`~sparsetp.kernels.interpreter`: the same kernels in Triton's interpreter (CPU tensors).
 """
 
-from sparsetp import _runtime
+from sparsetp.kernels import abi, attention, interpreter, options, schedule, tiles
 
-_runtime.configure()  # must precede the kernel imports below
-
-from sparsetp.kernels import attention, launch  # noqa: E402
-
-__all__ = ["attention", "launch"]
+__all__ = ["abi", "attention", "interpreter", "options", "schedule", "tiles"]

@@ -3,7 +3,7 @@
 This module holds ``@triton.jit`` functions only; it imports neither torch nor jax, so the torch
 frontend (``kernel[grid](...)``) and the JAX frontend (``jax_triton.triton_call``, or the
 interpreter on CPU) launch the *same* kernel objects. The argument order of every kernel and the
-default tile configs live in :mod:`sparsetp.kernels.launch`; read its docstring before calling a
+default tile configs live in :mod:`sparsetp.kernels.abi`; read its docstring before calling a
 kernel by hand.
 
 Conventions shared by the four kernels
@@ -44,17 +44,14 @@ __all__ = [
     "_attn_bwd_preprocess_kernel",
     "_attn_bwd_dq_kernel",
     "_attn_bwd_dkdv_kernel",
-    "_attn_fwd_split_kernel",
-    "_attn_fwd_merge_kernel",
 ]
 
 # log2(e): folds the natural-exp softmax into exp2 (scores * sm_scale * LOG2E).
 # ln(2):   converts the base-2 log-sum-exp back to natural log for LSE.
-# Kernels inline the literals below (globals referenced from @triton.jit must be constexprs, and
-# the literals keep the interpreter and both Triton versions on the same code path).
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-assert abs(LOG2E - 1 / math.log(2)) < 1e-15 and abs(LN2 - math.log(2)) < 1e-15
+# Globals read inside @triton.jit must be constexprs.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+assert abs(LOG2E.value - 1 / math.log(2)) < 1e-15 and abs(LN2.value - math.log(2)) < 1e-15
 
 
 @triton.jit
@@ -77,7 +74,7 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 def _stats_const(value: tl.constexpr, ref):
     """``value`` as a scalar of the statistics dtype of what ``ref`` points to: fp64 for fp64
     tensors, else fp32. Why not the literal: Triton types a Python float in a kernel as an fp32
-    constant, so ``x * 1.4426950408889634`` on fp64 ``x`` would multiply by log2(e) rounded to
+    constant, so ``x * LOG2E`` on fp64 ``x`` would multiply by log2(e) rounded to
     fp32 (relative error 2e-8, and fp64 attention off the float64 oracle by ~1e-7). For the
     other dtypes this is the same fp32 constant the literal was."""
     if ref.dtype.element_ty == tl.float64:
@@ -91,7 +88,7 @@ def _stats_const(value: tl.constexpr, ref):
 def _softmax_scale(sm_scale, sm_scale_lo, ref):
     """The softmax scale in the statistics dtype of what ``ref`` points to. Triton passes a
     Python float as fp32, so the launcher splits the scale into ``sm_scale`` = fp32(scale) and
-    ``sm_scale_lo`` = fp32(scale - sm_scale) (``launch.scale_args``); fp64 kernels add the two
+    ``sm_scale_lo`` = fp32(scale - sm_scale) (``abi.scale_args``); fp64 kernels add the two
     back (the scale to ~1e-15), the others use ``sm_scale`` as before."""
     if ref.dtype.element_ty == tl.float64:
         s = tl.cast(sm_scale, tl.float64) + tl.cast(sm_scale_lo, tl.float64)
@@ -109,7 +106,7 @@ def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: tl.constexpr):
     another, and within a group dispatches rank r of each of its G heads before rank r + 1 of
     any (G = B*H: "heads first", every head interleaved). The one-axis grid (B*H*ranks,) runs
     the heads one after another, ranks fastest (G = 1). With one rank per head the launcher
-    always uses the one-axis grid (``launch.list_grid``): rank 0 of head ``program_id(0)``.
+    always uses the one-axis grid (``schedule.list_grid``): rank 0 of head ``program_id(0)``.
     With ``ORDERED`` the rank is mapped through the layout's per-head work order
     (``order[h, rank]`` = tile, longest list first, so long rows start early instead of
     forming the tail of the launch); otherwise rank = tile.
@@ -265,7 +262,7 @@ def _attn_fwd_kernel(
     stride_vn = _hint16(stride_vn, ALIGNED)
     scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
     # log2(e): softmax in base 2 (exp2)
-    qk_scale = scale * _stats_const(1.4426950408889634, Q)
+    qk_scale = scale * _stats_const(LOG2E, Q)
 
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
@@ -288,12 +285,8 @@ def _attn_fwd_kernel(
                                   offs_d, N, qk_scale, stride_kn, stride_kd, stride_vn,
                                   stride_vd, masks, mid, stride_mu, stride_mr, stride_mw,
                                   BLOCK, SUB_N, True, DOT_PRECISION, DOT_UPCAST)
-    # The next step's key-tile index is loaded one step ahead (a loop-carried scalar), so the
-    # next K/V sub-tile's address does not wait on a global load. ncu (session 7, run 5) put
-    # 18 % of the 64-tile dQ's stall samples on such an index; doing this in the forward
-    # made it 5.4 % faster at ncu's fixed clocks (causal N=8192, tile 64) and 1-3.5 % faster
-    # end to end in 7 of the 8 issue-8 cases (causal N=32768: 2 % slower). In dQ and dK/dV it
-    # was slower at tile 64 (+3 %, +6 %), so they keep the plain load (KERNEL_NOTES.md, v10).
+    # The next key-tile index is loaded one step ahead so the next K/V address does not wait on
+    # a global load (faster here, slower in dQ and dK/dV: KERNEL_NOTES.md, "v10").
     lo = n_partial * (BLOCK // SUB_N)
     hi = count * (BLOCK // SUB_N)
     kb_next = tl.load(q_index + row + n_partial * stride_ik, mask=lo < hi, other=0)
@@ -311,7 +304,7 @@ def _attn_fwd_kernel(
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]
     # LSE in natural log: (m + log2 l) * ln(2); -inf where the row saw no key.
-    ln2 = _stats_const(0.6931471805599453, LSE)
+    ln2 = _stats_const(LN2, LSE)
     lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * ln2, float("-inf"))
     tl.store(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h64 * _hint16(stride_oh, ALIGNED)
              + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
@@ -370,8 +363,7 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, N, qk_scal
     v_t = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
                   mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, SUB_N] = V^T
     qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK, SUB_N]
-    # dP does not depend on P: issued here, its MMA can overlap the exp2s below (dQ -1.9 % at
-    # ncu's fixed clocks, causal N=8192, H200; KERNEL_NOTES.md v9).
+    # dP does not depend on P: issued here, its MMA can overlap the exp2s below (KERNEL_NOTES.md).
     dp = _dot(do, v_t, DOT_PRECISION, DOT_UPCAST)
     valid = offs_n[None, :] < N
     if PARTIAL:
@@ -437,13 +429,13 @@ def _attn_bwd_dq_kernel(
     # Base-2 LSE. Rows with no key (LSE = -inf) get +inf so that P = exp2(s - inf) = 0 and
     # their gradient is exactly 0 (exp2(s + inf) would be inf, and inf * 0 NaN).
     lse2 = tl.where(lse == float("-inf"), float("inf"),
-                    lse * _stats_const(1.4426950408889634, LSE))
+                    lse * _stats_const(LOG2E, LSE))
     k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
     v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
     stride_kn = _hint16(stride_kn, ALIGNED)
     stride_vn = _hint16(stride_vn, ALIGNED)
     scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
-    qk_scale = scale * _stats_const(1.4426950408889634, Q)  # log2(e), as in forward
+    qk_scale = scale * _stats_const(LOG2E, Q)  # log2(e), as in forward
 
     dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     if Q.dtype.element_ty == tl.float64:
@@ -494,7 +486,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, off
     delta = tl.load(delta_base + offs_m * stride_ln, mask=col_ok, other=0.0)
     # As in the dQ kernel: -inf LSE (row with no key, or padding) -> +inf so P^T is 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"),
-                    lse * _stats_const(1.4426950408889634, lse_base))
+                    lse * _stats_const(LOG2E, lse_base))
     qk_t = _dot(k, q_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK keys, SUB_M queries]
     valid = col_ok[None, :]
     if PARTIAL:
@@ -502,11 +494,8 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, off
         valid = valid & _mask_bits(masks, mask_id, sub * SUB_M, 0, stride_mu, stride_mr,
                                    stride_mw, SUB_M, BLOCK, True)
     p_t = tl.where(valid, tl.math.exp2(qk_t - lse2[None, :]), 0.0)
-    # dP^T before the dV update, as Flex orders them. Our reading: the MMAs run asynchronously
-    # and a wait covers every MMA issued before the one waited for, so with dV's MMA issued
-    # second, dS^T's element-wise work waits only for dP^T and overlaps dV's MMA; the other
-    # order waited for both. Measured: dK/dV -6.6 % at ncu's fixed clocks, barrier stalls
-    # 2.31 -> 1.64 per issue (causal, N=8192, H200; KERNEL_NOTES.md v9).
+    # dP^T before the dV update (as Flex orders them): dS^T's element-wise work then waits only
+    # for dP^T's MMA and overlaps dV's (KERNEL_NOTES.md, "v9").
     dp_t = _dot(v, tl.trans(do), DOT_PRECISION, DOT_UPCAST)
     dv += _dot(p_t.to(do.dtype), do, DOT_PRECISION, DOT_UPCAST)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -572,7 +561,7 @@ def _attn_bwd_dkdv_kernel(
     stride_qn = _hint16(stride_qn, ALIGNED)
     stride_don = _hint16(stride_don, ALIGNED)
     scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
-    qk_scale = scale * _stats_const(1.4426950408889634, Q)  # log2(e), as in forward
+    qk_scale = scale * _stats_const(LOG2E, Q)  # log2(e), as in forward
 
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
@@ -603,190 +592,3 @@ def _attn_bwd_dkdv_kernel(
     tl.store(DV + off_b * _hint16(stride_dvb, ALIGNED) + off_h64 * _hint16(stride_dvh, ALIGNED)
              + offs_n[:, None] * _hint16(stride_dvn, ALIGNED) + offs_d[None, :] * stride_dvd,
              dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
-
-
-# ----------------------------------------------------------------------------- row splitting
-# Issue #8: a row whose list is much longer than the others (BigBird's global rows list every key
-# tile) keeps one program busy long after the rest have finished. With a cap C on list entries
-# per program, row (tile, b, h) is walked by ceil(count / C) chunk programs, each writing an
-# unnormalised partial (acc, m, l) to an fp32 scratch; :func:`_attn_fwd_merge_kernel` combines
-# the chunks of every row in a fixed order (deterministic, no atomics).
-#
-# Static shapes: the chunk list is implicit. The ELL width W (q_index.shape[2]) bounds every
-# count, so S = ceil(W / C) slots per row suffice and program (rank, s) owns entries
-# [s*C, min((s+1)*C, count)) of row order[h, rank]. Nothing depends on the pattern's values
-# (a new pattern with the same W reuses the compiled kernels and the same grid); C and S are
-# runtime ints, not constexprs. Slots past a row's last chunk exit at once. The price: the
-# scratch holds S partials per row ([B, H, S, N, D] fp32) and the grid S programs per row,
-# most of them empty for a pattern with few long rows.
-
-
-@triton.jit
-def _attn_fwd_split_kernel(
-    Q, K, V,
-    q_count, q_partial, q_index, q_mask_id, masks, q_order,
-    sm_scale, sm_scale_lo, N, H, cap, slots,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ch, stride_cm,
-    stride_ih, stride_im, stride_ik,
-    stride_mu, stride_mr, stride_mw,
-    stride_pb, stride_ph, stride_ps, stride_pn, stride_pd,
-    stride_sb, stride_sh, stride_ss, stride_sn,
-    AccP, MP, LP,
-    BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ORDERED: tl.constexpr, ALIGNED: tl.constexpr,
-):
-    """Forward chunk: the unnormalised online-softmax state of one chunk of one row.
-
-    Inputs as :func:`_attn_fwd_kernel`; ``cap`` = C list entries per chunk, ``slots`` = S chunk
-    slots per row. AccP: [B, H, S, N, HEAD_DIM], MP, LP: [B, H, S, N] (fp32, fp64 for fp64
-    inputs); MP is the running max in base 2 (-inf where the chunk saw no key), LP the sum of
-    exp2(score - MP). Grid (B*H, tiles * S), or (B*H*tiles*S,) with the heads one after
-    another (see :func:`_program`); program id rank * S + s, so the chunks of the longest rows
-    (ORDERED) are dispatched first. Slot 0 is always written (an empty row gives acc 0, m -inf,
-    l 0); slots s >= ceil(count / C) are not.
-    """
-    tl.static_assert(BLOCK >= 16, "tl.dot needs tiles of at least 16")
-    tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")
-    tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
-    tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    # Program (rank, slot) of (b, h) is rank * slots + slot of that head's tiles * slots.
-    pid, off_bh = _program(q_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK) * slots, False)
-    rank = pid // slots
-    s = pid % slots
-    off_h = off_bh % H
-    if ORDERED:
-        start_m = tl.load(q_order + off_h * stride_ch + rank * stride_cm)
-    else:
-        start_m = rank
-    count = tl.load(q_count + off_h * stride_ch + start_m * stride_cm)
-    e0 = s * cap
-    # Slot 0 runs even for an empty row, so that the merge always finds a written chunk.
-    if (e0 < count) | (s == 0):
-        e1 = tl.minimum(e0 + cap, count)
-        n_partial = tl.load(q_partial + off_h * stride_ch + start_m * stride_cm)
-        N = _hint16(N, ALIGNED)
-        off_b = (off_bh // H).to(tl.int64)
-        off_h64 = off_h.to(tl.int64)
-        offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + off_b * _hint16(stride_qb, ALIGNED)
-                    + off_h64 * _hint16(stride_qh, ALIGNED)
-                    + offs_m[:, None] * _hint16(stride_qn, ALIGNED) + offs_d[None, :] * stride_qd,
-                    mask=offs_m[:, None] < N, other=0.0)  # [BLOCK, HEAD_DIM]
-        k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
-        v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
-        stride_kn = _hint16(stride_kn, ALIGNED)
-        stride_vn = _hint16(stride_vn, ALIGNED)
-        scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
-        # log2(e): softmax in base 2 (exp2)
-        qk_scale = scale * _stats_const(1.4426950408889634, Q)
-
-        m_i = tl.full([BLOCK], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK], tl.float32)
-        acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-        if Q.dtype.element_ty == tl.float64:
-            m_i = m_i.to(tl.float64)
-            l_i = l_i.to(tl.float64)
-            acc = acc.to(tl.float64)
-        row = off_h * stride_ih + start_m * stride_im
-        # The chunk's partial entries [e0, min(e1, n_partial)), then its full ones.
-        p_end = tl.minimum(e1, n_partial)
-        for it in range(e0 * (BLOCK // SUB_N), p_end * (BLOCK // SUB_N)):
-            e = it // (BLOCK // SUB_N)
-            kb = tl.load(q_index + row + e * stride_ik)
-            mid = tl.load(q_mask_id + row + e * stride_ik)
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb,
-                                      it % (BLOCK // SUB_N), offs_d, N, qk_scale, stride_kn,
-                                      stride_kd, stride_vn, stride_vd, masks, mid, stride_mu,
-                                      stride_mr, stride_mw, BLOCK, SUB_N, True, DOT_PRECISION,
-                                      DOT_UPCAST)
-        for it in range(tl.maximum(e0, n_partial) * (BLOCK // SUB_N), e1 * (BLOCK // SUB_N)):
-            kb = tl.load(q_index + row + (it // (BLOCK // SUB_N)) * stride_ik)
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb,
-                                      it % (BLOCK // SUB_N), offs_d, N, qk_scale, stride_kn,
-                                      stride_kd, stride_vn, stride_vd, masks, 0, stride_mu,
-                                      stride_mr, stride_mw, BLOCK, SUB_N, False, DOT_PRECISION,
-                                      DOT_UPCAST)
-        s64 = s.to(tl.int64)
-        tl.store(AccP + off_b * stride_pb + off_h64 * stride_ph + s64 * stride_ps
-                 + offs_m[:, None] * stride_pn + offs_d[None, :] * stride_pd,
-                 acc, mask=offs_m[:, None] < N)
-        p_stats = off_b * stride_sb + off_h64 * stride_sh + s64 * stride_ss + offs_m * stride_sn
-        tl.store(MP + p_stats, m_i, mask=offs_m < N)
-        tl.store(LP + p_stats, l_i, mask=offs_m < N)
-
-
-@triton.jit
-def _attn_fwd_merge_kernel(
-    AccP, MP, LP, q_count,
-    N, H, cap,
-    stride_pb, stride_ph, stride_ps, stride_pn, stride_pd,
-    stride_sb, stride_sh, stride_ss, stride_sn,
-    stride_ch, stride_cm,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_lb, stride_lh, stride_ln,
-    Out, LSE,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ALIGNED: tl.constexpr,
-):
-    """Merge the chunks of :func:`_attn_fwd_split_kernel` into Out and LSE.
-
-    Shapes as there; grid (tiles, B*H). Row (tile, b, h) has max(1, ceil(count / C)) chunks,
-    merged in slot order (a fixed order: bitwise deterministic). Two states combine as
-    m = max(m_a, m_b), acc = acc_a * 2^(m_a - m) + acc_b * 2^(m_b - m), likewise l. With one
-    chunk this is acc * 2^0 = acc exactly, so an unsplit row gives the bits of
-    :func:`_attn_fwd_kernel`.
-    """
-    tl.static_assert(HEAD_DIM >= 16, "head dims below 16 are not supported")
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    N = _hint16(N, ALIGNED)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = off_bh % H
-    off_h64 = off_h.to(tl.int64)
-    offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    in_range = offs_m < N
-    count = tl.load(q_count + off_h * stride_ch + start_m * stride_cm)
-    n_chunks = tl.maximum((count + cap - 1) // cap, 1)
-
-    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK], tl.float32)
-    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    if MP.dtype.element_ty == tl.float64:
-        m_i = m_i.to(tl.float64)
-        l_i = l_i.to(tl.float64)
-        acc = acc.to(tl.float64)
-    # int64 bases stepped by one slot per chunk (the scratch is S times the output).
-    stats_base = off_b * stride_sb + off_h64 * stride_sh
-    acc_base = off_b * stride_pb + off_h64 * stride_ph
-    for _ in range(0, n_chunks):
-        m_s = tl.load(MP + stats_base + offs_m * stride_sn, mask=in_range, other=float("-inf"))
-        l_s = tl.load(LP + stats_base + offs_m * stride_sn, mask=in_range, other=0.0)
-        acc_s = tl.load(AccP + acc_base + offs_m[:, None] * stride_pn
-                        + offs_d[None, :] * stride_pd, mask=in_range[:, None], other=0.0)
-        stats_base += stride_ss
-        acc_base += stride_ps
-        m_new = tl.maximum(m_i, m_s)
-        # Both states empty (m = -inf): subtract 0 so the factors are exp2(-inf) = 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        beta = tl.math.exp2(m_s - m_safe)
-        l_i = l_i * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_i = m_new
-
-    # Finalised exactly as in _attn_fwd_kernel (rows with no key: output 0, LSE -inf).
-    has_key = l_i > 0.0
-    l_safe = tl.where(has_key, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    ln2 = _stats_const(0.6931471805599453, LSE)
-    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * ln2, float("-inf"))
-    tl.store(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h64 * _hint16(stride_oh, ALIGNED)
-             + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
-             out.to(Out.dtype.element_ty), mask=in_range[:, None])
-    tl.store(LSE + off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED)
-             + offs_m * stride_ln, lse.to(LSE.dtype.element_ty), mask=in_range)

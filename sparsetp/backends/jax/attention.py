@@ -4,8 +4,8 @@
 ``sparse_attention(q, k, v, layout)`` takes ``[B, H, N, D]`` arrays and a layout, and returns the
 attention output ``[B, H, N, D]``. The forward launches ``_attn_fwd_kernel``; the backward (a
 ``custom_vjp`` rule, since jax-triton does not differentiate) launches the preprocess, dQ and
-dK/dV kernels. Launches go through :func:`sparsetp.backends.jax.launch.call_kernel`
-(``jax_triton`` on GPU, ``buffer_callback`` + Triton's interpreter on CPU).
+dK/dV kernels. Launches go through :func:`sparsetp.backends.jax.launch.launch`
+(``jax_triton`` on GPU, ``buffer_callback`` + Triton's interpreter on CPU, per platform).
 
 Layouts reach the kernels as array *operands*, never as trace constants: :class:`LayoutArrays`
 is a pytree whose leaves are the int32 metadata arrays of a
@@ -43,7 +43,8 @@ import numpy as np
 
 from sparsetp.backends.jax import launch as _launch
 from sparsetp.core.layout import BlockLayout
-from sparsetp.kernels import launch as _kl
+from sparsetp.kernels import abi as _abi
+from sparsetp.kernels import schedule as _schedule
 
 __all__ = ["sparse_attention", "LayoutArrays", "layout_arrays"]
 
@@ -73,8 +74,8 @@ class LayoutArrays:
     q_order: jax.Array
     k_order: jax.Array
     seq_len: int = dataclasses.field(metadata=dict(static=True), default=0)
-    # How launches order heads (BlockLayout.q_head_group / k_head_group; static). None: all
-    # heads interleaved (launch.grid_group).
+    # How launches order heads (schedule.head_groups; static). None: all heads interleaved
+    # (schedule.grid_group).
     q_head_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
     k_head_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
@@ -137,24 +138,21 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
     """A :class:`LayoutArrays` for ``layout`` (a ``BlockLayout``, or a ``LayoutArrays`` as is).
 
     A ``BlockLayout`` becomes the arrays of the layout the kernels run for q of ``head_dim``
-    and ``dtype`` (:func:`sparsetp.kernels.launch.kernel_layout`: on the GPU possibly the same
-    pattern at another kernel tile, exactly as the torch frontend launches it; without
-    ``head_dim``/``dtype`` only larger tiles are considered); a ``LayoutArrays`` is launched as
-    it is.
+    and ``dtype`` (:func:`sparsetp.kernels.schedule.kernel_layout` for the default backend: on
+    a GPU possibly the same pattern at another kernel tile, exactly as the torch frontend
+    launches it; without ``head_dim``/``dtype`` only larger tiles are considered); a
+    ``LayoutArrays`` is launched as it is.
     """
     if isinstance(layout, LayoutArrays):
         return layout
     if not isinstance(layout, BlockLayout):
         raise ValueError(f"layout must be a sparsetp BlockLayout or LayoutArrays, got "
                          f"{type(layout).__name__}")
-    layout = _kl.kernel_layout(layout, _device_kind(), head_dim=head_dim,
-                               dtype=None if dtype is None else jnp.dtype(dtype).name)
+    layout = _schedule.kernel_layout(layout, _launch.layout_device_kind(), head_dim=head_dim,
+                                     dtype=None if dtype is None else jnp.dtype(dtype).name)
+    q_group, k_group = _schedule.head_groups(layout)
     return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
-                        seq_len=layout.seq_len, q_head_group=layout.q_head_group,
-                        k_head_group=layout.k_head_group)
-
-
-_DTYPES = ("float16", "bfloat16", "float32", "float64")
+                        seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group)
 
 
 def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
@@ -168,9 +166,8 @@ def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
     dtype = jnp.dtype(q.dtype)
     if len(q.shape) == 4 and not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"q must be a floating-point array, got dtype {dtype}")
-    scale = _kl.check_attention_shapes(q.shape, k.shape, v.shape, layout, scale)
-    if dtype.name not in _DTYPES:
-        raise ValueError(f"q has dtype {dtype}; supported: {_DTYPES}")
+    scale = _abi.check_attention_shapes(q.shape, k.shape, v.shape, layout, scale)
+    _abi.check_dtype(dtype.name)
     for name, t in (("k", k), ("v", v)):
         if jnp.dtype(t.dtype) != dtype:
             raise ValueError(f"{name} has dtype {jnp.dtype(t.dtype)} but q has {dtype}")
@@ -181,35 +178,15 @@ def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
     return lay, scale
 
 
-def _device_kind() -> str:
-    return "interpreter" if _launch.is_interpreted(_kl.kernel("fwd")) else "cuda"
-
-
-def _launch_call(call: _kl.KernelCall):
-    return _launch.call_kernel(
-        call.kernel, call.args,
-        out_shapes=[jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in call.outputs],
-        grid=call.grid, constexprs=call.constexprs, num_warps=call.num_warps,
-        num_stages=call.num_stages, name=f"sparsetp_attn_{call.name}")
-
-
 def _fwd(q, k, v, meta, scale):
-    dtype, kind = jnp.dtype(q.dtype).name, _device_kind()
-    cap = _kl.fwd_split_cap()  # read at trace time (a private launch option)
-    if cap is not None:
-        # Row splitting: chunks into an fp32 scratch, then the merge (same kernels as torch).
-        scratch = _launch_call(_kl.fwd_split_call(q, k, v, meta, scale=scale, dtype=dtype,
-                                                  device_kind=kind, cap=cap))
-        out, lse = _launch_call(_kl.fwd_merge_call(*scratch, meta, cap=cap, dtype=dtype,
-                                                   device_kind=kind))
-        return out, lse
-    call = _kl.fwd_call(q, k, v, meta, scale=scale, dtype=dtype, device_kind=kind)
-    out, lse = _launch_call(call)
-    return out, lse
+    dtype = jnp.dtype(q.dtype).name
+    return _launch.launch(lambda kind: _abi.fwd_call(q, k, v, meta, scale=scale, dtype=dtype,
+                                                     device_kind=kind), q, k, v)
 
 
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLike, *,
-                     scale: float | None = None, return_lse: bool = False):
+                     scale: float | None = None,
+                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Block-sparse softmax attention ``softmax(q k^T * scale, masked by layout) v`` per head.
 
     Args:
@@ -239,7 +216,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
 
 
 def _with_order(meta, head_groups):
-    """The launch metadata: the arrays plus the layout's static head order (launch.grid_group)."""
+    """The launch metadata: the arrays plus the layout's static head order (schedule.grid_group)."""
     return {**meta, "q_head_group": head_groups[0], "k_head_group": head_groups[1]}
 
 
@@ -258,17 +235,18 @@ def _attention_bwd_rule(scale, head_groups, residuals, cotangents):
     meta = _with_order(meta_arrays, head_groups)
     d_out, d_lse = cotangents
     d_out = d_out.astype(q.dtype)
-    dtype, kind = jnp.dtype(q.dtype).name, _device_kind()
-    (delta,) = _launch_call(_kl.bwd_preprocess_call(
-        out, d_out, block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind))
+    dtype = jnp.dtype(q.dtype).name
+    (delta,) = _launch.launch(lambda kind: _abi.bwd_preprocess_call(
+        out, d_out, block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind),
+        out, d_out)
     # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as Delta - d_lse
     # (as in the torch frontend). Rows with no key (lse = -inf) have P = 0: mask them so no
     # inf - inf NaN reaches the kernels. When only ``out`` is used, d_lse is zeros.
     delta = delta - jnp.where(jnp.isfinite(lse), d_lse.astype(delta.dtype), 0.0)
-    (dq,) = _launch_call(_kl.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale,
-                                         dtype=dtype, device_kind=kind))
-    dk, dv = _launch_call(_kl.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale,
-                                            dtype=dtype, device_kind=kind))
+    (dq,) = _launch.launch(lambda kind: _abi.bwd_dq_call(
+        q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), q, d_out)
+    dk, dv = _launch.launch(lambda kind: _abi.bwd_dkdv_call(
+        q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), q, d_out)
     # Integer metadata has no cotangent (JAX's float0 zeros).
     d_meta = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), meta_arrays)
     return dq, dk, dv, d_meta

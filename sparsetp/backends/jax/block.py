@@ -70,20 +70,58 @@ from sparsetp.core.config import (
 from sparsetp.core.layout import BlockLayout, make_layout
 
 __all__ = ["hybrid_block", "shard_params", "param_specs", "load_params", "export_params",
-           "make_mesh", "block_layout"]
+           "make_mesh", "mesh_devices", "block_layout"]
+
+
+def mesh_devices(tp: int) -> list:
+    """The ``tp`` devices :func:`make_mesh` uses when it is given none.
+
+    The rule: the first ``tp`` devices of JAX's default backend (``jax.devices()``: the GPUs on a
+    GPU machine) if it has at least ``tp``; otherwise the first ``tp`` CPU devices
+    (``jax.devices("cpu")``, host devices: see ``jax_num_cpu_devices``) if there are that many;
+    otherwise a ``ValueError`` that names both counts and how to get more CPU devices. So on a
+    machine with one GPU, ``make_mesh(1)`` is that GPU and ``make_mesh(4)`` four CPU devices
+    (their arrays run the kernels in Triton's interpreter). The choice is never hidden: it is
+    ``mesh.devices`` (``mesh.devices.flat[0].platform``).
+
+    >>> [d.platform for d in mesh_devices(2)]  # one GPU, 4 CPU host devices: ['cpu', 'cpu']
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    default = jax.devices()
+    if tp <= len(default):
+        return list(default[:tp])
+    platform = default[0].platform
+    cpu = default
+    if platform != "cpu":
+        try:
+            cpu = jax.devices("cpu")
+        except RuntimeError:  # JAX_PLATFORMS without cpu: no CPU backend to fall back on
+            cpu = []
+        if tp <= len(cpu):
+            return list(cpu[:tp])
+    seen = (f"{len(default)} ({platform})" if platform == "cpu"
+            else f"{len(default)} {platform} and {len(cpu)} cpu")
+    raise ValueError(f"tp={tp} needs {tp} devices; JAX sees {seen}. For {tp} CPU devices set "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} or "
+                     f"jax.config.update('jax_num_cpu_devices', {tp}) before JAX starts.")
 
 
 def make_mesh(tp: int, axis_name: str = "tp", devices=None) -> jax.sharding.Mesh:
-    """A 1-D mesh of ``tp`` devices (the first ``tp`` of ``jax.devices()`` by default) with an
-    Auto axis ``axis_name`` (see :func:`sparsetp.backends.jax.compat.auto_mesh`)."""
+    """A 1-D mesh of ``tp`` devices with an Auto axis ``axis_name`` (see
+    :func:`sparsetp.backends.jax.compat.auto_mesh`).
+
+    ``devices=None`` takes :func:`mesh_devices` ``(tp)``: the default backend's devices if it has
+    ``tp`` of them, else ``tp`` CPU devices, else a ``ValueError``. Pass ``devices`` (a sequence
+    of ``tp`` devices) to choose them yourself.
+
+    >>> mesh = make_mesh(4)
+    >>> mesh.devices.flat[0].platform   # 'cpu' with fewer than 4 GPUs (and 4 host devices)
+    """
     if devices is None:
-        devices = jax.devices()
-        if tp > len(devices):
-            raise ValueError(f"tp={tp} needs {tp} devices; JAX sees {len(devices)} "
-                             f"({devices[0].platform}). On CPU set XLA_FLAGS="
-                             f"--xla_force_host_platform_device_count={tp} or "
-                             f"jax.config.update('jax_num_cpu_devices', {tp}) before JAX starts.")
-        devices = devices[:tp]
+        devices = mesh_devices(tp)
+    elif len(devices) != tp:
+        raise ValueError(f"make_mesh(tp={tp}) got {len(devices)} devices")
     return compat.auto_mesh((tp,), (axis_name,), devices=devices)
 
 

@@ -28,14 +28,15 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from types import ModuleType
 
 import jax
 
 __all__ = ["jax_triton", "buffer_callback", "varying_axes", "mark_varying", "auto_mesh",
            "TESTED_JAX_TRITON"]
 
-# jax-triton versions the GPU path was run with (benchmarks/results/gpu_jax_check_h200*.json).
+# jax-triton versions the GPU path was run with (the GPU suite, BUILD.md).
 # 0.4.x needs Python >= 3.12 and triton >= 3.7 and breaks on jax 0.12 (GPU.md).
 TESTED_JAX_TRITON = ("0.3.1",)
 
@@ -43,7 +44,7 @@ _IMPORT_LOCK = threading.Lock()
 _JAX_TRITON = None
 
 
-def jax_triton():
+def jax_triton() -> ModuleType:
     """The ``jax_triton`` module (imported on first use), with ``TRITON_CACHE_DIR`` restored."""
     global _JAX_TRITON
     with _IMPORT_LOCK:
@@ -65,7 +66,7 @@ def jax_triton():
     return _JAX_TRITON
 
 
-def buffer_callback(callback, result_shape_dtypes):
+def buffer_callback(callback, result_shape_dtypes) -> Callable:
     """``jax.experimental.buffer_callback.buffer_callback`` (CPU path; see the module docstring).
 
     ``callback(ctx, out_buffers, *in_buffers)`` writes its results into ``out_buffers`` in
@@ -88,7 +89,7 @@ def varying_axes(x) -> frozenset:
     return frozenset()
 
 
-def mark_varying(x, axes: Iterable[str]):
+def mark_varying(x, axes: Iterable[str]) -> jax.Array:
     """``x`` typed as varying over ``axes`` (no-op for axes it already varies over)."""
     missing = tuple(sorted(set(axes) - varying_axes(x)))
     if not missing:
@@ -98,7 +99,8 @@ def mark_varying(x, axes: Iterable[str]):
     return jax.lax.pvary(x, missing)  # JAX before pcast
 
 
-def auto_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...], devices=None):
+def auto_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...],
+              devices=None) -> jax.sharding.Mesh:
     """A mesh whose axes are of type Auto.
 
     ``jax.make_mesh`` defaults to Explicit axes on JAX >= 0.10, under which ``shard_map`` refuses

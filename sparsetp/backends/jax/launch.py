@@ -1,35 +1,35 @@
 """Launch the sparsetp Triton kernels (the same ``@triton.jit`` objects torch launches) from JAX.
 
-One entry point, :func:`call_kernel`, with ``jax_triton.triton_call``'s calling convention:
-``args`` are the kernel's runtime arguments in order (arrays and Python/NumPy scalars), one
-buffer per ``out_shapes`` entry is appended after them, and ``constexprs`` are the kernel's
-``tl.constexpr`` keywords. It picks one of two paths by the kernel object itself:
+The torch twin is ``backends/torch/launch.py``. Two paths, picked per platform of the
+computation (:mod:`sparsetp._runtime` states the rule for both frontends):
 
-* **GPU** (a compiled ``triton.JITFunction``): ``jax_triton.triton_call``; an XLA custom call, so
-  it works under ``jit`` and inside ``shard_map`` (not over plain jit-sharded arrays: jax-triton
-  has no sharding rule), with no host round trip.
-* **CPU** (``TRITON_INTERPRET=1``, set by :mod:`sparsetp._runtime` when there is no GPU, makes
-  every ``@triton.jit`` an ``InterpretedFunction``): ``buffer_callback`` hands the operands to
-  the host, wraps them as CPU torch tensors (``torch.from_numpy``) and runs Triton's interpreter
-  on them. **This path is for correctness, not speed**: the interpreter executes every program of
-  the grid in Python/NumPy (about 6 ms per 64x64 tile per pass on a 2-core machine). Interpreted
-  launches are serialised with a process-wide lock, because the interpreter is not thread-safe and
-  XLA calls back from one thread per CPU device when ``shard_map`` runs over several of them.
+* **GPU**: ``jax_triton.triton_call``, an XLA custom call, so it works under ``jit`` and inside
+  ``shard_map`` (not over plain jit-sharded arrays: jax-triton has no sharding rule).
+* **CPU**: ``buffer_callback`` hands the operands to the host, wraps them as CPU torch tensors
+  (``torch.from_numpy``) and runs the kernel in Triton's interpreter
+  (:mod:`sparsetp.kernels.interpreter`). **For correctness, not speed.** Interpreted launches
+  are serialised with one process-wide lock (XLA calls back from one thread per CPU device).
   Outputs are pre-filled with NaN (floats) or ``-2**31`` (ints), so an element the kernel fails
   to write shows up in tests instead of reading as stale memory.
+
+:func:`launch` takes a builder ``kind -> KernelCall`` and, in a process whose JAX has a GPU
+backend, stages both paths with ``jax.lax.platform_dependent``: XLA lowers only the branch of
+the platform it compiles for, so one jitted function runs on CPU and GPU devices alike. Called
+eagerly (concrete operands), it picks the path by the operands' devices.
+Without a GPU backend (or with ``SPARSETP_INTERPRET=1``) only the CPU path is staged.
 
 Scalars: a Python ``float`` is passed as fp32 on both paths (jax-triton would otherwise type it
 fp64 while torch's launcher types it fp32, compiling a different kernel); ints are i32 (i64 when
 they do not fit), like torch's launcher.
 
 Inside ``shard_map`` the outputs of both paths are typed as not varying over the mesh even when
-their inputs are; :func:`call_kernel` marks them varying over every axis any operand varies over
-(GPU.md: a custom_vjp backward is otherwise rejected under ``check_vma=True``).
+their inputs are; the launchers mark them varying over every axis any operand varies over
+(a custom_vjp backward is otherwise rejected under ``check_vma=True``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,24 +37,68 @@ import numpy as np
 
 from sparsetp import _runtime
 from sparsetp.backends.jax import compat
+from sparsetp.kernels import abi, interpreter
 
-__all__ = ["call_kernel", "is_interpreted", "INTERPRETER_LOCK"]
-
-# Serialises every interpreted launch in the process, torch's included (see the module
-# docstring): one lock for both frontends lives in sparsetp._runtime.
-INTERPRETER_LOCK = _runtime.INTERPRETER_LOCK
+__all__ = ["launch", "call_kernel", "gpu_path", "layout_device_kind"]
 
 _INT_POISON = -(2**31)
+_GPU_BACKEND: bool | None = None
 
 
-def is_interpreted(kernel) -> bool:
-    """Whether ``kernel`` was created under ``TRITON_INTERPRET=1`` (runs on the CPU path)."""
-    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+def _jax_has_gpu() -> bool:
+    global _GPU_BACKEND
+    if _GPU_BACKEND is None:
+        try:
+            _GPU_BACKEND = len(jax.devices("gpu")) > 0
+        except RuntimeError:  # no GPU backend in this JAX
+            _GPU_BACKEND = False
+    return _GPU_BACKEND
 
-    fn = kernel
-    while not isinstance(fn, InterpretedFunction) and hasattr(fn, "fn"):
-        fn = fn.fn  # Heuristics / Autotuner wrap the function
-    return isinstance(fn, InterpretedFunction)
+
+def gpu_path() -> bool:
+    """Whether launches stage the compiled GPU path beside the CPU one (see the docstring)."""
+    return (_jax_has_gpu() and not _runtime.force_interpreter()
+            and _runtime.device_kind("cuda") == "cuda")
+
+
+def layout_device_kind() -> str:
+    """The device kind whose kernel tile a layout is converted for (``layout_arrays``): that of
+    ``jax.default_device`` if set, else the default backend's. The other platform's branch runs
+    the same layout, token-exact."""
+    if not gpu_path():
+        return "interpreter"
+    device = jax.config.jax_default_device
+    platform = jax.default_backend() if device is None else getattr(device, "platform", device)
+    return "cuda" if platform in ("gpu", "cuda") else "interpreter"
+
+
+def launch(build: Callable[[str], abi.KernelCall], *operands: jax.Array,
+           name: str = "") -> tuple[jax.Array, ...]:
+    """Outputs of the call ``build(kind)`` describes, ``kind`` being the path's device kind.
+    ``operands`` are arrays the call reads: outside ``jit`` their devices pick the path.
+
+    >>> outs = launch(lambda kind: abi.fwd_call(q, k, v, meta, scale=s, dtype="float32",
+    ...                                         device_kind=kind), q)      # doctest: +SKIP
+    """
+    def on(kind):
+        def branch(*_):
+            call = build(kind)
+            return call_kernel(call.kernel, call.args, device_kind=kind,
+                               out_shapes=[jax.ShapeDtypeStruct(o.shape, jax.numpy.dtype(o.dtype))
+                                           for o in call.outputs],
+                               grid=call.grid, constexprs=call.constexprs,
+                               num_warps=call.num_warps, num_stages=call.num_stages,
+                               name=name or f"sparsetp_attn_{call.name}")
+        return branch
+
+    if not gpu_path():
+        return on("interpreter")()
+    if operands and not any(isinstance(o, jax.core.Tracer) for o in operands):
+        # Eager: platform_dependent would pick the default backend's branch, whatever the
+        # operands' devices; they say where this runs.
+        platforms = {d.platform for o in operands for d in o.devices()}
+        return on("interpreter" if platforms == {"cpu"} else "cuda")()
+    return tuple(jax.lax.platform_dependent(*operands, cpu=on("interpreter"), default=on("cuda")))
 
 
 def _is_scalar(a) -> bool:
@@ -70,13 +114,15 @@ def _normalise_scalar(a):
     return np.float32(a)
 
 
-def call_kernel(kernel, args: Sequence[Any], *, out_shapes: Sequence[jax.ShapeDtypeStruct],
-                grid: tuple[int, ...], constexprs: Mapping[str, Any] | None = None,
-                num_warps: int = 4, num_stages: int = 2, name: str = "") -> tuple[jax.Array, ...]:
+def call_kernel(kernel, args: Sequence[Any], *, device_kind: str,
+                out_shapes: Sequence[jax.ShapeDtypeStruct], grid: tuple[int, ...],
+                constexprs: Mapping[str, Any] | None = None, num_warps: int = 4,
+                num_stages: int = 2, name: str = "") -> tuple[jax.Array, ...]:
     """Launch ``kernel`` over ``grid`` on ``args`` (+ appended outputs); return the outputs.
 
     Args:
-      kernel: a ``@triton.jit`` function (compiled or interpreted).
+      kernel: a ``@triton.jit`` function.
+      device_kind: ``"cuda"`` (jax-triton) or ``"interpreter"`` (CPU callback).
       args: the kernel's runtime arguments in declaration order, outputs excluded: JAX/NumPy
         arrays (passed as pointers to contiguous row-major buffers) and scalars.
       out_shapes: shapes/dtypes of the buffers the kernel writes, which must be the kernel's
@@ -90,7 +136,7 @@ def call_kernel(kernel, args: Sequence[Any], *, out_shapes: Sequence[jax.ShapeDt
 
     Example (any kernel ``add_kernel(x_ptr, y_ptr, n, out_ptr, BLOCK: tl.constexpr)``)::
 
-        out, = call_kernel(add_kernel, [x, y, x.size],
+        out, = call_kernel(add_kernel, [x, y, x.size], device_kind="cuda",
                            out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
                            grid=(pl.cdiv(x.size, 128),), constexprs={"BLOCK": 128})
     """
@@ -101,7 +147,7 @@ def call_kernel(kernel, args: Sequence[Any], *, out_shapes: Sequence[jax.ShapeDt
     out_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes)
     args = [(_normalise_scalar(a) if _is_scalar(a) else jax.numpy.asarray(a)) for a in args]
     axes = frozenset().union(*(compat.varying_axes(a) for a in args if not _is_scalar(a)))
-    if is_interpreted(kernel):
+    if device_kind == "interpreter":
         outs = _call_interpreted(kernel, args, out_shapes, grid, constexprs)
     else:
         outs = compat.jax_triton().triton_call(
@@ -126,8 +172,7 @@ def _call_interpreted(kernel, args, out_shapes, grid, constexprs):
         for i, a in zip(positions, in_buffers, strict=True):
             full[i] = _to_torch(np.asarray(a))
         outs = [_poisoned(s) for s in out_shapes]
-        with INTERPRETER_LOCK:
-            kernel[grid](*full, *outs, **constexprs)
+        interpreter.launch(kernel, grid, (*full, *outs), constexprs)
         for buf, o, s in zip(out_buffers, outs, out_shapes, strict=True):
             np.asarray(buf)[...] = _from_torch(o, s.dtype)
 

@@ -1,7 +1,8 @@
 """PyTorch frontend of block-sparse attention, plus two plain-PyTorch baselines.
 
 * :func:`sparse_attention` - the Triton kernels behind one ``torch.autograd.Function``: compiled
-  on CUDA tensors, Triton's interpreter on CPU tensors (see :mod:`sparsetp._runtime`).
+  on CUDA tensors, Triton's interpreter on CPU tensors, in one process (:mod:`sparsetp._runtime`;
+  the launcher is :mod:`sparsetp.backends.torch.launch`).
 * :class:`SparseAttention` - an ``nn.Module`` holding a pattern and caching its layouts.
 * :func:`naive_sparse_attention` - gather the listed tiles, softmax, scatter; autograd does the
   backward. The benchmark baseline for "block-sparse in plain PyTorch".
@@ -23,29 +24,19 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from sparsetp import _runtime
-from sparsetp.core.layout import BlockLayout, make_layout
+from sparsetp.backends.torch import launch as _launch
+from sparsetp.core.layout import SUPPORTED_BLOCK_SIZES, BlockLayout, make_layout
 from sparsetp.core.patterns import Pattern
-from sparsetp.kernels import launch as L
-
-import triton  # noqa: E402  (after sparsetp.kernels: _runtime decides the interpreter first)
+from sparsetp.kernels import abi
+from sparsetp.kernels import options as _options
 
 __all__ = ["sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Triton's interpreter is not thread-safe (GPU.md): interpreted launches of both frontends
-# hold one process-wide lock.
-_INTERPRET_LOCK = _runtime.INTERPRETER_LOCK
-# Per-layout device tensors; weak keys so a dropped layout frees its tensors.
-_META_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _NAIVE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -59,9 +50,8 @@ def _check_inputs(q, k, v, layout, scale):
         raise ValueError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     if q.dim() == 4 and not q.dtype.is_floating_point:
         raise ValueError(f"q must be a floating-point tensor, got dtype {q.dtype}")
-    scale = L.check_attention_shapes(q.shape, k.shape, v.shape, layout, scale)
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"q has dtype {q.dtype}; supported: {_DTYPES}")
+    scale = abi.check_attention_shapes(q.shape, k.shape, v.shape, layout, scale)
+    abi.check_dtype(q.dtype)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
@@ -70,262 +60,56 @@ def _check_inputs(q, k, v, layout, scale):
     return scale
 
 
-def _device_kind(t: torch.Tensor) -> str:
-    interpret = _runtime.interpret_mode()
-    if t.is_cuda:
-        if interpret:
-            raise ValueError("q is a CUDA tensor but this process runs Triton in interpreter "
-                             "mode (SPARSETP_INTERPRET/TRITON_INTERPRET); unset it to use the GPU")
-        return "cuda"
-    if t.device.type == "cpu":
-        if not interpret:
-            raise ValueError("q is a CPU tensor but this process compiles Triton kernels for the "
-                             "GPU; move q, k, v to CUDA or set SPARSETP_INTERPRET=1 before "
-                             "importing sparsetp")
-        return "interpreter"
-    raise ValueError(f"q is on unsupported device {t.device}")
-
-
-def _metadata(layout: BlockLayout, q: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
-    """Device tensors of the layout the kernels run for ``q`` (``launch.kernel_layout``: the
-    layout, or the same pattern at another kernel tile), cached per (kernel layout, device)."""
-    device = q.device
-    layout = L.kernel_layout(layout, kind, head_dim=q.shape[-1],
-                             dtype=str(q.dtype).replace("torch.", ""))
-    per_layout = _META_CACHE.setdefault(layout, {})
-    key = str(device)
-    if key not in per_layout:
-        per_layout[key] = {
-            **{name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C")).to(device)
-               for name, arr in layout.metadata().items()},
-            "q_head_group": layout.q_head_group, "k_head_group": layout.k_head_group}
-    return per_layout[key]
-
-
-def _launch(call: L.KernelCall, outputs, device_kind: str):
-    """Launch ``call`` through Triton's JIT entry point; returns Triton's compiled kernel (None
-    in the interpreter)."""
-    kern = call.kernel[call.grid]
-    if device_kind == "interpreter":
-        with _INTERPRET_LOCK:
-            kern(*call.args, *outputs, **call.constexprs)
-        return None
-    # jax_triton 0.3.1 sets TRITON_CACHE_DIR="" for the whole process, which makes Triton fail
-    # to create its cache; an empty value means "unset" to us.
-    if os.environ.get("TRITON_CACHE_DIR", None) == "":
-        del os.environ["TRITON_CACHE_DIR"]
-    with torch.cuda.device(outputs[0].device):
-        return kern(*call.args, *outputs, **call.constexprs, num_warps=call.num_warps,
-                    num_stages=call.num_stages)
-
-
-def _new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """Every kernel output buffer comes from here (tests patch it to pre-fill with NaN)."""
-    return torch.empty(tuple(shape), dtype=dtype, device=device)
-
-
-# Launch descriptions, cached. Building one (argument list, strides, checks) takes tens of
-# microseconds of host time, and at small N the host is what a call waits on (an H200 host spent
-# ~230 us in the three-kernel backward at N=1024, most of it in the builders and Triton's launch;
-# benchmarks/results/gpu_attention_check_h200_s4_run3.json, host_overhead). The key holds
-# everything a description depends on: the builder, the metadata tensors (the entry keeps them
-# alive, so their ids stay unique), each tensor's shape/stride/dtype/device, the strides and
-# keyword arguments, the launch options and the kernel objects in use; a hit only swaps in this
-# call's tensors.
-_CALLS: dict = {}
-_CALLS_MAX = 1024
-# Direct launches (CUDA): after Triton's JIT entry point has run a description once, later calls
-# hand the same argument values to the compiled kernel it returned, skipping the entry point's
-# per-call work (binding ~50 arguments, specialising each, hashing the cache key, checking
-# globals): about 40% of the backward's host time in the session-4 profile
-# (benchmarks/results/gpu_attention_check_h200_s4_run4.json, profile_backward_x50). Safe because
-# everything Triton specialises a kernel on is fixed by the description's key (dtypes, every
-# int argument, the constexprs, warps and stages, the device), except the 16-byte alignment of
-# the tensors swapped in per call, which is part of the direct path's own key. Tests and
-# benchmarks set it False to compare the two paths.
-_DIRECT_LAUNCH = True
-
-
-def _current_stream(device: int) -> int:
-    """The raw current CUDA stream of ``device``, as Triton's launcher obtains it."""
-    global _STREAM_OF
-    if _STREAM_OF is None:  # the driver initialises on first use: only on the CUDA path
-        from triton.runtime import driver
-        _STREAM_OF = driver.active.get_current_stream
-    return _STREAM_OF(device)
-
-
-_STREAM_OF = None
-
-
-class _Description:
-    """A cached launch description: the call as built (with the first caller's tensors), its
-    arguments after the per-call tensors, its constexpr values in signature order, and the
-    compiled kernels Triton returned for it, by the alignment of the per-call tensors."""
-
-    __slots__ = ("call", "n_tensors", "tail", "constexpr_values", "compiled", "meta")
-
-    def __init__(self, call: L.KernelCall, n_tensors: int, meta):
-        self.call = call
-        self.n_tensors = n_tensors
-        self.tail = call.args[n_tensors:]
-        names = call.kernel.arg_names[len(call.args) + len(call.outputs):]
-        if sorted(names) != sorted(call.constexprs):
-            raise AssertionError(f"{call.name}: constexprs {sorted(call.constexprs)} do not fill "
-                                 f"the kernel's trailing parameters {names}")
-        self.constexpr_values = tuple(call.constexprs[n] for n in names)
-        self.compiled: dict = {}
-        self.meta = meta  # keeps the metadata tensors (ids in the key) alive
-
-    def with_tensors(self, tensors) -> L.KernelCall:
-        return dataclasses.replace(self.call, args=(*tensors, *self.tail))
-
-
-def _described(builder, tensors: tuple, meta, strides: dict, **kw) -> _Description:
-    """``builder(*tensors[, meta], strides=strides, **kw)`` (a ``launch.*_call``), cached."""
-    key = (builder, None if meta is None else tuple(map(id, meta.values())),
-           tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
-           tuple(strides.items()), tuple(kw.items()),
-           tuple(L._OPTIONS.items()), tuple(L._OVERRIDES.items()), L._KERNELS_KEY)
-    hit = _CALLS.get(key)
-    if hit is None:
-        call = builder(*tensors, *(() if meta is None else (meta,)), strides=strides, **kw)
-        # Builders put their tensor arguments first, in order (launch's module docstring).
-        assert all(a is t for a, t in zip(call.args, tensors, strict=False))
-        if len(_CALLS) >= _CALLS_MAX:
-            _CALLS.clear()
-        _CALLS[key] = hit = _Description(call, len(tensors), meta)
-    return hit
-
-
-def _run(desc: _Description, tensors: tuple, outputs: tuple, device_kind: str) -> None:
-    """Launch ``desc`` with this call's ``tensors`` (same shapes/strides/dtypes/device as the
-    description's) writing ``outputs``: directly into the compiled kernel when Triton has
-    compiled it for these alignments and the tensors' device is current, else through
-    :func:`_launch` (which compiles on a miss)."""
-    if device_kind == "cuda":
-        align = tuple(t.data_ptr() % 16 == 0 for t in (*tensors, *outputs))
-        compiled = desc.compiled.get(align)
-        device = outputs[0].device.index
-        if (compiled is not None and _DIRECT_LAUNCH
-                and torch.cuda.current_device() == device):
-            # What triton.runtime.jit.JITFunction.run does after its cache lookup (Triton 3.6
-            # and 3.9 alike): the bound argument values, constexprs included, in signature order.
-            args = (*tensors, *desc.tail, *outputs, *desc.constexpr_values)
-            stream = _current_stream(device)
-            enter = triton.knobs.runtime.launch_enter_hook
-            leave = triton.knobs.runtime.launch_exit_hook
-            grid = desc.call.grid
-            metadata = None if enter is None else compiled.launch_metadata(grid, stream, *args)
-            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
-                         compiled.packed_metadata, metadata, enter, leave, *args)
-            return
-        compiled = _launch(desc.with_tensors(tensors), outputs, device_kind)
-        if compiled is not None:
-            desc.compiled[align] = compiled
-        return
-    _launch(desc.with_tensors(tensors), outputs, device_kind)
-
-
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return getattr(torch, abi.stats_dtype(dtype))
 
 
 def _forward(q, k, v, layout, scale):
-    kind = _device_kind(q)
-    dtype = str(q.dtype).replace("torch.", "")
+    kind = _launch.device_kind(q)
+    dtype = abi.check_dtype(q.dtype)
     b, h, n, d = q.shape
-    out = _new_output(q.shape, q.dtype, q.device)
-    lse = _new_output((b, h, n), _stats_dtype(q.dtype), q.device)
-    meta = _metadata(layout, q, kind)
-    cap = L.fwd_split_cap()
-    if cap is not None:
-        # Row splitting (private launch option): chunks into an fp32 scratch, then a merge.
-        call = L.fwd_split_call(q, k, v, meta, scale=scale, dtype=dtype, device_kind=kind,
-                                cap=cap, strides={"q": q.stride(), "k": k.stride(),
-                                                  "v": v.stride()})
-        scratch = tuple(_new_output(o.shape, _stats_dtype(q.dtype), q.device)
-                        for o in call.outputs)
-        _launch(call, scratch, kind)
-        call = L.fwd_merge_call(*scratch, meta, cap=cap, dtype=dtype, device_kind=kind,
-                                strides={"out": out.stride(), "lse": lse.stride()})
-        _launch(call, (out, lse), kind)
-        return out, lse
-    desc = _described(L.fwd_call, (q, k, v), meta,
-                      {"q": q.stride(), "k": k.stride(), "v": v.stride(), "out": out.stride(),
-                       "lse": lse.stride()}, scale=scale, dtype=dtype, device_kind=kind)
-    _run(desc, (q, k, v), (out, lse), kind)
+    out = _launch.new_output(q.shape, q.dtype, q.device)
+    lse = _launch.new_output((b, h, n), _stats_dtype(q.dtype), q.device)
+    meta = _launch.metadata(layout, q, kind)
+    desc = _launch.describe(abi.fwd_call, (q, k, v), meta,
+                            {"q": q.stride(), "k": k.stride(), "v": v.stride(),
+                             "out": out.stride(), "lse": lse.stride()},
+                            scale=scale, dtype=dtype, device_kind=kind)
+    _launch.run(desc, (q, k, v), (out, lse), kind)
     return out, lse
 
 
-# Cold start: the backward's three kernels compile together in threads the first time a
-# (device, launch config) is seen, instead of one after another at their first launches.
-# Triton's compile spends much of its time outside the GIL (MLIR passes, ptxas): on a 2-core
-# CPU the dQ, dK/dV and forward kernels (bf16, D=128, sm_90) took 5.4 s in a row and 3.5 s in
-# three threads. Tests patch _PARALLEL_COMPILE to measure the difference.
-_PARALLEL_COMPILE = True
-_COMPILED_TOGETHER: set = set()
-
-
-def _compile_together(launches, device_kind: str) -> None:
-    """Compile (not run) the kernels of ``launches`` [(call, outputs)] in parallel threads,
-    once per (device, kernel configs); later launches find them in Triton's cache."""
-    if device_kind != "cuda" or not _PARALLEL_COMPILE:
-        return
-    device = launches[0][1][0].device
-    key = (str(device), *((c.name, c.num_warps, c.num_stages, tuple(sorted(c.constexprs.items())))
-                          for c, _ in launches))
-    if key in _COMPILED_TOGETHER:
-        return
-    if os.environ.get("TRITON_CACHE_DIR", None) == "":  # see _launch
-        del os.environ["TRITON_CACHE_DIR"]
-
-    def warm(launch):
-        call, outputs = launch
-        with torch.cuda.device(device):  # Triton keys its kernel cache by the current device
-            compiled = call.kernel.warmup(*call.args, *outputs, grid=call.grid,
-                                          **call.constexprs, num_warps=call.num_warps,
-                                          num_stages=call.num_stages)
-            # Load the module and build the launcher now too (Triton does it lazily at the
-            # first launch, one kernel after another). Private in Triton 3.6 and 3.9 alike;
-            # without it the kernels are still compiled, only not loaded.
-            init = getattr(compiled, "_init_handles", None)
-            if init is not None:
-                init()
-
-    with ThreadPoolExecutor(len(launches)) as pool:
-        list(pool.map(warm, launches))  # list(): re-raise a compile error here
-    _COMPILED_TOGETHER.add(key)
-
-
 def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
-    kind = _device_kind(q)
-    dtype = str(q.dtype).replace("torch.", "")
+    kind = _launch.device_kind(q)
+    dtype = abi.check_dtype(q.dtype)
     b, h, n, d = q.shape
-    meta = _metadata(layout, q, kind)
-    delta = _new_output((b, h, n), lse.dtype, q.device)
-    pre = _described(L.bwd_preprocess_call, (out, d_out), None,
-                     {"out": out.stride(), "d_out": d_out.stride(), "delta": delta.stride()},
-                     block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind)
+    meta = _launch.metadata(layout, q, kind)
+    delta = _launch.new_output((b, h, n), lse.dtype, q.device)
+    pre = _launch.describe(abi.bwd_preprocess_call, (out, d_out), None,
+                           {"out": out.stride(), "d_out": d_out.stride(),
+                            "delta": delta.stride()},
+                           block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind)
     strides = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
                "lse": lse.stride()}
-    dq = _new_output(q.shape, q.dtype, q.device)
-    dk = _new_output(k.shape, k.dtype, k.device)
-    dv = _new_output(v.shape, v.dtype, v.device)
+    dq = _launch.new_output(q.shape, q.dtype, q.device)
+    dk = _launch.new_output(k.shape, k.dtype, k.device)
+    dv = _launch.new_output(v.shape, v.dtype, v.device)
     kw = dict(scale=scale, dtype=dtype, device_kind=kind)
 
     def grad_descriptions(ins):
-        return ((_described(L.bwd_dq_call, ins, meta, {**strides, "dq": dq.stride()}, **kw),
-                 (dq,)),
-                (_described(L.bwd_dkdv_call, ins, meta,
-                            {**strides, "dk": dk.stride(), "dv": dv.stride()}, **kw), (dk, dv)))
+        return ((_launch.describe(abi.bwd_dq_call, ins, meta, {**strides, "dq": dq.stride()},
+                                  **kw), (dq,)),
+                (_launch.describe(abi.bwd_dkdv_call, ins, meta,
+                                  {**strides, "dk": dk.stride(), "dv": dv.stride()}, **kw),
+                 (dk, dv)))
 
     ins = (q, k, v, d_out, lse, delta)
     grads = grad_descriptions(ins)
     if not (pre.compiled and all(desc.compiled for desc, _ in grads)):
-        _compile_together(((pre.with_tensors((out, d_out)), (delta,)),
-                           *((desc.with_tensors(ins), outs) for desc, outs in grads)), kind)
-    _run(pre, (out, d_out), (delta,), kind)
+        _launch.compile_together(((pre.with_tensors((out, d_out)), (delta,)),
+                                  *((desc.with_tensors(ins), outs) for desc, outs in grads)),
+                                 kind)
+    _launch.run(pre, (out, d_out), (delta,), kind)
     if d_lse is not None:
         # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as
         # Delta - d_lse. Rows with no key have P = 0, so their (possibly inf) entries are moot;
@@ -334,7 +118,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
         ins = (q, k, v, d_out, lse, delta)
         grads = grad_descriptions(ins)
     for desc, outs in grads:
-        _run(desc, ins, outs, kind)
+        _launch.run(desc, ins, outs, kind)
     return dq, dk, dv
 
 
@@ -350,6 +134,7 @@ class _SparseAttentionFn(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout = layout
         ctx.scale = scale
+        ctx.options = _options.current()  # the backward launches as the forward did
         return out, lse
 
     @staticmethod
@@ -357,12 +142,14 @@ class _SparseAttentionFn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv = _backward(q, k, v, out, lse, d_out, d_lse, ctx.layout, ctx.scale)
+        with _options.using(ctx.options):
+            dq, dk, dv = _backward(q, k, v, out, lse, d_out, d_lse, ctx.layout, ctx.scale)
         return dq, dk, dv, None, None
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
-                     *, scale: float | None = None, return_lse: bool = False):
+                     *, scale: float | None = None, return_lse: bool = False,
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention ``softmax(q k^T * scale, masked by layout) v``.
 
     Args:
@@ -405,8 +192,8 @@ class SparseAttention(torch.nn.Module):
         super().__init__()
         if not isinstance(pattern, Pattern):
             raise ValueError(f"pattern must be a sparsetp Pattern, got {type(pattern).__name__}")
-        if block_size not in L.SUPPORTED_BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {L.SUPPORTED_BLOCK_SIZES}, got "
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got "
                              f"{block_size!r}")
         self.pattern = pattern
         self.block_size = block_size
@@ -425,7 +212,7 @@ class SparseAttention(torch.nn.Module):
         lay = self.layout(q.shape[2], q.shape[1])
         return sparse_attention(q, k, v, lay, scale=self.scale, return_lse=return_lse)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"pattern={self.pattern!r}, block_size={self.block_size}, scale={self.scale}"
 
 
@@ -457,7 +244,8 @@ def _naive_tables(layout: BlockLayout, device: torch.device):
     return per_layout[key]
 
 
-def naive_sparse_attention(q, k, v, layout: BlockLayout, scale: float | None = None):
+def naive_sparse_attention(q, k, v, layout: BlockLayout,
+                           scale: float | None = None) -> torch.Tensor:
     """Block-sparse attention in plain PyTorch: gather listed key tiles, masked softmax, matmul.
 
     Memory is ``O(B * H * N * W * bs * D)`` for the gathered tiles (``W`` = widest row of the
@@ -487,7 +275,7 @@ def naive_sparse_attention(q, k, v, layout: BlockLayout, scale: float | None = N
     return out.reshape(b, h, nt * bs, d)[:, :, :n]
 
 
-def dense_attention(q, k, v, layout: BlockLayout, scale: float | None = None):
+def dense_attention(q, k, v, layout: BlockLayout, scale: float | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention`` with the layout's dense ``[H, N, N]`` mask.
 
     SDPA returns NaN for rows whose mask is all False; here those rows see every key inside

@@ -1,0 +1,152 @@
+"""Question: how much host time does one attention call cost where the GPU has almost nothing to
+do, and where does it go?
+
+At N=8192 the light patterns' forward+backward sits on the host floor, so the host's share
+decides those rows. With a small problem (default: window, N=1024, one head, D=128, bf16) and
+200 back-to-back calls then one synchronize, microseconds per call of:
+
+* the forward; the forward while autograd records the graph; forward+backward through autograd;
+* the frontend's backward called directly, and the same backward's time inside autograd
+  (autograd runs CUDA backwards on its own thread);
+* a trivial autograd forward+backward on the same leaves (autograd's own floor);
+
+for each arm (``attention_common``'s arm spec; default: the direct launch against Triton's JIT
+entry point, ``direct_launch=0``), interleaved over ``--rounds``. Then a cProfile of 50 direct
+backward calls (the top functions by own time), and with ``--trace`` a Chrome trace of 20
+forward+backward calls (``torch.profiler``, both threads, Python stacks).
+
+Believe it only if ``python -m pytest -q tests/torch_attention_test.py`` passes; host times move
+with the machine's load, so compare arms of one run only::
+
+    python benchmarks/host_overhead.py --out=$OUT/host.json --trace=$OUT/host_trace.json
+
+On CPU (the interpreter; a smoke test of this script, not a measurement)::
+
+    python benchmarks/host_overhead.py --device=cpu --n=128 --head_dim=32 --calls=2 --warmup=1
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+from unittest import mock
+
+import attention_common as C
+from absl import app, flags
+
+from sparsetp.backends.torch import attention as tattn
+from sparsetp.core import make_layout
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "host_overhead.json", "where to write the JSON")
+flags.DEFINE_multi_string("arms", ["direct;jit:direct_launch=0"], "arm specs, ';'-separated")
+flags.DEFINE_integer("n", 1024, "N")
+flags.DEFINE_integer("heads", 1, "H")
+flags.DEFINE_integer("head_dim", 128, "D")
+flags.DEFINE_string("pattern", "window", "target pattern")
+flags.DEFINE_integer("calls", 200, "back-to-back calls per measurement")
+flags.DEFINE_integer("warmup", 20, "calls before each measurement")
+flags.DEFINE_integer("rounds", 2, "interleaved rounds")
+flags.DEFINE_string("trace", None, "write a Chrome trace of 20 fwd+bwd calls here")
+flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smoke test only)")
+
+
+KEYS = ("fwd_us", "fwd_recording_graph_us", "fwd_bwd_us", "direct_backward_us",
+        "backward_inside_autograd_us", "trivial_autograd_fwd_bwd_us", "fwd_gpu_ms",
+        "fwd_bwd_gpu_ms")
+
+
+def host_us(fn, device) -> float:
+    """Host microseconds per call over ``--calls`` back-to-back calls and one synchronize."""
+    for _ in range(FLAGS.warmup):
+        fn()
+    C.sync(device)
+    t0 = time.perf_counter()
+    for _ in range(FLAGS.calls):
+        fn()
+    C.sync(device)
+    return (time.perf_counter() - t0) / FLAGS.calls * 1e6
+
+
+def main(argv):
+    del argv
+    rec = C.Record(FLAGS.out)
+    dev, n, h, d = FLAGS.device, FLAGS.n, FLAGS.heads, FLAGS.head_dim
+    arms = C.parse_arms(FLAGS.arms)
+    layout = make_layout(C.anchor_pattern(FLAGS.pattern), n, h, arms[0].block)
+    if any(a.block != arms[0].block for a in arms):
+        raise app.UsageError("host-overhead arms share one layout block")
+    q, k, v, qg, kg, vg, d_out = C.inputs(n, h, d, "bfloat16", dev, seed=4)
+    scale = d ** -0.5
+    out_, lse_ = tattn._forward(q, k, v, layout, scale)
+
+    def direct_backward():
+        tattn._backward(q, k, v, out_, lse_, d_out, None, layout, scale)
+
+    def fwd_bwd():
+        C.library_attention(qg, kg, vg, layout)[0].backward(d_out)
+
+    inside: list = []
+    real_backward = tattn._backward
+
+    def timed_backward(*a, **kw):
+        t = time.perf_counter()
+        r = real_backward(*a, **kw)
+        inside.append(time.perf_counter() - t)
+        return r
+
+    def measure(arm):
+        inside.clear()
+        with mock.patch.object(tattn, "_backward", timed_backward):
+            host_us(fwd_bwd, dev)
+        e = {"fwd_us": host_us(lambda: C.library_attention(q, k, v, layout), dev),
+             "fwd_recording_graph_us": host_us(lambda: C.library_attention(qg, kg, vg, layout),
+                                               dev),
+             "fwd_bwd_us": host_us(fwd_bwd, dev),
+             "direct_backward_us": host_us(direct_backward, dev),
+             "backward_inside_autograd_us": (sum(inside[FLAGS.warmup:]) * 1e6
+                                             / max(1, len(inside[FLAGS.warmup:]))),
+             "trivial_autograd_fwd_bwd_us": host_us(
+                 lambda: (qg * 1.0 + kg * 1.0 + vg * 1.0).backward(d_out), dev),
+             "fwd_gpu_ms": C.bench_ms(lambda: C.library_attention(q, k, v, layout), dev),
+             "fwd_bwd_gpu_ms": C.bench_ms(fwd_bwd, dev, [qg, kg, vg])}
+        rec.log(f"{arm}: {e}")
+        assert tuple(e) == KEYS
+        return tuple(e.values())
+
+    med, rows = C.interleaved({a.name: a.context for a in arms}, FLAGS.rounds, measure)
+    rec.data["medians"] = {a: dict(zip(KEYS, m, strict=True)) for a, m in med.items()}
+    rec.data["raw"] = {a: [dict(zip(KEYS, r, strict=True)) for r in rs] for a, rs in rows.items()}
+    rec.log(f"medians: {rec.data['medians']}")
+    rec.save()
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50 if dev == "cuda" else 2):
+        direct_backward()
+    C.sync(dev)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    rec.data["profile_direct_backward"] = buf.getvalue()[-6000:]
+    print(rec.data["profile_direct_backward"], flush=True)
+    if FLAGS.trace:
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+        for _ in range(10):
+            fwd_bwd()
+        C.sync(dev)
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as tprof:
+            for _ in range(20):
+                fwd_bwd()
+            C.sync(dev)
+        tprof.export_chrome_trace(FLAGS.trace)
+        rec.data["trace"] = FLAGS.trace
+    sys.exit(rec.finish())
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,213 @@
+"""Launch the sparsetp Triton kernels on torch tensors (the JAX twin: ``backends/jax/launch.py``).
+
+* :func:`metadata`: a layout's int32 metadata as device tensors, cached per (layout, device).
+* :func:`describe` + :func:`run`: a launch description from :mod:`sparsetp.kernels.abi`, cached
+  per shapes/strides/dtypes/options, then launched: compiled on CUDA, or in Triton's interpreter
+  (:mod:`sparsetp.kernels.interpreter`) for CPU tensors; the rule is in :mod:`sparsetp._runtime`.
+* :func:`compile_together`: the backward's kernels compiled in threads on their first use.
+* :func:`new_output`: every output buffer comes from here (tests patch it to pre-fill NaN).
+
+Host time matters at small N, so a description is built once per key and reused, and on CUDA
+later calls may skip Triton's JIT entry (``LaunchOptions.direct_launch``; Triton's private
+launch API, used only for the tested Triton versions, else the public entry point).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+import triton
+
+from sparsetp import _runtime
+from sparsetp.core.layout import BlockLayout
+from sparsetp.kernels import abi, interpreter, schedule
+from sparsetp.kernels import options as _options
+
+__all__ = ["device_kind", "metadata", "new_output", "describe", "run", "compile_together",
+           "DIRECT_LAUNCH_TRITON"]
+
+# Per-layout device tensors; weak keys so a dropped layout frees its tensors.
+_META_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CALLS: dict = {}
+_CALLS_MAX = 1024
+# Triton versions whose compiled-kernel launch API (``CompiledKernel.run`` and friends, private)
+# the direct launch was tested with; others take the public JIT entry point every call.
+DIRECT_LAUNCH_TRITON = ((3, 6), (3, 10))
+
+
+def device_kind(t: torch.Tensor) -> str:
+    """``"cuda"`` or ``"interpreter"`` for tensors on ``t``'s device (:mod:`sparsetp._runtime`)."""
+    if t.device.type not in _runtime.PLATFORMS:
+        raise ValueError(f"q is on device {t.device}; sparsetp runs on CPU and CUDA tensors")
+    return _runtime.device_kind(t.device.type)
+
+
+def metadata(layout: BlockLayout, q: torch.Tensor, kind: str) -> dict:
+    """Device tensors of the layout the kernels run for ``q`` (``schedule.kernel_layout``: the
+    layout, or the same pattern at another kernel tile) plus its head groups, cached per
+    (kernel layout, device)."""
+    layout = schedule.kernel_layout(layout, kind, head_dim=q.shape[-1],
+                                    dtype=abi.check_dtype(q.dtype))
+    per_layout = _META_CACHE.setdefault(layout, {})
+    key = str(q.device)
+    if key not in per_layout:
+        q_group, k_group = schedule.head_groups(layout)
+        per_layout[key] = {
+            **{name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C")).to(q.device)
+               for name, arr in layout.metadata().items()},
+            "q_head_group": q_group, "k_head_group": k_group}
+    return per_layout[key]
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Every kernel output buffer comes from here (tests patch it to pre-fill with NaN)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def _restore_cache_dir() -> None:
+    # jax_triton 0.3.1 sets TRITON_CACHE_DIR="" for the whole process, which makes Triton fail
+    # to create its cache; an empty value means "unset" to us.
+    if os.environ.get("TRITON_CACHE_DIR", None) == "":
+        del os.environ["TRITON_CACHE_DIR"]
+
+
+def _launch(call: abi.KernelCall, outputs, kind: str):
+    """Launch ``call`` through Triton's public entry point (or the interpreter); returns the
+    compiled kernel Triton hands back on CUDA, None in the interpreter."""
+    if kind == "interpreter":
+        interpreter.launch(call.kernel, call.grid, (*call.args, *outputs), call.constexprs)
+        return None
+    _restore_cache_dir()
+    with torch.cuda.device(outputs[0].device):
+        return call.kernel[call.grid](*call.args, *outputs, **call.constexprs,
+                                      num_warps=call.num_warps, num_stages=call.num_stages)
+
+
+class _Description:
+    """A cached launch description: the call as built (with the first caller's tensors), its
+    arguments after the per-call tensors, its constexpr values in signature order, and the
+    compiled kernels Triton returned for it, by the alignment of the per-call tensors."""
+
+    __slots__ = ("call", "n_tensors", "tail", "constexpr_values", "compiled", "meta")
+
+    def __init__(self, call: abi.KernelCall, n_tensors: int, meta):
+        self.call = call
+        self.n_tensors = n_tensors
+        self.tail = call.args[n_tensors:]
+        names = call.kernel.arg_names[len(call.args) + len(call.outputs):]
+        if sorted(names) != sorted(call.constexprs):
+            raise AssertionError(f"{call.name}: constexprs {sorted(call.constexprs)} do not fill "
+                                 f"the kernel's trailing parameters {names}")
+        self.constexpr_values = tuple(call.constexprs[n] for n in names)
+        self.compiled: dict = {}
+        self.meta = meta  # keeps the metadata tensors (ids in the key) alive
+
+    def with_tensors(self, tensors) -> abi.KernelCall:
+        return dataclasses.replace(self.call, args=(*tensors, *self.tail))
+
+
+def describe(builder, tensors: tuple, meta, strides: dict, **kw) -> _Description:
+    """``builder(*tensors[, meta], strides=strides, **kw)`` (an ``abi.*_call``), cached on
+    everything the description depends on: the builder, the metadata tensors (kept alive by
+    the entry, so their ids stay unique), each tensor's shape/stride/dtype/device, the strides
+    and keywords, and the launch options."""
+    key = (builder, None if meta is None else tuple(map(id, meta.values())),
+           tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
+           tuple(strides.items()), tuple(kw.items()), _options.current().key())
+    hit = _CALLS.get(key)
+    if hit is None:
+        call = builder(*tensors, *(() if meta is None else (meta,)), strides=strides, **kw)
+        # Builders put their tensor arguments first, in order (abi's module docstring).
+        assert all(a is t for a, t in zip(call.args, tensors, strict=False))
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[key] = hit = _Description(call, len(tensors), meta)
+    return hit
+
+
+def _direct_launch_supported() -> bool:
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    low, high = DIRECT_LAUNCH_TRITON
+    return low <= (major, minor) < high
+
+
+_DIRECT_OK = _direct_launch_supported()
+_STREAM_OF = None
+
+
+def _current_stream(device: int) -> int:
+    """The raw current CUDA stream of ``device``, as Triton's launcher obtains it."""
+    global _STREAM_OF
+    if _STREAM_OF is None:  # the driver initialises on first use: only on the CUDA path
+        from triton.runtime import driver  # noqa: PLC0415
+        _STREAM_OF = driver.active.get_current_stream
+    return _STREAM_OF(device)
+
+
+def run(desc: _Description, tensors: tuple, outputs: tuple, kind: str) -> None:
+    """Launch ``desc`` with this call's ``tensors`` (same shapes/strides/dtypes/device as the
+    description's) writing ``outputs``. On CUDA, once Triton has compiled the description for
+    these alignments, the compiled kernel is called directly: everything Triton specialises on
+    is fixed by the description's key, except the 16-byte alignment of the per-call tensors,
+    which keys ``desc.compiled``."""
+    if kind != "cuda":
+        _launch(desc.with_tensors(tensors), outputs, kind)
+        return
+    align = tuple(t.data_ptr() % 16 == 0 for t in (*tensors, *outputs))
+    compiled = desc.compiled.get(align)
+    device = outputs[0].device.index
+    if (compiled is not None and _DIRECT_OK and _options.current().direct_launch
+            and torch.cuda.current_device() == device):
+        # What triton.runtime.jit.JITFunction.run does after its cache lookup (Triton 3.6 to
+        # 3.9): the bound argument values, constexprs included, in signature order.
+        args = (*tensors, *desc.tail, *outputs, *desc.constexpr_values)
+        stream = _current_stream(device)
+        enter = triton.knobs.runtime.launch_enter_hook
+        leave = triton.knobs.runtime.launch_exit_hook
+        grid = desc.call.grid
+        meta = None if enter is None else compiled.launch_metadata(grid, stream, *args)
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
+                     compiled.packed_metadata, meta, enter, leave, *args)
+        return
+    compiled = _launch(desc.with_tensors(tensors), outputs, kind)
+    if compiled is not None:
+        desc.compiled[align] = compiled
+
+
+_COMPILED_TOGETHER: set = set()
+
+
+def compile_together(launches, kind: str) -> None:
+    """Compile (not run) the kernels of ``launches`` [(call, outputs)] in parallel threads,
+    once per (device, kernel configs); later launches find them in Triton's cache. Triton's
+    compile spends much of its time outside the GIL (MLIR passes, ptxas), so the backward's
+    first call waits for one compile instead of three in a row."""
+    if kind != "cuda" or not _options.current().parallel_compile:
+        return
+    device = launches[0][1][0].device
+    key = (str(device), *((c.name, c.num_warps, c.num_stages, tuple(sorted(c.constexprs.items())))
+                          for c, _ in launches))
+    if key in _COMPILED_TOGETHER:
+        return
+    _restore_cache_dir()
+
+    def warm(launch):
+        call, outputs = launch
+        with torch.cuda.device(device):  # Triton keys its kernel cache by the current device
+            compiled = call.kernel.warmup(*call.args, *outputs, grid=call.grid,
+                                          **call.constexprs, num_warps=call.num_warps,
+                                          num_stages=call.num_stages)
+            # Load the module now too (Triton does it lazily at the first launch). Private, so
+            # only for the tested Triton versions: without it the kernels are still compiled.
+            init = getattr(compiled, "_init_handles", None) if _DIRECT_OK else None
+            if init is not None:
+                init()
+
+    with ThreadPoolExecutor(len(launches)) as pool:
+        list(pool.map(warm, launches))  # list(): re-raise a compile error here
+    _COMPILED_TOGETHER.add(key)

@@ -1,0 +1,344 @@
+"""The kernels' ABI: argument orders, input checks and launch descriptions both frontends use.
+
+Nothing here imports torch or jax. A frontend turns its arrays into a :class:`KernelCall` with
+one of :func:`fwd_call`, :func:`bwd_preprocess_call`, :func:`bwd_dq_call`,
+:func:`bwd_dkdv_call`, then launches ``call.kernel`` its own way (``backends/torch/launch.py``,
+``backends/jax/launch.py``). The kernel signature is always
+
+    (*call.args, *<one pointer per call.outputs entry>, **call.constexprs)
+
+i.e. input pointers, then scalars (the scale as two fp32 parts, see :func:`scale_args`; N, H,
+every stride, including the strides of the outputs), then the output pointers, then
+constexprs by keyword. That is exactly the order
+``jax_triton.triton_call`` uses (it appends output pointers after all positional arguments).
+
+Torch (compiled on CUDA, or Triton's interpreter on CPU)::
+
+    call = fwd_call(q, k, v, meta, scale=s, dtype="bfloat16", device_kind="cuda",
+                    strides={"q": q.stride(), "k": k.stride(), "v": v.stride(),
+                             "out": out.stride(), "lse": lse.stride()})
+    call.kernel[call.grid](*call.args, out, lse, **call.constexprs,
+                           num_warps=call.num_warps, num_stages=call.num_stages)
+
+JAX (GPU, through jax_triton; arrays are contiguous, so ``strides`` may be omitted)::
+
+    call = fwd_call(q, k, v, meta, scale=s, dtype=q.dtype.name, device_kind="cuda")
+    out, lse = jax_triton.triton_call(
+        *call.args, kernel=call.kernel, grid=call.grid,
+        out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in call.outputs],
+        num_warps=call.num_warps, num_stages=call.num_stages, **call.constexprs)
+
+JAX on CPU: wrap numpy buffers with ``torch.from_numpy`` (the interpreter runs on torch CPU
+tensors) and launch as torch does, with ``device_kind="interpreter"``; serialise interpreted
+launches with a lock (the interpreter is not thread-safe).
+
+Arguments
+---------
+``q, k, v`` (and ``out``, ``d_out``, ``lse``, ``delta``) are passed through untouched into
+``call.args``; only ``.shape`` is read. ``meta`` is a mapping with the int32 arrays of
+:meth:`sparsetp.core.layout.BlockLayout.metadata` (``q_count``, ``q_partial``, ``q_index``,
+``q_mask_id``, ``q_order``, ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id``, ``k_order``,
+``masks``), already on
+the device and **C-contiguous** (their strides are computed from their shapes), and optionally
+the layout's Python ints ``q_head_group`` / ``k_head_group`` (how launches order heads, see
+:func:`sparsetp.kernels.schedule.grid_group`; missing means all heads interleaved). ``strides`` maps
+tensor names to element strides; a name left out means C-contiguous. Names: ``q k v out lse``
+(forward), ``out d_out delta`` (preprocess), ``q k v d_out lse dq`` (dQ; ``delta`` shares the
+``lse`` strides), ``q k v d_out lse dk dv`` (dK/dV; same). ``lse`` and ``delta`` are
+``[B, H, N]`` in :func:`stats_dtype` (float32, or float64 for float64 inputs). ``scale`` is the
+softmax scale (default ``D ** -0.5`` is the frontend's job). All scalars are Python ints/floats
+(``jax_triton`` only recognises those as scalars).
+
+Supported head dims, dtypes and block sizes: :mod:`sparsetp.kernels.tiles` (float64 too, for
+gradcheck: within 1e-10 of the float64 oracle, not a fast path).
+
+Example::
+
+    >>> import numpy as np
+    >>> from sparsetp.core import make_layout, patterns as P
+    >>> q = np.zeros((1, 2, 128, 32), np.float32)
+    >>> call = fwd_call(q, q, q, make_layout(P.causal(), 128, 2, 64).metadata(), scale=0.2,
+    ...                 dtype="float32", device_kind="interpreter")
+    >>> call.name, call.grid, [o.name for o in call.outputs]
+    ('fwd', (2, 2, 1), ['out', 'lse'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from sparsetp.kernels import attention as _k
+from sparsetp.kernels import options as _options
+from sparsetp.kernels.schedule import grid, grid_group, list_grid
+from sparsetp.kernels.tiles import (
+    DEVICE_KINDS,
+    KERNEL_NAMES,
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    TileConfig,
+    check_dtype,
+    check_head_dim,
+    tile_config,
+)
+
+__all__ = [
+    "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES", "DEVICE_KINDS",
+    "KERNEL_NAMES", "OutputSpec", "KernelCall", "kernel", "check_head_dim", "check_dtype",
+    "check_attention_shapes", "scale_args", "stats_dtype", "dot_precision", "dot_upcast",
+    "mask_words", "aligned", "contiguous_strides", "fwd_call", "bwd_preprocess_call",
+    "bwd_dq_call", "bwd_dkdv_call",
+]
+
+_KERNELS = {
+    "fwd": _k._attn_fwd_kernel,
+    "bwd_preprocess": _k._attn_bwd_preprocess_kernel,
+    "bwd_dq": _k._attn_bwd_dq_kernel,
+    "bwd_dkdv": _k._attn_bwd_dkdv_kernel,
+}
+
+
+def kernel(name: str) -> Any:
+    """The ``@triton.jit`` kernel object called ``name`` (one of :data:`KERNEL_NAMES`)."""
+    try:
+        return _KERNELS[name]
+    except KeyError:
+        raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {name!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """An output buffer the launcher must allocate: name, shape and dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """Everything needed to launch one kernel; see the module docstring for the order."""
+
+    name: str
+    kernel: Any
+    grid: tuple[int, int, int]
+    args: tuple
+    outputs: tuple[OutputSpec, ...]
+    constexprs: Mapping[str, Any]
+    num_warps: int
+    num_stages: int
+
+
+def check_attention_shapes(q_shape, k_shape, v_shape, layout, scale) -> float:
+    """The framework-neutral input checks both frontends share (one place, one wording):
+    q/k/v shapes, the layout's sequence length and head count, batch, scale and head dim.
+    ``layout`` is anything with ``seq_len`` and ``num_heads``. Returns the softmax scale."""
+    q_shape = tuple(q_shape)
+    if len(q_shape) != 4:
+        raise ValueError(f"q must have shape [B, H, N, D], got {q_shape}")
+    for name, shape in (("k", tuple(k_shape)), ("v", tuple(v_shape))):
+        if shape != q_shape:
+            raise ValueError(f"{name} has shape {shape} but q has {q_shape}; "
+                             "q, k and v must share one [B, H, N, D] shape")
+    b, h, n, d = q_shape
+    if layout.seq_len != n:
+        raise ValueError(f"layout is for seq_len={layout.seq_len} but q has N={n}")
+    if layout.num_heads != h:
+        raise ValueError(f"layout is for num_heads={layout.num_heads} but q has H={h}")
+    if b == 0:
+        raise ValueError("q has batch size 0")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    check_head_dim(d, "q")
+    return (d ** -0.5) if scale is None else float(scale)
+
+
+def scale_args(scale: float) -> tuple[float, float]:
+    """The kernels' ``sm_scale, sm_scale_lo`` for a softmax ``scale``: fp32(scale) and the fp32
+    of what that rounding left. Triton passes every Python float as fp32 (and the JAX launcher
+    does the same, so both compile one kernel); fp64 kernels add the parts back, which gives
+    the scale to ~1e-15 instead of fp32's 6e-8 (``attention._softmax_scale``). The first part
+    is exactly the fp32 the kernels always received.
+
+    >>> scale_args(0.125)
+    (0.125, 0.0)
+    >>> hi, lo = scale_args(128 ** -0.5)
+    >>> abs(hi + lo - 128 ** -0.5) < 1e-16 < abs(hi - 128 ** -0.5)
+    True
+    """
+    hi = float(np.float32(scale))
+    return hi, float(np.float32(float(scale) - hi))
+
+
+def stats_dtype(dtype: str) -> str:
+    """dtype name of the LSE and Delta buffers (softmax statistics)."""
+    return "float64" if check_dtype(dtype) == "float64" else "float32"
+
+
+def dot_precision(dtype: str) -> str:
+    """tl.dot input precision: full IEEE for fp32/fp64 inputs (tf32 would cost ~1e-3 relative
+    error and fail float32 tests); for fp16/bf16 the setting is moot and we pass the default."""
+    return "ieee" if check_dtype(dtype) in ("float32", "float64") else "tf32"
+
+
+def mask_words(block_size: int) -> int:
+    """int32 words per tile row of the bitmask table (one bit per key column)."""
+    return -(-block_size // 32)
+
+
+def aligned(seq_len: int, strides: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether the kernels may assume 16-divisible ints (the ``ALIGNED`` constexpr).
+
+    True when ``seq_len`` % 16 == 0 and every tensor's last stride is 1 and its other strides
+    are multiples of 16 (contiguous [B, H, N, D] inputs with N % 16 == 0 always are). Both
+    frontends decide it from the same shapes and strides, so torch's launcher (which marks such
+    ints divisible itself) and jax_triton 0.3.1 (which marks none) compile the same code.
+    """
+    if int(seq_len) % 16:
+        return False
+    return all(int(st[-1]) == 1 and all(int(x) % 16 == 0 for x in st[:-1])
+               for st in strides.values())
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of ``shape``."""
+    out, acc = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= int(s)
+    return tuple(reversed(out))
+
+
+def _strides(strides: Mapping[str, Any] | None, name: str, shape) -> tuple[int, ...]:
+    st = None if strides is None else strides.get(name)
+    st = contiguous_strides(shape) if st is None else tuple(int(x) for x in st)
+    if len(st) != len(shape):
+        raise ValueError(f"strides[{name!r}] has {len(st)} entries for a {len(shape)}-d tensor")
+    return st
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+def _check_meta(meta: Mapping[str, Any], major: str, heads: int, tiles: int, block: int):
+    names = [f"{major}_count", f"{major}_partial", f"{major}_index", f"{major}_mask_id", "masks",
+             f"{major}_order"]
+    missing = [n for n in names if n not in meta]
+    if missing:
+        raise ValueError(f"meta is missing {missing}")
+    cnt, part, idx, mid, masks, order = (_shape(meta[n]) for n in names)
+    if cnt != (heads, tiles) or part != cnt or order != cnt:
+        raise ValueError(f"meta[{names[0]!r}] has shape {cnt}, expected {(heads, tiles)}")
+    if len(idx) != 3 or idx[:2] != (heads, tiles) or mid != idx:
+        raise ValueError(f"meta[{names[2]!r}] / [{names[3]!r}] have shapes {idx} / {mid}, "
+                         f"expected ({heads}, {tiles}, W)")
+    if len(masks) != 3 or masks[1:] != (block, mask_words(block)):
+        raise ValueError(f"meta['masks'] has shape {masks}, expected (U, {block}, "
+                         f"{mask_words(block)})")
+    return ([meta[n] for n in names],
+            contiguous_strides(cnt) + contiguous_strides(idx) + contiguous_strides(masks))
+
+
+def _common(q, block_size, dtype, device_kind, kernel_name):
+    b, h, n, d = _shape(q)
+    check_head_dim(d)
+    dtype = check_dtype(dtype)
+    cfg = tile_config(kernel_name, head_dim=d, dtype=dtype, block_size=block_size,
+                      device_kind=device_kind)
+    return b, h, n, d, dtype, cfg
+
+
+def dot_upcast(dtype: str, device_kind: str) -> bool:
+    """Whether kernels upcast tl.dot operands to fp32: bf16 in the interpreter only (Triton
+    3.9's interpreter multiplies the raw uint16 storage of bf16; see ``attention._dot``)."""
+    return device_kind == "interpreter" and check_dtype(dtype) == "bfloat16"
+
+
+def _constexprs(block_size, d, dtype, device_kind, cfg: TileConfig, sub_name: str,
+                is_aligned: bool):
+    return {"BLOCK": block_size, sub_name: cfg.sub, "HEAD_DIM": d,
+            "MASK_WORDS": mask_words(block_size), "DOT_PRECISION": dot_precision(dtype),
+            "DOT_UPCAST": dot_upcast(dtype, device_kind),
+            "ORDERED": _options.current().work_order != "natural", "ALIGNED": is_aligned}
+
+
+def _block_size(meta) -> int:
+    return int(_shape(meta["masks"])[1])
+
+
+def _all_strides(strides, names4, names3, shape, lse_shape):
+    st = {nm: _strides(strides, nm, shape) for nm in names4}
+    st.update({nm: _strides(strides, nm, lse_shape) for nm in names3})
+    return st
+
+
+def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, device_kind: str,
+             strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """Forward launch: outputs ``out`` [B, H, N, D] (input dtype) and ``lse`` [B, H, N]."""
+    bs = _block_size(meta)
+    b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, "fwd")
+    tiles = -(-n // bs)
+    arrays, meta_strides = _check_meta(meta, "q", h, tiles, bs)
+    shape, lse_shape = (b, h, n, d), (b, h, n)
+    st = _all_strides(strides, ("q", "k", "v", "out"), ("lse",), shape, lse_shape)
+    args = (q, k, v, *arrays, *scale_args(scale), n, h, *st["q"], *st["k"], *st["v"], *st["out"],
+            *st["lse"], *meta_strides)
+    return KernelCall("fwd", kernel("fwd"), list_grid(b, h, tiles, grid_group(meta, "q", b, h)),
+                      args,
+                      (OutputSpec("out", shape, dtype),
+                       OutputSpec("lse", lse_shape, stats_dtype(dtype))),
+                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
+                      cfg.num_warps, cfg.num_stages)
+
+
+def bwd_preprocess_call(out, d_out, *, block_size: int, dtype: str, device_kind: str,
+                        strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """Backward preprocess: output ``delta`` [B, H, N] = rowsum(d_out * out)."""
+    b, h, n, d, dtype, cfg = _common(out, block_size, dtype, device_kind, "bwd_preprocess")
+    shape, lse_shape = (b, h, n, d), (b, h, n)
+    st = _all_strides(strides, ("out", "d_out"), ("delta",), shape, lse_shape)
+    args = (out, d_out, n, h, *st["out"], *st["d_out"], *st["delta"])
+    return KernelCall("bwd_preprocess", kernel("bwd_preprocess"), grid(b, h, n, block_size),
+                      args, (OutputSpec("delta", lse_shape, stats_dtype(dtype)),),
+                      {"BLOCK": block_size, "HEAD_DIM": d, "ALIGNED": aligned(n, st)},
+                      cfg.num_warps, cfg.num_stages)
+
+
+def _bwd_list_call(name, major, out_names, sub_name, q, k, v, d_out, lse, delta, meta, scale,
+                   dtype, device_kind, strides) -> KernelCall:
+    """The dQ and dK/dV launches: the same operands, the ``major`` ("q"/"k") lists, and one
+    [B, H, N, D] output per ``out_names`` (in the input dtype), appended after the metadata."""
+    bs = _block_size(meta)
+    b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, name)
+    arrays, meta_strides = _check_meta(meta, major, h, -(-n // bs), bs)
+    shape, lse_shape = (b, h, n, d), (b, h, n)
+    st = _all_strides(strides, ("q", "k", "v", "d_out", *out_names), ("lse",), shape, lse_shape)
+    args = (q, k, v, d_out, lse, delta, *arrays, *scale_args(scale), n, h,
+            *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides,
+            *(x for o in out_names for x in st[o]))
+    group = grid_group(meta, major, b, h)
+    return KernelCall(name, _KERNELS[name], list_grid(b, h, -(-n // bs), group), args,
+                      tuple(OutputSpec(o, shape, dtype) for o in out_names),
+                      _constexprs(bs, d, dtype, device_kind, cfg, sub_name, aligned(n, st)),
+                      cfg.num_warps, cfg.num_stages)
+
+
+def bwd_dq_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
+                dtype: str, device_kind: str,
+                strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """dQ launch (query-major lists): output ``dq`` [B, H, N, D] in the input dtype."""
+    return _bwd_list_call("bwd_dq", "q", ("dq",), "SUB_N", q, k, v, d_out, lse, delta, meta,
+                          scale, dtype, device_kind, strides)
+
+
+def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
+                  dtype: str, device_kind: str,
+                  strides: Mapping[str, Any] | None = None) -> KernelCall:
+    """dK/dV launch (key-major lists): outputs ``dk``, ``dv`` [B, H, N, D] in the input dtype."""
+    return _bwd_list_call("bwd_dkdv", "k", ("dk", "dv"), "SUB_M", q, k, v, d_out, lse, delta,
+                          meta, scale, dtype, device_kind, strides)
