@@ -194,6 +194,36 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
     """JAX-only behaviour on CPU devices (explicitly, also on a GPU machine): shard_map over
     heads, no retrace, LSE cotangent, jit(grad)."""
 
+    def test_eager_launch_path_follows_the_operands(self):
+        """Outside jit, in a process with a GPU backend, the path is the operands' platform:
+        JAX arrays by their devices, NumPy arrays by where JAX would put them (the default
+        backend); platform_dependent alone would take the default backend's branch for all."""
+        kinds = []
+
+        def fake_call(kernel, args, *, device_kind, out_shapes, **kw):
+            kinds.append(device_kind)
+            return tuple(jnp.zeros(o.shape, o.dtype) for o in out_shapes)
+
+        layout = make_layout(PT.causal(), 64, 1, 32)
+        x_cpu = jax.device_put(jnp.ones((1, 1, 64, 16)), jax.devices("cpu")[0])
+        x_np = np.ones((1, 1, 64, 16), np.float32)
+        meta = jattn.layout_arrays(layout).metadata()
+
+        def build(kind):
+            return jattn._abi.fwd_call(x_np, x_np, x_np, meta, scale=0.25, dtype="float32",
+                                       device_kind=kind)
+
+        with mock.patch.object(jlaunch, "gpu_path", return_value=True), \
+                mock.patch.object(jlaunch, "call_kernel", fake_call), \
+                mock.patch.object(jax, "default_backend", return_value="gpu"):
+            with jax.default_device(None):  # NumPy operands go to the default backend, a GPU
+                for operands in ((x_cpu,), (x_np,), (x_cpu, x_np)):
+                    jlaunch.launch(build, *operands)
+            with jax.default_device(jax.devices("cpu")[0]):  # ... or to the default device
+                jlaunch.launch(build, x_np)
+        self.assertEqual(kinds, ["interpreter", "cuda", "cuda", "interpreter"])
+
+
     def setUp(self):
         super().setUp()
         self.enter_context(jax.default_device(CPU))

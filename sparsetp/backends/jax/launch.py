@@ -67,9 +67,19 @@ def layout_device_kind() -> str:
     the same layout, token-exact."""
     if not gpu_path():
         return "interpreter"
+    return "interpreter" if _default_platform() == "cpu" else "cuda"
+
+
+def _platform(x) -> str:
+    """The platform an eager operand is on (a NumPy array: where JAX would put it)."""
+    return next(iter(x.devices())).platform if isinstance(x, jax.Array) else _default_platform()
+
+
+def _default_platform() -> str:
+    """Where JAX puts an array it is not told about: ``jax.default_device``, else the default
+    backend."""
     device = jax.config.jax_default_device
-    platform = jax.default_backend() if device is None else getattr(device, "platform", device)
-    return "cuda" if platform in ("gpu", "cuda") else "interpreter"
+    return jax.default_backend() if device is None else getattr(device, "platform", device)
 
 
 def launch(build: Callable[[str], abi.KernelCall], *operands: jax.Array,
@@ -96,7 +106,7 @@ def launch(build: Callable[[str], abi.KernelCall], *operands: jax.Array,
     if operands and not any(isinstance(o, jax.core.Tracer) for o in operands):
         # Eager: platform_dependent would pick the default backend's branch, whatever the
         # operands' devices; they say where this runs.
-        platforms = {d.platform for o in operands for d in o.devices()}
+        platforms = {_platform(o) for o in operands}
         return on("interpreter" if platforms == {"cpu"} else "cuda")()
     return tuple(jax.lax.platform_dependent(*operands, cpu=on("interpreter"), default=on("cuda")))
 
