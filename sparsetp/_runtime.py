@@ -6,9 +6,10 @@
 * Both in one process, with no environment variable and no restart. JAX picks per platform
   of the computation (``jax.lax.platform_dependent``), so one jitted function works on CPU and
   GPU devices alike.
-* ``SPARSETP_INTERPRET=1`` is a debugging override: every launch, CUDA included, goes through
-  the interpreter. ``TRITON_INTERPRET=1`` set before the process starts has the same effect
-  (Triton then creates every kernel interpreted).
+* ``SPARSETP_INTERPRET=1`` is a debugging override: every torch launch, CUDA included, goes
+  through the interpreter (JAX then stages only its CPU path: use it with CPU arrays).
+  ``TRITON_INTERPRET=1`` set before the process starts has the same effect for torch (Triton
+  then creates every kernel interpreted).
 
 This module imports neither torch, jax nor triton.
 
