@@ -40,6 +40,7 @@ torch.Size([2, 16])
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -97,6 +98,29 @@ def _matmul_bias(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     return y.view(*x.shape[:-1], weight.shape[1])
 
 
+def _autocast_forward(forward):
+    """Record the autocast state a Function's forward runs under (device of its first input),
+    for :func:`_autocast_backward`: what ``torch.amp.custom_fwd`` does, for any device type."""
+    @functools.wraps(forward)
+    def wrapper(ctx, x, *args):
+        device = x.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device),
+                        torch.get_autocast_dtype(device))
+        return forward(ctx, x, *args)
+    return wrapper
+
+
+def _autocast_backward(backward):
+    """Run a Function's backward under its forward's autocast state (``custom_bwd``): autograd
+    runs backwards with autocast off, so a bf16 ``dy`` would meet the fp32 master weight."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return backward(ctx, *grads)
+    return wrapper
+
+
 class _ColumnLinearAsyncGrad(torch.autograd.Function):
     """``y = x @ W + b`` whose backward overlaps the all-reduce of d(x) with d(W), d(b).
 
@@ -122,12 +146,14 @@ class _ColumnLinearAsyncGrad(torch.autograd.Function):
     """
 
     @staticmethod
+    @_autocast_forward
     def forward(ctx, x, weight, bias, group):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return _matmul_bias(x, weight, bias)
 
     @staticmethod
+    @_autocast_backward
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = handle = None
@@ -168,12 +194,14 @@ class _ColumnLinearSequenceParallel(torch.autograd.Function):
     """
 
     @staticmethod
+    @_autocast_forward
     def forward(ctx, x_shard, weight, bias, group):
         ctx.save_for_backward(x_shard, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return _matmul_bias(all_gather_seq(x_shard, SEQ_DIM, group), weight, bias)
 
     @staticmethod
+    @_autocast_backward
     def backward(ctx, dy):
         x_shard, weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -221,6 +249,7 @@ class _RowLinear(torch.autograd.Function):
     """
 
     @staticmethod
+    @_autocast_forward
     def forward(ctx, x_local, weight, bias, group, bias_here):
         ctx.save_for_backward(x_local, weight)
         ctx.has_bias = bias is not None
@@ -228,6 +257,7 @@ class _RowLinear(torch.autograd.Function):
                            .contiguous(), group)
 
     @staticmethod
+    @_autocast_backward
     def backward(ctx, dy):
         x_local, weight = ctx.saved_tensors
         dx = dw = db = None
