@@ -99,7 +99,8 @@ class LayoutArrays:
         """``shard_map`` in/out specs: per-head arrays split over ``axis_name``, masks replicated.
 
         >>> spec = layout_arrays(lay).partition_specs("tp")    # doctest: +SKIP
-        >>> jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"),) * 3 + (spec,), ...)  # +SKIP
+        >>> jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"),) * 3 + (spec,),
+        ...               out_specs=P(None, "tp"))                  # doctest: +SKIP
         """
         from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
