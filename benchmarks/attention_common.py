@@ -83,6 +83,21 @@ class Arm:
                 tuple(sorted(self.options.get("tiles", {}).items())))
 
 
+def define_target_flags(out: str, n: tuple[str, ...]) -> None:
+    """The absl flags every target-pattern timing script shares (its own come after)."""
+    from absl import flags  # noqa: PLC0415
+
+    flags.DEFINE_string("out", out, "where to write the JSON")
+    flags.DEFINE_list("n", list(n), "sequence lengths")
+    flags.DEFINE_list("patterns", list(ANCHORS), "target patterns")
+    flags.DEFINE_integer("heads", 16, "H")
+    flags.DEFINE_integer("head_dim", 128, "D")
+    flags.DEFINE_float("rep_ms", 60.0, "do_bench rep (ms) per measurement")
+    flags.DEFINE_integer("check_n", 2048, "N of the float32-reference gate")
+    flags.DEFINE_float("budget_s", float("inf"), "wall-clock budget")
+    flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smoke test only)")
+
+
 _TILE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_preprocess")
 
 

@@ -30,17 +30,9 @@ from sparsetp.backends.torch import launch as tlaunch
 from sparsetp.core import make_layout
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "bwd_kernels.json", "where to write the JSON")
+C.define_target_flags(out="bwd_kernels.json", n=("32768",))
 flags.DEFINE_multi_string("arms", ["auto"], "arm specs, ';'-separated or the flag repeated")
-flags.DEFINE_list("n", ["32768"], "sequence lengths")
-flags.DEFINE_list("patterns", list(C.ANCHORS), "target patterns")
-flags.DEFINE_integer("heads", 16, "H")
-flags.DEFINE_integer("head_dim", 128, "D")
 flags.DEFINE_string("dtype", "bfloat16", "input dtype")
-flags.DEFINE_float("rep_ms", 60.0, "do_bench rep (ms) per measurement")
-flags.DEFINE_integer("check_n", 2048, "N of the float32-reference gate")
-flags.DEFINE_float("budget_s", float("inf"), "wall-clock budget")
-flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smoke test only)")
 
 
 def recorded(fn) -> list:

@@ -39,17 +39,9 @@ from absl import app, flags
 from sparsetp.core import make_layout
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "kernel_ab.json", "where to write the JSON")
-flags.DEFINE_list("n", ["8192", "32768"], "sequence lengths")
-flags.DEFINE_list("patterns", list(C.ANCHORS), "target patterns")
-flags.DEFINE_integer("heads", 16, "H")
-flags.DEFINE_integer("head_dim", 128, "D")
+C.define_target_flags(out="kernel_ab.json", n=("8192", "32768"))
 flags.DEFINE_integer("block", 128, "layout block")
 flags.DEFINE_integer("rounds", 3, "interleaved rounds")
-flags.DEFINE_float("rep_ms", 60.0, "do_bench rep (ms) per measurement")
-flags.DEFINE_integer("check_n", 2048, "N of the float32-reference gate")
-flags.DEFINE_float("budget_s", float("inf"), "wall-clock budget")
-flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smoke test only)")
 
 
 def main(argv):

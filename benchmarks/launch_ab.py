@@ -40,19 +40,11 @@ from sparsetp.core import make_layout
 from sparsetp.kernels import schedule
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "launch_ab.json", "where to write the JSON")
+C.define_target_flags(out="launch_ab.json", n=("8192", "32768"))
 flags.DEFINE_multi_string("arms", ["tiles"], "arm specs or preset names (PRESETS), ';'-separated "
                           "or the flag repeated; the first arm is the reference of the ratios")
-flags.DEFINE_list("n", ["8192", "32768"], "sequence lengths")
-flags.DEFINE_list("patterns", list(C.ANCHORS), "target patterns")
-flags.DEFINE_integer("heads", 16, "H")
-flags.DEFINE_integer("head_dim", 128, "D")
 flags.DEFINE_string("dtype", "bfloat16", "input dtype")
 flags.DEFINE_integer("rounds", 3, "interleaved rounds")
-flags.DEFINE_float("rep_ms", 60.0, "do_bench rep (ms) per measurement")
-flags.DEFINE_integer("check_n", 2048, "N of the float32-reference gate")
-flags.DEFINE_float("budget_s", float("inf"), "wall-clock budget")
-flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smoke test only)")
 
 PRESETS = {
     "orders": ["auto", "bh:work_order=longest_first_bh", "hm:work_order=longest_first",

@@ -43,6 +43,7 @@ import time
 
 import numpy as np
 
+from sparsetp import _runtime
 from sparsetp.core import (
     DTYPES,
     HybridConfig,
@@ -171,10 +172,12 @@ def choose_device(requested: str, tp: int | None, n_gpus: int, framework: str) -
 
 
 def kernels_path(device: str) -> str:
-    """How the Triton kernels run on ``device`` ("cuda" or "cpu")."""
-    if device == "cuda":
+    """How the Triton kernels run on ``device`` ("cuda" or "cpu"): :mod:`sparsetp._runtime`'s
+    rule, ``SPARSETP_INTERPRET`` included."""
+    if _runtime.device_kind(device) == "cuda":
         return "compiled Triton kernels on CUDA"
-    return "Triton's interpreter on CPU (correctness, not speed)"
+    where = "CPU" if device == "cpu" else "CUDA tensors (SPARSETP_INTERPRET=1)"
+    return f"Triton's interpreter on {where} (correctness, not speed)"
 
 
 def validate(cfg: HybridConfig, tp: int) -> None:

@@ -31,8 +31,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import triton
@@ -103,33 +104,36 @@ def _patch_lang_tensor(tensor, scope):
 _ORIG_PATCH_LANG_TENSOR = getattr(_interp, "_patch_lang_tensor", None)
 
 
+@contextlib.contextmanager
+def _hooks(nested_calls: bool) -> Iterator[None]:
+    """Triton's hooks for one launch, restored after it: the loop-bound fix where the hook
+    exists, and with ``nested_calls`` compiled-mode device functions run interpreted."""
+    saved_call = JITFunction.__call__
+    if nested_calls:
+        JITFunction.__call__ = _call_interpreted
+    if _ORIG_PATCH_LANG_TENSOR is not None:
+        _interp._patch_lang_tensor = _patch_lang_tensor
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = saved_call
+        if _ORIG_PATCH_LANG_TENSOR is not None:
+            _interp._patch_lang_tensor = _ORIG_PATCH_LANG_TENSOR
+
+
 def launch(kernel, grid: Sequence[int], args: Sequence[Any],
            constexprs: Mapping[str, Any]) -> None:
     """Run ``kernel[grid](*args, **constexprs)`` in Triton's interpreter (tensors of any
     device; Triton copies CUDA tensors to the host and back)."""
     grid = tuple(int(g) for g in grid)
     with LOCK:
-        if is_interpreted(kernel) and not side_by_side():
-            if _ORIG_PATCH_LANG_TENSOR is None:
-                kernel[grid](*args, **constexprs)  # the public path: TRITON_INTERPRET=1 process
-                return
-            _interp._patch_lang_tensor = _patch_lang_tensor
-            try:
-                kernel[grid](*args, **constexprs)
-            finally:
-                _interp._patch_lang_tensor = _ORIG_PATCH_LANG_TENSOR
-            return
-        if not side_by_side():
+        # A TRITON_INTERPRET=1 process on an untested Triton: the public path, kernel[grid].
+        public = is_interpreted(kernel) and not side_by_side()
+        if not public and not side_by_side():
             raise RuntimeError(
                 f"Triton {triton.__version__} is not among the versions whose interpreter "
                 f"sparsetp can run beside compiled kernels ({SIDE_BY_SIDE_TRITON[0]} to "
                 f"{SIDE_BY_SIDE_TRITON[1]}, exclusive); start the process with "
                 "TRITON_INTERPRET=1 to run every kernel in the interpreter")
-        saved_call = JITFunction.__call__
-        JITFunction.__call__ = _call_interpreted
-        _interp._patch_lang_tensor = _patch_lang_tensor
-        try:
-            _interpreted(kernel)[grid](*args, **constexprs)
-        finally:
-            JITFunction.__call__ = saved_call
-            _interp._patch_lang_tensor = _ORIG_PATCH_LANG_TENSOR
+        with _hooks(nested_calls=not public):
+            (kernel if public else _interpreted(kernel))[grid](*args, **constexprs)
