@@ -9,6 +9,7 @@ decides those rows. With a small problem (default: window, N=1024, one head, D=1
 * the frontend's backward called directly, and the same backward's time inside autograd
   (autograd runs CUDA backwards on its own thread);
 * a trivial autograd forward+backward on the same leaves (autograd's own floor);
+* dense causal ``scaled_dot_product_attention``, forward and forward+backward (the anchor);
 
 for each arm (``attention_common``'s arm spec; default: the direct launch against Triton's JIT
 entry point, ``direct_launch=0``), interleaved over ``--rounds``. Then a cProfile of 50 direct
@@ -35,6 +36,7 @@ import time
 from unittest import mock
 
 import attention_common as C
+import torch
 from absl import app, flags
 
 from sparsetp.backends.torch import attention as tattn
@@ -55,8 +57,8 @@ flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smok
 
 
 KEYS = ("fwd_us", "fwd_recording_graph_us", "fwd_bwd_us", "direct_backward_us",
-        "backward_inside_autograd_us", "trivial_autograd_fwd_bwd_us", "fwd_gpu_ms",
-        "fwd_bwd_gpu_ms")
+        "backward_inside_autograd_us", "trivial_autograd_fwd_bwd_us", "sdpa_fwd_us",
+        "sdpa_fwd_bwd_us", "fwd_gpu_ms", "fwd_bwd_gpu_ms")
 
 
 def host_us(fn, device) -> float:
@@ -98,6 +100,9 @@ def main(argv):
         inside.append(time.perf_counter() - t)
         return r
 
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     def measure(arm):
         inside.clear()
         with mock.patch.object(tattn, "_backward", timed_backward):
@@ -111,6 +116,8 @@ def main(argv):
                                              / max(1, len(inside[FLAGS.warmup:]))),
              "trivial_autograd_fwd_bwd_us": host_us(
                  lambda: (qg * 1.0 + kg * 1.0 + vg * 1.0).backward(d_out), dev),
+             "sdpa_fwd_us": host_us(lambda: sdpa(q, k, v), dev),
+             "sdpa_fwd_bwd_us": host_us(lambda: sdpa(qg, kg, vg).backward(d_out), dev),
              "fwd_gpu_ms": C.bench_ms(lambda: C.library_attention(q, k, v, layout), dev),
              "fwd_bwd_gpu_ms": C.bench_ms(fwd_bwd, dev, [qg, kg, vg])}
         rec.log(f"{arm}: {e}")

@@ -53,6 +53,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 
 import numpy as np
 
@@ -61,7 +63,13 @@ from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
 
-__all__ = ["BlockLayout", "make_layout", "work_order", "SUPPORTED_BLOCK_SIZES"]
+__all__ = ["BlockLayout", "make_layout", "work_order", "layout_from_handle",
+           "SUPPORTED_BLOCK_SIZES"]
+
+# Every layout gets a process-unique string handle, so a frontend can name it inside a traced
+# graph: torch.compile passes strings through as constants (an int could turn symbolic).
+_HANDLES = itertools.count(1)
+_BY_HANDLE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def work_order(count: np.ndarray) -> np.ndarray:
@@ -103,8 +111,12 @@ class BlockLayout:
     # None and 0 for a whole layout.
     source: BlockLayout | None = dataclasses.field(default=None, repr=False)
     head_offset: int = 0
+    # Process-unique id of this object (:func:`layout_from_handle`); not part of the value.
+    handle: str = dataclasses.field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self):
+        object.__setattr__(self, "handle", f"layout-{next(_HANDLES)}")
+        _BY_HANDLE[self.handle] = self
         for name in ("q_order", "k_order"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, work_order(getattr(self, name[0] + "_count")))
@@ -191,6 +203,21 @@ class BlockLayout:
         return (f"BlockLayout(pattern={self.pattern!r}, seq_len={self.seq_len}, "
                 f"num_heads={self.num_heads}, block_size={self.block_size}, "
                 f"density={self.density:.4f}, masks={self.masks.shape[0]})")
+
+
+def layout_from_handle(handle: str) -> BlockLayout:
+    """The live layout whose :attr:`BlockLayout.handle` is ``handle``.
+
+    >>> from sparsetp.core import patterns as P
+    >>> lay = make_layout(P.causal(), seq_len=64, num_heads=1, block_size=32)
+    >>> layout_from_handle(lay.handle) is lay
+    True
+    """
+    layout = _BY_HANDLE.get(handle)
+    if layout is None:
+        raise ValueError(f"no live BlockLayout has handle {handle!r}; keep the layout alive "
+                         "while a graph that uses it runs")
+    return layout
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -24,18 +24,25 @@ Example::
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import numpy as np
 import torch
 
 from sparsetp.backends.torch import launch as _launch
-from sparsetp.core.layout import SUPPORTED_BLOCK_SIZES, BlockLayout, make_layout
+from sparsetp.core.layout import (
+    SUPPORTED_BLOCK_SIZES,
+    BlockLayout,
+    layout_from_handle,
+    make_layout,
+)
 from sparsetp.core.patterns import Pattern
 from sparsetp.kernels import abi
 from sparsetp.kernels import options as _options
 
-__all__ = ["sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention"]
+__all__ = ["sparse_attention", "SparseAttention", "pattern_attention", "cached_layout",
+           "naive_sparse_attention", "dense_attention"]
 
 _NAIVE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -123,7 +130,10 @@ def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
 
 
 class _SparseAttentionFn(torch.autograd.Function):
-    """Forward: (q, k, v, layout, scale) -> (out, lse). Backward: (dq, dk, dv, None, None)."""
+    """Forward: (q, k, v, layout, scale) -> (out, lse). Backward: (dq, dk, dv, None, None).
+
+    The eager path: cheaper per call than the registered operator below, whose dispatch
+    costs host time that matters at small N."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout, scale):
@@ -147,6 +157,98 @@ class _SparseAttentionFn(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+# ----------------------------------------------------------------------------- torch operators
+# The same forward and backward as registered operators, for torch.compile: a traced graph
+# holds the layout as its string handle (core.layout.layout_from_handle) and never traces into
+# the launcher. A layout a graph was traced with stays referenced here, so a compiled backward
+# never outlives it.
+_TRACED_LAYOUTS: dict[str, BlockLayout] = {}
+_LAYOUTS: dict = {}
+_LAYOUTS_MAX = 256
+
+
+def _traced_layout(handle: str) -> BlockLayout:
+    layout = _TRACED_LAYOUTS.get(handle)
+    if layout is None:
+        layout = _TRACED_LAYOUTS[handle] = layout_from_handle(handle)
+    return layout
+
+
+def cached_layout(pattern: Pattern, seq_len: int, num_heads: int, block_size: int,
+                  heads: tuple[int, int] | None = None) -> BlockLayout:
+    """``make_layout(pattern, seq_len, num_heads, block_size)``, or its ``.heads(*heads)``,
+    cached per value: modules with equal patterns share one layout (and its device metadata).
+
+    >>> from sparsetp.core import patterns as P
+    >>> cached_layout(P.causal(), 64, 2, 32) is cached_layout(P.causal(), 64, 2, 32)
+    True
+    """
+    key = (pattern, int(seq_len), int(num_heads), int(block_size), heads)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if heads is None:
+            layout = make_layout(pattern, seq_len, num_heads, block_size)
+        else:
+            layout = cached_layout(pattern, seq_len, num_heads, block_size).heads(*heads)
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return layout
+
+
+@torch.compiler.assume_constant_result
+def _traced_layout_handle(pattern, seq_len, num_heads, block_size, heads) -> str:
+    """The handle of :func:`cached_layout`'s layout, as a constant of the traced graph (the
+    layout is built at trace time, outside the graph, and kept for the graph's lifetime)."""
+    layout = cached_layout(pattern, seq_len, num_heads, block_size, heads)
+    _TRACED_LAYOUTS[layout.handle] = layout
+    return layout.handle
+
+
+@torch.library.custom_op("sparsetp::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, _traced_layout(layout), scale)
+
+
+@_attention_op.register_fake
+def _(q, k, v, layout, scale):
+    _check_inputs(q, k, v, _traced_layout(layout), scale)
+    b, h, n, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=_stats_dtype(q.dtype))
+
+
+@torch.library.custom_op("sparsetp::attention_backward", mutates_args=())
+def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+                           d_lse: torch.Tensor | None, layout: str, scale: float,
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(q, k, v, out, lse, d_out.contiguous(), d_lse, _traced_layout(layout),
+                     scale)
+
+
+@_attention_backward_op.register_fake
+def _(q, k, v, out, lse, d_out, d_lse, layout, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, layout, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.layout, ctx.scale = layout, scale
+
+
+def _backward_rule(ctx, d_out, d_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(q, k, v, out, lse, d_out, d_lse, ctx.layout,
+                                        ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_attention_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
                      *, scale: float | None = None, return_lse: bool = False,
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +266,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     Returns ``out`` (``[B, H, N, D]``, q's dtype), or ``(out, lse)``. Rows with no allowed key
     give 0 and ``-inf``. Differentiable in q, k, v (deterministic backward, no atomics).
 
+    Under ``torch.autocast`` float32 inputs run in the autocast dtype, as
+    ``scaled_dot_product_attention`` does. Under ``torch.compile`` the call is the operator
+    ``torch.ops.sparsetp.attention`` (and its backward ``sparsetp.attention_backward``), so
+    ``fullgraph=True`` traces it with no graph break; the layout must stay alive while the
+    compiled function is in use.
+
     >>> import torch
     >>> from sparsetp.core import patterns as P, make_layout
     >>> lay = make_layout(P.local(16, 0), seq_len=40, num_heads=1, block_size=16)
@@ -172,9 +280,49 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     >>> out.shape, lse.shape
     (torch.Size([1, 1, 40, 32]), torch.Size([1, 1, 40]))
     """
-    scale = _check_inputs(q, k, v, layout, scale)
-    out, lse = _SparseAttentionFn.apply(q, k, v, layout, scale)
+    q, k, v = _autocast(q, k, v)
+    if torch.compiler.is_compiling():
+        if scale is None:
+            scale = q.shape[-1] ** -0.5
+        out, lse = _attention_op(q, k, v, layout.handle, scale)
+    else:
+        scale = _check_inputs(q, k, v, layout, scale)
+        out, lse = _SparseAttentionFn.apply(q, k, v, layout, scale)
     return (out, lse) if return_lse else out
+
+
+def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern,
+                      block_size: int, *, scale: float | None = None, num_heads: int | None = None,
+                      heads: tuple[int, int] | None = None) -> torch.Tensor:
+    """:func:`sparse_attention` with the layout of ``pattern`` for q's sequence length (from
+    :func:`cached_layout`), what the modules call: eager calls look the layout up, and under
+    ``torch.compile`` it is built while tracing and enters the graph as a constant.
+    ``num_heads``/``heads``: the whole layout's head count and the slice ``q`` holds (tensor
+    parallelism); default ``q``'s heads."""
+    # operator.index, not int(): under torch.compile it specializes a symbolic length to the
+    # constant the layout needs (with a guard), where int() would keep it symbolic.
+    n = operator.index(q.shape[2])
+    num_heads = operator.index(q.shape[1]) if num_heads is None else num_heads
+    if torch.compiler.is_compiling():
+        q, k, v = _autocast(q, k, v)
+        handle = _traced_layout_handle(pattern, n, num_heads, block_size, heads)
+        out, _ = _attention_op(q, k, v, handle, q.shape[-1] ** -0.5 if scale is None else scale)
+        return out
+    return sparse_attention(q, k, v, cached_layout(pattern, n, num_heads, block_size, heads),
+                            scale=scale)
+
+
+def _autocast(q, k, v):
+    """q, k, v in the autocast dtype where autocast is on for their device (float32 only, as
+    autocast casts for matmul-like ops)."""
+    if not isinstance(q, torch.Tensor):
+        return q, k, v
+    device = q.device.type
+    if not torch.is_autocast_enabled(device) or q.dtype != torch.float32:
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                 else t for t in (q, k, v))
 
 
 class SparseAttention(torch.nn.Module):
@@ -198,19 +346,18 @@ class SparseAttention(torch.nn.Module):
         self.pattern = pattern
         self.block_size = block_size
         self.scale = scale
-        self._layouts: dict[tuple[int, int], BlockLayout] = {}
 
     def layout(self, seq_len: int, num_heads: int) -> BlockLayout:
-        key = (int(seq_len), int(num_heads))
-        if key not in self._layouts:
-            self._layouts[key] = make_layout(self.pattern, seq_len, num_heads, self.block_size)
-        return self._layouts[key]
+        """The pattern's layout for ``seq_len`` tokens and ``num_heads`` heads (cached)."""
+        return cached_layout(self.pattern, seq_len, num_heads, self.block_size)
 
     def forward(self, q, k, v, return_lse: bool = False):
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise ValueError("q must be a [B, H, N, D] torch.Tensor")
-        lay = self.layout(q.shape[2], q.shape[1])
-        return sparse_attention(q, k, v, lay, scale=self.scale, return_lse=return_lse)
+        if return_lse:
+            lay = self.layout(q.shape[2], q.shape[1])
+            return sparse_attention(q, k, v, lay, scale=self.scale, return_lse=True)
+        return pattern_attention(q, k, v, self.pattern, self.block_size, scale=self.scale)
 
     def extra_repr(self) -> str:
         return f"pattern={self.pattern!r}, block_size={self.block_size}, scale={self.scale}"

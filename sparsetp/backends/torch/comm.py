@@ -106,6 +106,9 @@ def all_reduce_async(x: torch.Tensor, group=None):
         return None
     if not x.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
+    if not _can_overlap():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return None
     return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
@@ -151,10 +154,18 @@ def _seq_len(x: torch.Tensor, dim: int, world: int, name: str) -> tuple[int, int
     return d, n // world
 
 
+def _can_overlap() -> bool:
+    """Whether a collective may run asynchronously here. torch.compile traces only blocking
+    collectives (as functional collectives, which its scheduler may overlap by itself), so the
+    hand-written overlap steps aside there; the handle is then None."""
+    return not torch.compiler.is_compiling()
+
+
 def _all_gather_seq_start(x: torch.Tensor, group, async_op: bool):
     """Start the flat all-gather of ``x`` into a rank-major buffer ``[world, *x.shape]``;
     returns ``(buffer, handle)`` (``handle`` None unless ``async_op``). One flat collective
     into one buffer, not ``world`` separate outputs and a ``cat`` (``all_gather_dim``)."""
+    async_op = async_op and _can_overlap()
     x = x.contiguous()
     buf = torch.empty((group_size(group), *x.shape), dtype=x.dtype, device=x.device)
     # The collective wants the output as the inputs concatenated along dim 0 (gloo checks the
@@ -182,12 +193,14 @@ def all_gather_seq(x: torch.Tensor, dim: int = SEQ_DIM, group=None) -> torch.Ten
 
 
 def _reduce_scatter_seq(x: torch.Tensor, dim: int, group, async_op: bool, name: str):
+    async_op = async_op and _can_overlap()
     world = group_size(group)
     d, t = _seq_len(x, dim, world, name)
     # Rank r's output is the sum of every rank's chunk r of ``dim``; the collective takes chunk
     # r as the r-th contiguous slice of its input, so move the rank axis to the front (a copy
     # only when a dim before ``dim`` is larger than 1).
-    x_rank_major = x.unflatten(d, (world, t)).movedim(d, 0).contiguous()
+    # (reshape, not Tensor.unflatten: torch.compile cannot trace the latter's super() call)
+    x_rank_major = x.reshape(*x.shape[:d], world, t, *x.shape[d + 1:]).movedim(d, 0).contiguous()
     out = torch.empty(x_rank_major.shape[1:], dtype=x.dtype, device=x.device)
     handle = _collective("reduce_scatter_single", "reduce_scatter_tensor")(
         out, x_rank_major.flatten(0, 1), op=dist.ReduceOp.SUM, group=group, async_op=async_op)

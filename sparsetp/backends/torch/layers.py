@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsetp.backends.torch.attention import sparse_attention
+from sparsetp.backends.torch.attention import cached_layout, pattern_attention
 from sparsetp.backends.torch.comm import (
     SEQ_DIM,
     _all_gather_seq_start,
@@ -66,7 +66,7 @@ from sparsetp.backends.torch.comm import (
     reduce_scatter_from_region,
     scatter_to_region,
 )
-from sparsetp.core.layout import BlockLayout, make_layout
+from sparsetp.core.layout import BlockLayout
 from sparsetp.core.patterns import Pattern
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention"]
@@ -518,22 +518,24 @@ class ParallelSparseAttention(nn.Module):
                                         seed=seed, overlap_comm=overlap_comm, **kw)
         self.out = RowParallelLinear(d_model, d_model, bias, input_is_parallel=True,
                                      seed=None if seed is None else seed + 1, **kw)
-        self._layouts: dict[int, BlockLayout] = {}
+
+    def _heads(self) -> tuple[int, int] | None:
+        if self.local_heads == self.num_heads:
+            return None
+        return self.head_start, self.head_start + self.local_heads
 
     def local_layout(self, seq_len: int) -> BlockLayout:
         """This rank's heads of the pattern's layout for ``seq_len`` (cached)."""
-        lay = self._layouts.get(seq_len)
-        if lay is None:
-            full = make_layout(self.pattern, seq_len, self.num_heads, self.block_size)
-            lay = full.heads(self.head_start, self.head_start + self.local_heads)
-            self._layouts[seq_len] = lay
-        return lay
+        return cached_layout(self.pattern, seq_len, self.num_heads, self.block_size,
+                             self._heads())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv_local = self.qkv(x)  # [B, N, Hl * 3 * hd] (under SP, gathered from N / tp tokens)
         b, n, _ = qkv_local.shape
         qkv_local = qkv_local.view(b, n, self.local_heads, 3, self.head_dim)
         q, k, v = (qkv_local[:, :, :, t].transpose(1, 2).contiguous() for t in range(3))
-        o = sparse_attention(q, k, v, self.local_layout(n), scale=self.head_dim ** -0.5)
+        o = pattern_attention(q, k, v, self.pattern, self.block_size,
+                              scale=self.head_dim ** -0.5, num_heads=self.num_heads,
+                              heads=self._heads())
         o_local = o.transpose(1, 2).reshape(b, n, self.local_heads * self.head_dim)
         return self.out(o_local)
