@@ -11,7 +11,15 @@ Every pattern answers two questions, both vectorised with numpy and never over a
   ``block_size x block_size`` tile: 0 surely empty, 2 surely full, 1 "maybe" (partial, or not
   provable from the structure alone). :func:`sparsetp.core.layout.make_layout` evaluates
   ``token_mask`` only inside the "maybe" tiles and re-classifies them exactly, so the
-  structure only has to be *sound*, not tight; it is tight for every built-in constructor.
+  structure only has to be *sound*, not tight; it is tight for every built-in constructor
+  except :func:`neighborhood`, which calls every tile it lists "maybe".
+* ``_sparse_tiles(h, block_size, n)`` (optional): the same answer as a sparse list of the tiles
+  that may be non-empty, for patterns with 10^6 tiles of which few are ever computed
+  (:func:`neighborhood`); the layout then never classifies all ``nb x nb`` tiles.
+
+Grids: :func:`neighborhood` is NATTEN's neighbourhood attention on a 1-3 D grid flattened
+row-major; :func:`grid_tiling` gives the token permutation to a tiled order (compact tiles)
+and back, and ``neighborhood(..., tile_shape=...)`` is the same pattern in that order.
 
 Tokens at or past ``n`` never count: a tile is "full" when every *valid* pair in it is allowed.
 
