@@ -3,6 +3,9 @@
 Believe these numbers only when `python -m pytest tests/layout_test.py` passes.
 
     python benchmarks/layout_build.py --out=benchmarks/results/layout_build_cpu.json
+    python benchmarks/layout_build.py --seq_lens=131072 --match=neighborhood --num_heads=1
+
+Neighbourhood rows: tests/neighborhood_test.py must pass too.
 """
 
 import json
@@ -22,9 +25,25 @@ flags.DEFINE_integer("num_heads", 16, "heads")
 flags.DEFINE_integer("block_size", 128, "layout block size")
 flags.DEFINE_integer("repeats", 3, "builds per case (the minimum is reported)")
 flags.DEFINE_string("out", None, "write JSON here")
+flags.DEFINE_string("match", None, "only the patterns whose name contains this")
 
 
-def cases(bs):
+def neighborhood_cases(n):
+    """NATTEN-style neighbourhoods on grids of exactly n tokens (n a multiple of 4096)."""
+    if n % 4096:
+        return {}
+    g3, g2 = (n // 4096, 64, 64), (n // 256, 256)
+    return {
+        f"neighborhood({'x'.join(map(str, g3))},7)": P.neighborhood(g3, 7),
+        f"neighborhood({'x'.join(map(str, g2))},13,dil2,causal0)": P.neighborhood(
+            g2, 13, dilation=2, causal=(True, False)),
+        f"neighborhood({'x'.join(map(str, g3))},7,tile4x4x8)": P.neighborhood(
+            g3, 7, tile_shape=(4, 4, 8)),
+        "neighborhood(3d,7)|global_tokens(64)": P.neighborhood(g3, 7) | P.global_tokens(64),
+    }
+
+
+def cases(bs, n):
     return {
         "dense": P.dense(),
         "causal": P.causal(),
@@ -40,6 +59,7 @@ def cases(bs):
         "bigbird(64,3,1,2)": P.bigbird(64, 3, 1, 2, seed=0),
         "longformer(1024,64)": P.longformer(1024, 64),
         "per_head(causal,local)": P.per_head([P.causal(), P.local(1023, 0)]),
+        **neighborhood_cases(n),
     }
 
 
@@ -47,7 +67,8 @@ def main(argv):
     del argv
     bs = FLAGS.block_size
     rows = []
-    todo = [(int(n), name, p) for n in FLAGS.seq_lens for name, p in cases(bs).items()]
+    todo = [(int(n), name, p) for n in FLAGS.seq_lens for name, p in cases(bs, int(n)).items()
+            if FLAGS.match is None or FLAGS.match in name]
     for n, name, p in tqdm(todo, desc="layouts"):
         times = []
         for _ in range(FLAGS.repeats):
@@ -68,7 +89,8 @@ def main(argv):
                     command="python benchmarks/layout_build.py " + " ".join(
                         f"--{k}={v}" for k, v in [("seq_lens", ",".join(FLAGS.seq_lens)),
                                                   ("num_heads", FLAGS.num_heads),
-                                                  ("block_size", bs)]))
+                                                  ("block_size", bs),
+                                                  ("match", FLAGS.match)]))
         with open(FLAGS.out, "w") as f:
             json.dump(dict(meta=meta, results=rows), f, indent=1)
 

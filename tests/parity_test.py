@@ -71,7 +71,7 @@ from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern  # noqa: E4
 from sparsetp.kernels import schedule  # noqa: E402
 
 _DEFAULT_PATTERNS = ("causal,local,block_diagonal,fixed,strided_causal,random,bigbird,longformer,"
-                     "per_head_mix")
+                     "per_head_mix,neighborhood_global")
 flags.DEFINE_list("backends", ["torch", "jax"], "backends to compare (torch, jax)")
 flags.DEFINE_list("patterns", _DEFAULT_PATTERNS.split(","),
                   f"named example patterns: {sorted(EXAMPLE_PATTERNS)}")

@@ -17,9 +17,10 @@ from sparsetp.core.config import (
     unshard_param,
 )
 from sparsetp.core.layout import SUPPORTED_BLOCK_SIZES, BlockLayout, make_layout
+from sparsetp.core.patterns import grid_tiling
 
 __all__ = [
-    "patterns", "BlockLayout", "make_layout", "SUPPORTED_BLOCK_SIZES",
+    "patterns", "BlockLayout", "make_layout", "SUPPORTED_BLOCK_SIZES", "grid_tiling",
     "HybridConfig", "DTYPES", "PARAM_NAMES", "param_shapes", "init_params", "partition_dim",
     "check_tp_size", "shard_param", "shard_params", "unshard_param",
 ]

@@ -15,6 +15,22 @@ from sparsetp.core import patterns as P
 
 __all__ = ["EXAMPLE_PATTERNS", "example_pattern"]
 
+def _grid2(n: int) -> tuple[int, int]:
+    """The most square ``(rows, cols)`` grid of exactly ``n`` tokens (``rows <= cols``; a prime
+    ``n`` is one row)."""
+    rows = max(r for r in range(1, int(n ** 0.5) + 1) if n % r == 0)
+    return rows, n // rows
+
+
+def _neighborhood_2d(n: int, causal_rows: bool = False) -> P.Pattern:
+    """A 2-D neighbourhood on the grid of ``_grid2(n)``: kernel 5 x 4 (even along the
+    columns), dilation 2 along the columns, clipped to what the grid holds."""
+    rows, cols = _grid2(n)
+    dil = 2 if cols >= 4 else 1
+    return P.neighborhood((rows, cols), (min(5, rows), max(1, min(4, cols // dil))), (1, dil),
+                          causal=(causal_rows, False))
+
+
 EXAMPLE_PATTERNS: dict[str, Callable[[int, int], P.Pattern]] = {
     "dense": lambda n, b: P.dense(),
     "causal": lambda n, b: P.causal(),
@@ -34,6 +50,11 @@ EXAMPLE_PATTERNS: dict[str, Callable[[int, int], P.Pattern]] = {
     "longformer": lambda n, b: P.longformer(2 * b, b // 2),
     "per_head_mix": lambda n, b: P.per_head(
         [P.causal(), P.local(b, b), P.strided(2, b, per_head_offset=True) | P.global_tokens(5)]),
+    # NATTEN-style neighbourhoods on a 2-D grid of the N tokens (row-major; seq_len 150 is
+    # 10 x 15): tiles cut rows, so most tiles are partial; plus causal rows and global tokens.
+    "neighborhood_2d": lambda n, b: _neighborhood_2d(n),
+    "neighborhood_global": lambda n, b: _neighborhood_2d(n, causal_rows=True)
+    | P.global_tokens(3),
     # Only key m = min(b, n-1) is allowed, causally: rows 0 .. m-1 attend to nothing, which
     # exercises the fully-masked-rows path (output 0, lse -inf, no NaN).
     "masked_rows": lambda n, b: P.causal() & P.strided(

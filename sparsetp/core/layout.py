@@ -233,6 +233,12 @@ class _HeadSlice(Pattern):
     def block_kinds(self, h, block_size, n):
         return self.base.block_kinds(h + self.start, block_size, n)
 
+    def _sparse_tiles(self, h, block_size, n):
+        return self.base._sparse_tiles(h + self.start, block_size, n)
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        return self.base._tile_classes(h + self.start, block_size, n, qi, kj)
+
     def head_key(self, h):
         return self.base.head_key(h + self.start)
 
@@ -277,18 +283,36 @@ def _eval_tiles(pattern: Pattern, h: int, bs: int, n: int, qi: np.ndarray, kj: n
 
 
 def _head_tiles(pattern: Pattern, h: int, bs: int, n: int, mask_ids: dict):
-    """Exact kinds int8[nb, nb] and mask-id int32[nb, nb] (-1 where not partial) of one head."""
-    kinds = np.array(pattern.block_kinds(h, bs, n), dtype=np.int8, copy=True)
+    """Exact non-empty tiles of one head: ``(qi, kj, kind, mask_id)`` (mask_id -1 unless
+    partial), in row-major tile order. From the pattern's sparse candidates when it lists them
+    (``Pattern._sparse_tiles``), else from its dense ``block_kinds``."""
     nb = -(-n // bs)
-    if kinds.shape != (nb, nb):
-        raise AssertionError(f"{pattern!r} returned block kinds of shape {kinds.shape}")
-    mid = np.full((nb, nb), -1, np.int32)
-    qi, kj = np.nonzero(kinds == PARTIAL)
-    if qi.size == 0:
-        return kinds, mid
+    sparse = pattern._sparse_tiles(h, bs, n)
+    if sparse is None:
+        kinds = np.asarray(pattern.block_kinds(h, bs, n), dtype=np.int8)
+        if kinds.shape != (nb, nb):
+            raise AssertionError(f"{pattern!r} returned block kinds of shape {kinds.shape}")
+        qi, kj = np.nonzero(kinds != EMPTY)
+        kind = kinds[qi, kj]
+    else:
+        qi, kj, kind = (np.asarray(a) for a in sparse)
+        order = np.lexsort((kj, qi))
+        qi, kj, kind = qi[order], kj[order], kind[order].astype(np.int8)
+    qi, kj = qi.astype(np.int64), kj.astype(np.int64)
+    mid = np.full(qi.shape, -1, np.int32)
+    part = np.nonzero(kind == PARTIAL)[0]
+    if part.size:
+        kind[part], mid[part] = _classify(pattern, h, bs, n, qi[part], kj[part], mask_ids)
+    keep = kind != EMPTY
+    return qi[keep], kj[keep], kind[keep], mid[keep]
+
+
+def _classify(pattern: Pattern, h: int, bs: int, n: int, qi, kj, mask_ids: dict):
+    """Exact kinds and mask ids of "maybe" tiles ``(qi, kj)``."""
+    nb = -(-n // bs)
     # Evaluate one representative tile per class of identical masks; tiles of the ragged last
     # row/column (different valid region) and patterns with no known classes go one by one.
-    classes = pattern._tile_classes(h, bs, n, qi.astype(np.int64), kj.astype(np.int64))
+    classes = pattern._tile_classes(h, bs, n, qi, kj)
     if classes is None:
         cls = np.arange(qi.size, dtype=np.int64)
     else:
@@ -303,31 +327,27 @@ def _head_tiles(pattern: Pattern, h: int, bs: int, n: int, mask_ids: dict):
     n_valid = valid_rows * valid_cols
     # Re-classify exactly: the structure may only have said "maybe".
     rep_kind = np.where(allowed == n_valid, FULL, np.where(allowed == 0, EMPTY, PARTIAL))
-    kinds[qi, kj] = rep_kind[inverse]
     rep_id = np.full(rep.size, -1, np.int32)
     packed = _pack(tiles)
     for t in np.nonzero(rep_kind == PARTIAL)[0]:
         rep_id[t] = mask_ids.setdefault(packed[t].tobytes(), len(mask_ids))
-    mid[qi, kj] = rep_id[inverse]
-    return kinds, mid
+    return rep_kind[inverse].astype(np.int8), rep_id[inverse]
 
 
-def _ell(kinds: np.ndarray, mid: np.ndarray):
-    """Row lists of one head: partial tiles first, then full tiles, each ascending."""
-    nb = kinds.shape[0]
-    part = kinds == PARTIAL
-    full = kinds == FULL
-    n_part = part.sum(1).astype(np.int32)
-    count = (n_part + full.sum(1)).astype(np.int32)
+def _ell(rows, cols, kind, mid, nb: int):
+    """Row lists of one head from its non-empty tiles: partial tiles first, then full tiles,
+    each ascending."""
+    order = np.lexsort((cols, kind == FULL, rows))
+    rows, cols, kind, mid = rows[order], cols[order], kind[order], mid[order]
+    count = np.bincount(rows, minlength=nb).astype(np.int32)
+    n_part = np.bincount(rows[kind == PARTIAL], minlength=nb).astype(np.int32)
     width = max(1, int(count.max(initial=0)))
     index = np.zeros((nb, width), np.int32)
     mask_id = np.full((nb, width), -1, np.int32)
-    for sel, base in ((part, np.zeros(nb, np.int32)), (full, n_part)):
-        rows, cols = np.nonzero(sel)
-        first = np.searchsorted(rows, np.arange(nb))
-        pos = np.arange(rows.size) - first[rows] + base[rows]
-        index[rows, pos] = cols
-        mask_id[rows, pos] = mid[rows, cols]
+    start = np.cumsum(count, dtype=np.int64) - count
+    pos = np.arange(rows.size) - start[rows]
+    index[rows, pos] = cols
+    mask_id[rows, pos] = mid
     return count, n_part, index, mask_id
 
 
@@ -353,7 +373,9 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
     """Build the :class:`BlockLayout` of ``pattern`` for ``seq_len`` tokens and ``num_heads``.
 
     Cost is O(H' * nb^2) for the tile classification (``H'`` distinct head masks, ``nb`` tiles
-    per side) plus O(bs^2) per partial tile; no N x N array is ever built.
+    per side) plus O(bs^2) per class of partial tiles; no N x N array is ever built. A pattern
+    that lists its candidate tiles sparsely (``Pattern._sparse_tiles``: neighbourhoods) skips
+    the nb^2 classification: only ``block_mask`` itself is nb^2 (a memset and a scatter).
 
     >>> from sparsetp.core import patterns as P
     >>> make_layout(P.local(64, 0), seq_len=200, num_heads=1, block_size=64).q_count.tolist()
@@ -373,11 +395,14 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
     mask_ids: dict[bytes, int] = {}
     by_key: dict = {}
     per_head = []
+    nb = -(-seq_len // block_size)
     for h in range(num_heads):
         key = pattern.head_key(h)
         if key not in by_key:
-            kinds, mid = _head_tiles(pattern, h, block_size, seq_len, mask_ids)
-            by_key[key] = (kinds, mid, _ell(kinds, mid), _ell(kinds.T, mid.T))
+            qi, kj, kind, mid = _head_tiles(pattern, h, block_size, seq_len, mask_ids)
+            kinds = np.zeros((nb, nb), np.int8)
+            kinds[qi, kj] = kind
+            by_key[key] = (kinds, None, _ell(qi, kj, kind, mid, nb), _ell(kj, qi, kind, mid, nb))
         per_head.append(by_key[key])
     w = _words(block_size)
     if mask_ids:

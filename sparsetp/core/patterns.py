@@ -11,7 +11,15 @@ Every pattern answers two questions, both vectorised with numpy and never over a
   ``block_size x block_size`` tile: 0 surely empty, 2 surely full, 1 "maybe" (partial, or not
   provable from the structure alone). :func:`sparsetp.core.layout.make_layout` evaluates
   ``token_mask`` only inside the "maybe" tiles and re-classifies them exactly, so the
-  structure only has to be *sound*, not tight; it is tight for every built-in constructor.
+  structure only has to be *sound*, not tight; it is tight for every built-in constructor
+  except :func:`neighborhood`, which calls every tile it lists "maybe".
+* ``_sparse_tiles(h, block_size, n)`` (optional): the same answer as a sparse list of the tiles
+  that may be non-empty, for patterns with 10^6 tiles of which few are ever computed
+  (:func:`neighborhood`); the layout then never classifies all ``nb x nb`` tiles.
+
+Grids: :func:`neighborhood` is NATTEN's neighbourhood attention on a 1-3 D grid flattened
+row-major; :func:`grid_tiling` gives the token permutation to a tiled order (compact tiles)
+and back, and ``neighborhood(..., tile_shape=...)`` is the same pattern in that order.
 
 Tokens at or past ``n`` never count: a tile is "full" when every *valid* pair in it is allowed.
 
@@ -35,7 +43,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 __all__ = [
     "Pattern", "dense", "causal", "local", "block_diagonal", "fixed", "strided", "random_blocks",
-    "global_tokens", "block_local", "bigbird", "longformer", "per_head", "EMPTY", "PARTIAL", "FULL",
+    "global_tokens", "block_local", "bigbird", "longformer", "neighborhood", "grid_tiling",
+    "per_head", "EMPTY", "PARTIAL", "FULL",
 ]
 
 
@@ -154,6 +163,15 @@ class Pattern:
         """int8[nb, nb]: EMPTY / FULL where provable from the structure, PARTIAL otherwise."""
         nb = -(-n // block_size)
         return np.full((nb, nb), PARTIAL, np.int8)
+
+    def _sparse_tiles(self, h: int, block_size: int, n: int):
+        """``(qi, kj, kinds)``: the tiles that may be non-empty, listed sparsely (int64, int64,
+        int8 arrays; each tile once; kinds PARTIAL or FULL, sound like :meth:`block_kinds`),
+        every other tile EMPTY; or ``None`` to use :meth:`block_kinds`. For patterns whose
+        dense ``nb x nb`` kinds would dominate the build (neighbourhoods at 10^5 tokens have
+        10^6 tiles and a few 10^4 candidates); :func:`~sparsetp.core.layout.make_layout` then
+        never builds a per-tile-pair array except ``block_mask`` itself."""
+        return None
 
     def _tile_classes(self, h: int, block_size: int, n: int, qi, kj) -> np.ndarray | None:
         """int64[P] ids of the tiles ``(qi[p], kj[p])`` such that two *interior* tiles (not in
@@ -595,6 +613,9 @@ class PerHead(Pattern):
     def block_kinds(self, h, block_size, n) -> np.ndarray:
         return self._pick(h).block_kinds(h, block_size, n)
 
+    def _sparse_tiles(self, h, block_size, n):
+        return self._pick(h)._sparse_tiles(h, block_size, n)
+
     def _tile_classes(self, h, block_size, n, qi, kj):
         return self._pick(h)._tile_classes(h, block_size, n, qi, kj)
 
@@ -604,6 +625,304 @@ class PerHead(Pattern):
     def _validate(self, seq_len):
         for p in self.patterns:
             p._validate(seq_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# Neighborhood attention (NATTEN semantics) over a 1-3 dimensional grid of tokens.
+
+
+def _per_axis(name: str, value, ndim: int, *, allow_zero: bool = False) -> tuple:
+    """An int (or bool for ``causal``) broadcast to every axis, or one per axis."""
+    vals = tuple(value) if isinstance(value, (tuple, list)) else (value,) * ndim
+    if len(vals) != ndim:
+        raise ValueError(f"{name} must be an int or a tuple of {ndim} (one per grid axis), got "
+                         f"{value!r}")
+    if name == "causal":
+        for v in vals:
+            if not isinstance(v, (bool, np.bool_, int, np.integer)) or v not in (0, 1):
+                raise ValueError(f"causal must be a bool or a tuple of bools, got {value!r}")
+        return tuple(bool(v) for v in vals)
+    return tuple(_positive_int(name, v, allow_zero=allow_zero) for v in vals)
+
+
+def _grid_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides (in elements) of ``shape``: the last axis is the fastest."""
+    return tuple(int(np.prod(shape[a + 1:], dtype=np.int64)) for a in range(len(shape)))
+
+
+def grid_tiling(grid, tile_shape) -> tuple[np.ndarray, np.ndarray]:
+    """Index arrays ``(perm, inv)`` of the token permutation that makes every ``tile_shape``
+    sub-grid of ``grid`` contiguous (what NATTEN calls token permutation).
+
+    ``x_tiled = x[..., perm, :]`` puts the tokens in *tiled order*: tiles row-major over the grid
+    of tiles, the tokens of a tile row-major inside it; ``x_tiled[..., inv, :]`` undoes it. Apply
+    them with your framework's gather (``torch.index_select``, ``jnp.take``). A block-sparse
+    layout over the tiled order has compact tiles (a ``4 x 16`` window of a 2-D grid is one
+    64-token tile instead of parts of four rows), so a neighbourhood touches fewer, fuller tiles.
+    :func:`neighborhood` with the same ``tile_shape`` is the row-major neighbourhood seen in tiled
+    order, so ``attend(q[perm], k[perm], v[perm])[inv]`` equals row-major attention token by token.
+    Every grid axis must be a multiple of its tile axis.
+
+    >>> perm, inv = grid_tiling((4, 4), (2, 2))
+    >>> perm.tolist()
+    [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15]
+    >>> bool((perm[inv] == np.arange(16)).all())
+    True
+    """
+    grid = _per_axis("grid", grid, len(grid) if isinstance(grid, (tuple, list)) else 1)
+    tile = _tile_shape(grid, tile_shape)
+    n = int(np.prod(grid))
+    perm = _NeighborhoodIndex(grid, tile).rowmajor(np.arange(n, dtype=np.int64))
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(n, dtype=np.int64)
+    return perm, inv
+
+
+def _tile_shape(grid: tuple, tile_shape) -> tuple:
+    tile = _per_axis("tile_shape", tile_shape, len(grid))
+    for a, (length, t) in enumerate(zip(grid, tile, strict=True)):
+        if length % t:
+            raise ValueError(f"tile_shape[{a}]={t} must divide grid[{a}]={length}")
+    return tile
+
+
+@dataclasses.dataclass(frozen=True)
+class _NeighborhoodIndex:
+    """Sequence position <-> grid coordinates, row-major or tiled. The tiled order is row-major
+    over the ``2 * D`` axes (tile coordinates, then coordinates inside the tile); row-major is
+    the tiling with tiles of one token, so one code path serves both."""
+
+    grid: tuple
+    tile: tuple
+
+    def coords(self, t: np.ndarray) -> list[np.ndarray]:
+        """Grid coordinates (one int64 array per axis) of sequence positions ``t``."""
+        d = len(self.grid)
+        sizes = [g // s for g, s in zip(self.grid, self.tile, strict=True)] + list(self.tile)
+        strides = _grid_strides(sizes)
+        digit = [(t // strides[a]) % sizes[a] for a in range(2 * d)]
+        return [digit[a] * self.tile[a] + digit[d + a] for a in range(d)]
+
+    def rowmajor(self, t: np.ndarray) -> np.ndarray:
+        """Row-major token index of sequence positions ``t``."""
+        strides = _grid_strides(self.grid)
+        return sum(c * s for c, s in zip(self.coords(t), strides, strict=True))
+
+
+def _axis_window(p: np.ndarray, length: int, k: int, d: int, causal: bool):
+    """First and last key coordinate of query coordinate(s) ``p`` on one axis (every key between
+    them that is congruent to ``p`` mod ``d`` is a neighbour; see :func:`neighborhood`)."""
+    r, pg = p % d, p // d
+    if causal:
+        lo_g, hi_g = np.maximum(pg - k + 1, 0), pg
+    else:
+        groups = (length - r + d - 1) // d  # L_g: coordinates congruent to p in [0, L)
+        lo_g = np.minimum(np.maximum(pg - k // 2, 0), groups - k)
+        hi_g = lo_g + k - 1
+    return lo_g * d + r, hi_g * d + r
+
+
+def _axis_ok(p, q, length, k, d, causal) -> np.ndarray:
+    lo, hi = _axis_window(p, length, k, d, causal)
+    return ((q - p) % d == 0) & (q >= lo) & (q <= hi)
+
+
+def _axis_interior(length, k, d, causal) -> np.ndarray:
+    """bool[L]: query coordinates whose neighbours on this axis depend only on ``q - p`` (the
+    window is not clamped at an edge); causal windows never are (keys below 0 do not exist)."""
+    p = np.arange(length, dtype=np.int64)
+    if causal:
+        return np.ones(length, bool)
+    groups = (length - p % d + d - 1) // d
+    start = p // d - k // 2
+    return (start >= 0) & (start <= groups - k)
+
+
+@_frozen
+class Neighborhood(Pattern):
+    """NATTEN neighbourhood attention over ``grid`` (see :func:`neighborhood`)."""
+
+    grid: tuple
+    kernel_size: tuple
+    dilation: tuple
+    causal: tuple
+    tile_shape: tuple | None = None
+
+    def __post_init__(self):
+        d = len(self.grid)
+        if not 1 <= d <= 3:
+            raise ValueError(f"grid must have 1 to 3 axes, got {self.grid!r}")
+        for name in ("kernel_size", "dilation", "causal"):
+            if len(getattr(self, name)) != d:
+                raise ValueError(f"{name} must have one entry per grid axis ({d}), got "
+                                 f"{getattr(self, name)!r}")
+        for a, (length, k, dil) in enumerate(zip(self.grid, self.kernel_size, self.dilation,
+                                                 strict=True)):
+            if k * dil > length:
+                raise ValueError(
+                    f"kernel_size[{a}] * dilation[{a}] = {k} * {dil} = {k * dil} is larger than "
+                    f"grid[{a}] = {length}")
+
+    @property
+    def seq_len(self) -> int:
+        return int(np.prod(self.grid, dtype=np.int64))
+
+    def _index(self) -> _NeighborhoodIndex:
+        tile = self.tile_shape or (1,) * (len(self.grid) - 1) + (self.grid[-1],)
+        return _NeighborhoodIndex(self.grid, tile)
+
+    def _validate(self, seq_len):
+        if seq_len != self.seq_len:
+            raise ValueError(f"grid {self.grid} holds {self.seq_len} tokens, but seq_len is "
+                             f"{seq_len}")
+
+    def _axes(self):
+        return zip(self.grid, self.kernel_size, self.dilation, self.causal, strict=True)
+
+    def _token(self, h, i, j, n):
+        idx = self._index()
+        ok = None
+        for p, q, (length, k, d, c) in zip(idx.coords(i), idx.coords(j), self._axes(),
+                                           strict=True):
+            axis = _axis_ok(p, q, length, k, d, c)
+            ok = axis if ok is None else ok & axis
+        return ok
+
+    def _sparse_tiles(self, h, block_size, n):
+        """Candidate tiles (every other tile is empty), all PARTIAL: per query tile, the boxes
+        of grid coordinates it holds, the union of their windows per axis, and the key tiles
+        that box touches. O(candidates), never O(nb^2)."""
+        self._validate(n)
+        idx, bs, dims = self._index(), block_size, len(self.grid)
+        nb = -(-n // bs)
+        unit = int(np.prod(idx.tile))  # tokens of one grid tile: a contiguous sequence range
+        # Query groups: the grid tiles each sequence tile touches (a superset box when the
+        # sequence tile holds part of one).
+        first = np.arange(nb, dtype=np.int64) * bs
+        u0, u1 = first // unit, (np.minimum(first + bs, n) - 1) // unit
+        per = u1 - u0 + 1
+        q_tile = np.repeat(np.arange(nb, dtype=np.int64), per)
+        q_unit = np.repeat(u0, per) + _ranges(per)
+        base = idx.coords(q_unit * unit)
+        if self.tile_shape is None:  # the unit is a row: its tokens of this tile only, exactly
+            x0 = np.maximum(q_tile * bs, q_unit * unit) - q_unit * unit
+            x1 = np.minimum(np.minimum(q_tile * bs + bs, n), q_unit * unit + unit) - 1 - (
+                q_unit * unit)
+            boxes = [(c, c) for c in base[:-1]] + [(x0, x1)]
+        else:
+            boxes = [(c, c + t - 1) for c, t in zip(base, idx.tile, strict=True)]
+        # Key box per group and axis: the union of the windows of the box's coordinates. The
+        # window ends are non-decreasing in p within one residue class mod d, so the extremes
+        # are among the first (last) d coordinates of the box.
+        key_lo, key_hi = [], []
+        for (c0, c1), (length, k, d, c) in zip(boxes, self._axes(), strict=True):
+            lo = hi = None
+            for o in range(d):
+                p_lo, p_hi = np.minimum(c0 + o, c1), np.maximum(c1 - o, c0)
+                lo_o = _axis_window(p_lo, length, k, d, c)[0]
+                hi_o = _axis_window(p_hi, length, k, d, c)[1]
+                lo = lo_o if lo is None else np.minimum(lo, lo_o)
+                hi = hi_o if hi is None else np.maximum(hi, hi_o)
+            key_lo.append(lo)
+            key_hi.append(hi)
+        # Key units the box touches: all but the fastest unit axis enumerate; per unit, the
+        # sequence range of the box's keys in it (exact on a row, the whole unit when tiled).
+        t_lo = [lo // t for lo, t in zip(key_lo, idx.tile, strict=True)]
+        t_hi = [hi // t for hi, t in zip(key_hi, idx.tile, strict=True)]
+        span = [b - a + 1 for a, b in zip(t_lo, t_hi, strict=True)]
+        count = np.prod(span, axis=0)
+        g = np.repeat(np.arange(q_tile.size), count)
+        rank = _ranges(count)
+        ugrid = [length // t for length, t in zip(self.grid, idx.tile, strict=True)]
+        ustrides = _grid_strides(ugrid)
+        k_unit = np.zeros(g.size, np.int64)
+        rem = rank
+        for a in reversed(range(dims)):
+            rem, dig = np.divmod(rem, span[a][g])
+            k_unit += (t_lo[a][g] + dig) * ustrides[a]
+        if self.tile_shape is None:
+            lo_tok = k_unit * unit + key_lo[-1][g]
+            hi_tok = k_unit * unit + key_hi[-1][g]
+        else:
+            lo_tok, hi_tok = k_unit * unit, k_unit * unit + unit - 1
+        j0, j1 = lo_tok // bs, hi_tok // bs
+        width = j1 - j0 + 1
+        rows = np.repeat(q_tile[g], width)
+        cols = np.repeat(j0, width) + _ranges(width)
+        pair = np.sort(rows * nb + cols)  # sort and drop repeats (faster than np.unique)
+        pair = pair[np.append(True, pair[1:] != pair[:-1])]
+        qi, kj = np.divmod(pair, nb)
+        return qi, kj, np.full(qi.shape, PARTIAL, np.int8)
+
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
+        nb = -(-n // block_size)
+        kinds = np.zeros((nb, nb), np.int8)
+        qi, kj, k = self._sparse_tiles(h, block_size, n)
+        kinds[qi, kj] = k
+        return kinds
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        """Per axis, the tile's mask is ``M[cq[r], ck[c]]`` over the tiles' coordinates on that
+        axis, and the whole mask is the AND over axes; so equal per-axis keys mean equal masks.
+        A tile's coordinates are ``f + shape`` (``f`` the smallest, ``shape`` one of few row
+        profiles). Key per axis: the two profiles and either the bits of ``M`` over the
+        (at most 4 x 4) coordinates both tiles span, or ``f_J - f_I`` when every query
+        coordinate is interior (window unclamped: ``M`` depends on ``q - p`` only), or both
+        ``f`` (absolute)."""
+        idx, bs = self._index(), block_size
+        seen = np.zeros(-(-n // bs), bool)
+        seen[qi] = seen[kj] = True
+        tiles = np.nonzero(seen)[0]
+        tok = np.minimum(tiles[:, None] * bs + np.arange(bs, dtype=np.int64), n - 1)
+        where = np.empty(-(-n // bs), np.int64)
+        where[tiles] = np.arange(tiles.size)
+        iq, ik = where[qi], where[kj]
+        out = np.zeros(qi.shape, np.int64)
+        for coord, (length, k, d, c) in zip(idx.coords(tok), self._axes(), strict=True):
+            f = coord.min(axis=1)
+            spread = coord.max(axis=1) - f
+            rel = np.ascontiguousarray(coord - f[:, None], dtype=np.int32)
+            _, prof = np.unique(rel.view(np.dtype((np.void, 4 * bs))).ravel(),
+                                return_inverse=True)
+            inner = np.cumsum(np.append(0, _axis_interior(length, k, d, c)))
+            interior = inner[f + spread + 1] - inner[f] == spread + 1
+            fq, fk = f[iq], f[ik]
+            small = (spread[iq] < 4) & (spread[ik] < 4)
+            mode = np.where(small, 0, np.where(interior[iq], 1, 2))
+            payload = np.where(mode == 1, fk - fq + length, fq * length + fk)
+            if small.any():  # the bits of M over the 4 x 4 coordinates from (fq, fk)
+                sel = np.nonzero(small)[0]
+                uniq, inv = np.unique(payload[sel], return_inverse=True)
+                uq, uk = np.divmod(uniq, length)
+                r = np.arange(4)
+                ok = _axis_ok(np.minimum(uq[:, None, None] + r[:, None], length - 1),
+                              np.minimum(uk[:, None, None] + r[None, :], length - 1),
+                              length, k, d, c)
+                ok &= (uq[:, None, None] + r[:, None] < length) & (
+                    uk[:, None, None] + r[None, :] < length)
+                bits = ok.reshape(-1, 16).astype(np.int64) @ (np.int64(1) << np.arange(16))
+                # Only the coordinates the tiles hold count (their profiles say which).
+                rows = (np.arange(4)[None, :] <= spread[iq][sel][:, None])
+                cols = (np.arange(4)[None, :] <= spread[ik][sel][:, None])
+                keep = (rows[:, :, None] & cols[:, None, :]).reshape(-1, 16).astype(np.int64)
+                payload[sel] = bits[inv] & (keep @ (np.int64(1) << np.arange(16)))
+            n_prof = int(prof.max(initial=0)) + 1
+            wide = max(1 << 16, length * length)
+            if 3 * n_prof * n_prof * wide >= 1 << 62:  # would overflow int64: combine apart
+                key = _combine_classes([mode, prof[iq], prof[ik], payload])
+            else:
+                key = ((mode * n_prof + prof[iq]) * n_prof + prof[ik]) * wide + payload
+            _, key = np.unique(key, return_inverse=True)
+            out = out * (int(key.max(initial=0)) + 1) + key.reshape(out.shape)
+        return out
+
+
+def _ranges(count: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(c) for c in count])``, vectorised."""
+    count = np.asarray(count, np.int64)
+    ends = np.cumsum(count)
+    return np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64) - np.repeat(
+        ends - count, count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -705,3 +1024,42 @@ def per_head(patterns: Sequence[Pattern]) -> Pattern:
     >>> p = per_head([causal(), local(64, 0)])
     """
     return PerHead(tuple(patterns))
+
+
+def neighborhood(grid, kernel_size, dilation=1, causal=False, tile_shape=None) -> Pattern:
+    """Neighbourhood attention over a grid of tokens, with NATTEN 0.21's ``na1d/na2d/na3d``
+    semantics.
+
+    ``grid``: an int or a tuple of 1-3 ints; the sequence is the grid flattened row-major (last
+    axis fastest), so ``seq_len`` must be ``prod(grid)``. ``kernel_size``, ``dilation`` (ints
+    >= 1) and ``causal`` (bool) are one value for every axis or a tuple with one per axis.
+
+    Per axis of length ``L``, query coordinate ``i`` and key coordinate ``j`` are neighbours iff
+    ``i % d == j % d`` and, with ``p = i // d``, ``t = j // d`` and ``L_g`` the number of
+    coordinates congruent to ``i`` mod ``d`` in ``[0, L)``: non-causal
+    ``s = min(max(p - k // 2, 0), L_g - k)`` and ``s <= t < s + k`` (a window of ``k`` that
+    shifts inward at the edges, so every query has exactly ``k`` neighbours per axis); causal
+    ``p - k + 1 <= t <= p``. Tokens are neighbours iff they are along every axis.
+    ``kernel_size * dilation <= L`` on every axis.
+
+    ``tile_shape`` (optional, divides ``grid`` per axis): the same pattern on the sequence in
+    the tiled order of :func:`grid_tiling` (its ``perm``), i.e. token ``i`` of the sequence is
+    row-major token ``perm[i]``.
+
+    The layout is built from per-axis windows in time linear in the listed tiles (a 3-D grid
+    of 131072 tokens takes milliseconds: ``benchmarks/KERNEL_NOTES.md``). It composes like any
+    pattern, e.g. with global tokens:
+
+    >>> p = neighborhood((8, 12), kernel_size=(3, 5), dilation=(1, 2)) | global_tokens(4)
+    >>> nb = neighborhood((8, 12), 3)
+    >>> bool(nb.token_mask(0, 0, 13, n=96)), bool(nb.token_mask(0, 0, 3, n=96))
+    (True, False)
+    """
+    dims = len(grid) if isinstance(grid, (tuple, list)) else 1
+    if not 1 <= dims <= 3:
+        raise ValueError(f"grid must be an int or a tuple of 1 to 3 ints, got {grid!r}")
+    grid = _per_axis("grid", grid, dims)
+    tile = None if tile_shape is None else _tile_shape(grid, tile_shape)
+    return Neighborhood(grid, _per_axis("kernel_size", kernel_size, dims),
+                        _per_axis("dilation", dilation, dims), _per_axis("causal", causal, dims),
+                        tile)
