@@ -8,9 +8,11 @@
   backward. The benchmark baseline for "block-sparse in plain PyTorch".
 * :func:`dense_attention` - ``scaled_dot_product_attention`` with the layout's dense mask.
 
-All take ``q, k, v`` of shape ``[B, H, N, D]`` and a :class:`~sparsetp.core.layout.BlockLayout`
-built for ``seq_len=N`` and ``num_heads=H``. A query row with no allowed key gets output 0,
-LSE ``-inf`` and zero gradients, in every function here.
+All take ``q`` of shape ``[B, H, N, D]``, ``k, v`` of shape ``[B, H_kv, N_kv, D]`` (``H_kv``
+divides ``H``: grouped-query / multi-query attention, kv heads never repeated in memory; ``N_kv``
+keys, ``N`` by default) and a :class:`~sparsetp.core.layout.BlockLayout` built for
+``seq_len=N``, ``num_heads=H`` (query heads) and ``kv_len=N_kv``. A query row with no allowed
+key gets output 0, LSE ``-inf`` and zero gradients, in every function here.
 
 Example::
 
@@ -153,11 +155,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """Block-sparse attention ``softmax(q k^T * scale, masked by layout) v``.
 
     Args:
-      q, k, v: ``[B, H, N, D]`` tensors of one dtype (float16, bfloat16, float32; float64 works
-        too, mainly for gradcheck) on one device, any strides. Supported head dims ``D`` are
-        16, 32, 64 and 128; any other ``D`` raises ``ValueError`` (above 128 the fp32
-        accumulators would not fit in registers).
-      layout: a :class:`BlockLayout` for ``seq_len=N``, ``num_heads=H``.
+      q: ``[B, H, N, D]``; k, v: ``[B, H_kv, N_kv, D]`` with ``H % H_kv == 0`` (GQA/MQA:
+        query head ``h`` attends with kv head ``h // (H // H_kv)``; dk, dv sum over the group,
+        deterministically). One dtype (float16, bfloat16, float32; float64 works too, mainly
+        for gradcheck), one device, any strides. Supported head dims ``D``: the multiples of
+        16 from 16 to 256; others raise ``ValueError``.
+      layout: a :class:`BlockLayout` for ``seq_len=N``, ``num_heads=H`` and ``kv_len=N_kv``
+        (``make_layout(..., kv_len=N_kv)`` when ``N_kv != N``: causal and local patterns are
+        then aligned to the end of the keys).
       scale: softmax scale, default ``D ** -0.5``.
       return_lse: also return the log-sum-exp ``[B, H, N]`` (float32; differentiable).
 
@@ -171,6 +176,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     >>> out, lse = sparse_attention(q, k, v, lay, return_lse=True)
     >>> out.shape, lse.shape
     (torch.Size([1, 1, 40, 32]), torch.Size([1, 1, 40]))
+
+    Grouped-query attention, 8 query heads sharing 2 kv heads, 16 new queries after 48 cached
+    keys (``kv_len=64``)::
+
+    >>> lay = make_layout(P.causal(), seq_len=16, num_heads=8, block_size=16, kv_len=64)
+    >>> q, k, v = torch.randn(1, 8, 16, 32), torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32)
+    >>> sparse_attention(q, k, v, lay).shape
+    torch.Size([1, 8, 16, 32])
     """
     scale = _check_inputs(q, k, v, layout, scale)
     out, lse = _SparseAttentionFn.apply(q, k, v, layout, scale)
@@ -178,7 +191,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
 
 class SparseAttention(torch.nn.Module):
-    """Block-sparse attention with a fixed pattern; layouts cached per (seq_len, num_heads).
+    """Block-sparse attention with a fixed pattern; layouts cached per (seq_len, num_heads,
+    kv_len) (``kv_len`` from k, which may also have fewer heads: GQA).
 
     >>> import torch
     >>> from sparsetp.core import patterns as P
@@ -198,18 +212,22 @@ class SparseAttention(torch.nn.Module):
         self.pattern = pattern
         self.block_size = block_size
         self.scale = scale
-        self._layouts: dict[tuple[int, int], BlockLayout] = {}
+        self._layouts: dict[tuple[int, int, int], BlockLayout] = {}
 
-    def layout(self, seq_len: int, num_heads: int) -> BlockLayout:
-        key = (int(seq_len), int(num_heads))
+    def layout(self, seq_len: int, num_heads: int, kv_len: int | None = None) -> BlockLayout:
+        kv_len = seq_len if kv_len is None else kv_len
+        key = (int(seq_len), int(num_heads), int(kv_len))
         if key not in self._layouts:
-            self._layouts[key] = make_layout(self.pattern, seq_len, num_heads, self.block_size)
+            self._layouts[key] = make_layout(self.pattern, seq_len, num_heads, self.block_size,
+                                             kv_len=kv_len)
         return self._layouts[key]
 
     def forward(self, q, k, v, return_lse: bool = False):
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise ValueError("q must be a [B, H, N, D] torch.Tensor")
-        lay = self.layout(q.shape[2], q.shape[1])
+        if not isinstance(k, torch.Tensor) or k.dim() != 4:
+            raise ValueError("k must be a [B, H_kv, N_kv, D] torch.Tensor")
+        lay = self.layout(q.shape[2], q.shape[1], k.shape[2])
         return sparse_attention(q, k, v, lay, scale=self.scale, return_lse=return_lse)
 
     def extra_repr(self) -> str:
@@ -222,7 +240,7 @@ def _naive_tables(layout: BlockLayout, device: torch.device):
     per_layout = _NAIVE_CACHE.setdefault(layout, {})
     key = str(device)
     if key not in per_layout:
-        bs, n = layout.block_size, layout.seq_len
+        bs, n = layout.block_size, layout.kv_len
         # Only the widest row's entries: gathering the ELL padding (widths are padded to a
         # multiple of 16 for the kernels' sake) would only slow this baseline down.
         h_n, nt, _ = layout.q_index.shape
@@ -252,15 +270,17 @@ def naive_sparse_attention(q, k, v, layout: BlockLayout,
     layout); differentiable through autograd. Returns ``out`` only.
     """
     scale = _check_inputs(q, k, v, layout, scale)
+    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
     b, h, n, d = q.shape
     bs = layout.block_size
     nt = -(-n // bs)
-    pad = nt * bs - n
     index, elem = _naive_tables(layout, q.device)
     w = index.shape[-1]
 
     def tiles(t):
-        return torch.nn.functional.pad(t, (0, 0, 0, pad)).reshape(b, h, nt, bs, d)
+        t_n = -(-t.shape[2] // bs)
+        return torch.nn.functional.pad(t, (0, 0, 0, t_n * bs - t.shape[2])).reshape(
+            b, h, t_n, bs, d)
 
     qt, kt, vt = tiles(q), tiles(k), tiles(v)
     heads = torch.arange(h, device=q.device)[:, None, None]
@@ -275,14 +295,21 @@ def naive_sparse_attention(q, k, v, layout: BlockLayout,
     return out.reshape(b, h, nt * bs, d)[:, :, :n]
 
 
+def _repeat_kv(q, t):
+    """The baselines' GQA: kv heads repeated to q's head count (the kernels never do this)."""
+    group = q.shape[1] // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
 def dense_attention(q, k, v, layout: BlockLayout, scale: float | None = None) -> torch.Tensor:
-    """``scaled_dot_product_attention`` with the layout's dense ``[H, N, N]`` mask.
+    """``scaled_dot_product_attention`` with the layout's dense ``[H, N, N_kv]`` mask.
 
     SDPA returns NaN for rows whose mask is all False; here those rows see every key inside
     SDPA and are then set to 0 (so forward and gradients stay finite: 0 output, 0 gradient).
     """
     scale = _check_inputs(q, k, v, layout, scale)
-    mask = torch.from_numpy(layout.dense_mask()).to(q.device)  # [H, N, N], True = attend
+    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+    mask = torch.from_numpy(layout.dense_mask()).to(q.device)  # [H, N, N_kv], True = attend
     has_key = mask.any(-1, keepdim=True)                        # [H, N, 1]
     safe_mask = mask | ~has_key
     out = torch.nn.functional.scaled_dot_product_attention(
