@@ -209,12 +209,22 @@ def _block_layout(config, seq_len):
     return make_layout(config.pattern, seq_len, config.num_heads, config.block_size)
 
 
-def _split_heads(qkv, num_heads):
-    """[B, N, 3d] (columns h*3*hd + t*hd + e) -> q, k, v each [B, H, N, hd]."""
-    b, n, three_d = qkv.shape
-    hd = three_d // (3 * num_heads)
-    t = qkv.reshape(b, n, num_heads, 3, hd).transpose(3, 0, 2, 1, 4)  # [3, B, H, N, hd]
-    return t[0], t[1], t[2]
+def _split_heads(qkv, config):
+    """[B, N, d + 2kv] (group-major columns, see :mod:`sparsetp.core.config`) -> q [B, H, N, hd],
+    k, v [B, H_kv, N, hd]."""
+    b, n, _ = qkv.shape
+    hk, g, hd = config.num_kv_heads, config.kv_group, config.head_dim
+    t = qkv.reshape(b, n, hk, g + 2, hd).transpose(0, 2, 3, 1, 4)  # [B, Hk, G+2, N, hd]
+    q = t[:, :, :g].reshape(b, hk * g, n, hd)
+    return q, t[:, :, g], t[:, :, g + 1]
+
+
+def _merge_qkv(dq, dk, dv, config):
+    """Inverse of :func:`_split_heads`: [B, H, N, hd], [B, H_kv, N, hd] x 2 -> [B, N, d + 2kv]."""
+    b, _, n, hd = dq.shape
+    hk, g = config.num_kv_heads, config.kv_group
+    t = np.concatenate([dq.reshape(b, hk, g, n, hd), dk[:, :, None], dv[:, :, None]], axis=2)
+    return t.transpose(0, 3, 1, 2, 4).reshape(b, n, hk * (g + 2) * hd)
 
 
 def _merge_heads(o):
@@ -234,7 +244,7 @@ def _block_forward(params, x, config):
     eps = config.norm_eps
     h1 = layer_norm(x, p["ln1.weight"], p["ln1.bias"], eps)
     qkv = _linear(h1, p["attn.qkv.weight"], p.get("attn.qkv.bias"))
-    q, k, v = _split_heads(qkv, config.num_heads)
+    q, k, v = _split_heads(qkv, config)
     o, _ = attention(q, k, v, layout, scale=scale)
     o_m = _merge_heads(o)
     y1 = x + _linear(o_m, p["attn.out.weight"], p.get("attn.out.bias"))
@@ -289,7 +299,7 @@ def hybrid_block_value_and_grad(params, x, config, dy):
     b, n, _ = do_m.shape
     do = do_m.reshape(b, n, config.num_heads, config.head_dim).transpose(0, 2, 1, 3)
     dq, dk, dv = attention_grad(c["q"], c["k"], c["v"], c["layout"], do, scale=c["scale"])
-    dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 2, 0, 4).reshape(b, n, 3 * config.d_model)
+    dqkv = _merge_qkv(dq, dk, dv, config)
     dh1, g["attn.qkv.weight"], db = _linear_grad(c["h1"], p["attn.qkv.weight"], dqkv, has_b)
     if has_b:
         g["attn.qkv.bias"] = db
