@@ -239,8 +239,8 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
       x: ``[B, N, d_model]`` input (cast to ``config.dtype``).
       config: the :class:`~sparsetp.core.config.HybridConfig` (static under ``jit``).
       mesh: ``None`` runs unsharded on one device; otherwise a mesh with axis ``axis_name`` of
-        size ``tp`` (``num_heads``, ``num_kv_heads`` and ``d_ff`` divisible by it), over which the block runs
-        Megatron-style inside ``shard_map``.
+        size ``tp`` (``num_heads``, ``num_kv_heads`` and ``d_ff`` divisible by it), over which
+        the block runs Megatron-style inside ``shard_map``.
       axis_name: the mesh axis to split over.
       sequence_parallel: Megatron's sequence parallelism (see the module docstring): ``x`` and
         the result are split along ``N`` over ``axis_name`` (``N`` divisible by ``tp``). Needs a
