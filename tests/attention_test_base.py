@@ -45,6 +45,7 @@ import testing_utils as tu
 from absl.testing import parameterized
 
 from sparsetp.core import make_layout, reference
+from sparsetp.core import patterns as P
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
 from sparsetp.kernels import options, schedule
 
@@ -234,6 +235,19 @@ class AttentionTestBase(parameterized.TestCase):
     def test_head_dims(self, case):
         """Head dims off the power-of-two ladder (padded, masked columns) and up to 256."""
         self._check_real_case(case, seed=case[7])
+
+    def test_packed_documents(self):
+        """documents(l) & causal with boundaries inside tiles (token-exact partial tiles),
+        under GQA, vs the oracle; then a second packing of the same total in the same process."""
+        for lengths in ((7, 40, 1, 52), (50, 50)):
+            with self.subTest(lengths=lengths):
+                n, bs, h = 100, 32, 4
+                layout = make_layout(P.documents(lengths) & P.causal(), n, h, bs)
+                q, d_out = tu.random_inputs(sum(lengths[:2]), (1, h, n, 16), "float32", 2)
+                k, v = tu.random_inputs(lengths[0], (1, 2, n, 16), "float32", 2)
+                tag = f"documents {lengths}"
+                self._check_forward(layout, q, k, v, None, "float32", tag)
+                self._check_backward(layout, q, k, v, None, "float32", d_out, tag)
 
     def test_gqa_matches_repeated_kv_and_is_deterministic(self):
         """GQA equals multi-head attention on k, v repeated per group (same layout), with dk,

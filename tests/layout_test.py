@@ -60,10 +60,35 @@ SPECS = {
                            lambda h, i, j, n: ((j // 16) % 4 == 0) & (j <= i)),
     "union": (P.local(3, 0) | P.strided(5, 4),
               lambda h, i, j, n: ((i - 3 <= j) & (j <= i)) | ((j // 4) % 5 == 0)),
+    # Boundaries at 5, 21, 22 (not block-aligned; one 1-token document); lengths sum to the
+    # case's N (see _documents_spec).
+    "documents": (None, None),
+    "documents_causal": (None, None),
     "per_head": (P.per_head([P.causal(), P.local(4, 4), P.strided(2, 8, per_head_offset=True)]),
                  lambda h, i, j, n: [j <= i, np.abs(i - j) <= 4,
                                      (j // 8 + h) % 2 == 0][h % 3]),
 }
+
+
+def _documents_spec(name, n):
+    """(pattern, rule) of the documents cases for n tokens: lengths 5, 16, 1, then the rest in
+    pieces of 29 tokens."""
+    lengths = [5, 16, 1]
+    while sum(lengths) < n:
+        lengths.append(min(29, n - sum(lengths)))
+    ends = np.cumsum(lengths)
+
+    def doc(x):
+        return np.searchsorted(ends, x, side="right")
+
+    if name == "documents":
+        return P.documents(lengths), lambda h, i, j, n: doc(i) == doc(j)
+    return (P.documents(lengths) & P.causal(),
+            lambda h, i, j, n: (doc(i) == doc(j)) & (j <= i))
+
+
+def _spec(name, n):
+    return _documents_spec(name, n) if name.startswith("documents") else SPECS[name]
 
 
 def _token_truth(spec, heads, n):
@@ -149,7 +174,7 @@ class PatternTest(parameterized.TestCase):
         (f"{name}_n{n}_bs{bs}", name, n, bs)
         for name, (n, bs) in itertools.product(SPECS, [(64, 16), (100, 32), (37, 16), (130, 64)]))
     def test_layout_matches_token_rule(self, name, n, bs):
-        pattern, spec = SPECS[name]
+        pattern, spec = _spec(name, n)
         heads = 3
         if name in ("random", "bigbird") and n < 32:
             n = 40  # random_blocks needs per_row <= number of key blocks
@@ -168,7 +193,7 @@ class PatternTest(parameterized.TestCase):
         """kv_len != seq_len: the token rule evaluated bottom-right aligned (layout docstring:
         query i is virtual token i + L - N_q, key j is j + L - N_kv, L = max(N_q, N_kv)),
         exactly, at block-aligned and unaligned shifts."""
-        pattern, spec = SPECS[name]
+        pattern, spec = _spec(name, max(nq, nk))
         heads = 3
         lay = make_layout(pattern, nq, heads, bs, kv_len=nk)
         n = max(nq, nk)
@@ -190,9 +215,22 @@ class PatternTest(parameterized.TestCase):
         self.assertTrue(make_layout(P.causal(), 1, 1, 16, kv_len=50).dense_mask().all())
         self.assertFalse(make_layout(P.causal(), 50, 1, 16, kv_len=16).dense_mask()[0, :34].any())
 
+    def test_documents_lengths_are_data(self):
+        """Two packings of one total: same metadata shapes up to ELL width (a multiple of 16)
+        and mask count, and the block kinds come from the structure alone for aligned
+        boundaries (no partial tiles but the causal diagonal)."""
+        a = make_layout(P.documents([128, 64, 320]) & P.causal(), 512, 2, 64)
+        self.assertEqual(int(a.masks.shape[0]), 1)  # only the causal diagonal mask
+        b = make_layout(P.documents([100, 300, 112]) & P.causal(), 512, 2, 64)
+        for name in ("q_count", "k_count", "q_order"):
+            self.assertEqual(getattr(a, name).shape, getattr(b, name).shape)
+        self.assertEqual(a.q_index.shape[-1] % 16, 0)
+        self.assertEqual(b.q_index.shape[-1] % 16, 0)
+        self.assertEqual(P.documents([1, 2]), P.documents((1, 2)))
+
     def test_random_shapes_and_combinations(self):
         rng = np.random.default_rng(0)
-        names = list(SPECS)
+        names = [x for x in SPECS if not x.startswith("documents")]  # those depend on n
         for _ in range(25):
             a, b = (str(x) for x in rng.choice(names, 2))  # plain types: xdist sends subtests
             op = int(rng.integers(2))
@@ -365,6 +403,12 @@ class ValueSemanticsTest(absltest.TestCase):
             (lambda: make_layout(P.causal(), 0, 1, 16), "seq_len"),
             (lambda: make_layout(P.causal(), 64, 0, 16), "num_heads"),
             (lambda: make_layout(P.causal(), 64, 1, 16, kv_len=0), "kv_len"),
+            (lambda: P.documents([3, 0, 5]), "lengths"),
+            (lambda: P.documents([3, -2]), "lengths"),
+            (lambda: P.documents([]), "lengths"),
+            (lambda: P.documents([2.5, 3]), "lengths"),
+            (lambda: make_layout(P.documents([30, 30]), 64, 1, 16), "lengths"),
+            (lambda: make_layout(P.documents([30, 30]) & P.causal(), 64, 1, 16), "lengths"),
             (lambda: make_layout(P.causal(), 64, 1, 16, kv_len=8.0), "kv_len"),
             (lambda: make_layout("causal", 64, 1, 16), "pattern"),
             (lambda: make_layout(P.random_blocks(5, 16, 0), 64, 1, 16), "per_row"),
