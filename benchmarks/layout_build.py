@@ -26,6 +26,7 @@ flags.DEFINE_integer("block_size", 128, "layout block size")
 flags.DEFINE_integer("repeats", 3, "builds per case (the minimum is reported)")
 flags.DEFINE_string("out", None, "write JSON here")
 flags.DEFINE_string("match", None, "only the patterns whose name contains this")
+flags.DEFINE_list("patterns", None, "only these case names (default: all)")
 
 
 def neighborhood_cases(n):
@@ -43,8 +44,18 @@ def neighborhood_cases(n):
     }
 
 
+def _doc_lengths(n: int, count: int, seed: int) -> list[int]:
+    """``count`` documents of random lengths summing to ``n`` (boundaries not block-aligned)."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=count - 1, replace=False))
+    return np.diff(np.concatenate([[0], cuts, [n]])).tolist()
+
+
 def cases(bs, n):
     return {
+        # Packed documents: token-exact boundaries anywhere (most straddle a tile).
+        "documents(8 random)&causal": P.documents(_doc_lengths(n, 8, 0)) & P.causal(),
+        "documents(1000 random)&causal": P.documents(_doc_lengths(n, 1000, 0)) & P.causal(),
         "dense": P.dense(),
         "causal": P.causal(),
         "local(511,511)": P.local(511, 511),
@@ -68,7 +79,8 @@ def main(argv):
     bs = FLAGS.block_size
     rows = []
     todo = [(int(n), name, p) for n in FLAGS.seq_lens for name, p in cases(bs, int(n)).items()
-            if FLAGS.match is None or FLAGS.match in name]
+            if (FLAGS.match is None or FLAGS.match in name)
+            and (FLAGS.patterns is None or name in FLAGS.patterns)]
     for n, name, p in tqdm(todo, desc="layouts"):
         times = []
         for _ in range(FLAGS.repeats):

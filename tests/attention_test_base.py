@@ -45,6 +45,7 @@ import testing_utils as tu
 from absl.testing import parameterized
 
 from sparsetp.core import make_layout, reference
+from sparsetp.core import patterns as P
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
 from sparsetp.kernels import options, schedule
 
@@ -69,6 +70,51 @@ PATTERN_SHAPE = dict(seq_len=150, block_size=32, batch=1, heads=3, head_dim=32)
 COMPILED_SHAPE = dict(seq_len=1024, batch=1, heads=2)
 COMPILED_CASES = tuple((name, dtype, d) for name in sorted(EXAMPLE_PATTERNS)
                        for dtype in ("bfloat16", "float16") for d in (64, 128))
+
+# Real-model attention (GQA/MQA, queries != keys, head dims): (pattern, N_q, N_kv, block, batch,
+# H, H_kv, D, dtype). Group sizes 2, 3 (not a power of two) and H (MQA); a per-head pattern
+# under GQA (each query head of a group keeps its own mask); N_kv > N_q (chunked prefill,
+# decode with one query), N_kv < N_q (the first N_q - N_kv queries see no key), both with GQA.
+GQA_CASES = (
+    ("causal", 70, 70, 16, 1, 4, 2, 16, "float32"),
+    ("per_head_mix", 80, 80, 32, 2, 6, 2, 32, "float32"),
+    ("local", 60, 60, 16, 1, 3, 1, 64, "bfloat16"),
+    ("masked_rows", 50, 50, 16, 1, 4, 2, 16, "float32"),
+)
+KV_LEN_CASES = (
+    ("causal", 40, 100, 16, 1, 2, 2, 16, "float32"),
+    ("causal", 100, 40, 32, 1, 2, 2, 32, "float32"),
+    ("local", 1, 70, 16, 2, 2, 2, 16, "float32"),
+    ("bigbird", 64, 128, 32, 1, 2, 2, 32, "bfloat16"),
+    ("per_head_mix", 48, 80, 16, 1, 6, 2, 16, "float32"),
+    ("strided_causal", 90, 37, 16, 1, 4, 1, 16, "float32"),
+)
+# Head dims past the power-of-two ladder: 80 (padded to 128), 192 (padded to 256), 256; tiny N
+# (the interpreter pays per element).
+HEAD_DIM_CASES = (
+    ("causal", 40, 40, 16, 1, 2, 2, 80, "float32"),
+    ("local", 20, 20, 16, 1, 2, 1, 192, "float32"),
+    ("causal", 20, 36, 16, 1, 2, 2, 256, "float32"),
+    ("causal", 20, 20, 16, 1, 2, 2, 192, "bfloat16"),
+)
+# GPU-only (CompiledAttentionTestBase): the same features at sizes the interpreter cannot
+# afford; block 128 at D=192/256 exercises schedule.kernel_layout's move to tile 64.
+COMPILED_REAL_CASES = (
+    ("causal", 1024, 1024, 64, 2, 8, 2, 128, "bfloat16"),
+    ("bigbird", 1024, 1024, 128, 1, 6, 2, 64, "float16"),
+    ("per_head_mix", 512, 512, 64, 1, 4, 1, 64, "bfloat16"),
+    ("causal", 512, 1536, 64, 1, 8, 2, 128, "bfloat16"),
+    ("local", 1, 1000, 64, 4, 8, 1, 128, "bfloat16"),
+    ("causal", 1024, 300, 128, 1, 4, 2, 64, "float16"),
+    ("causal", 512, 512, 128, 1, 4, 2, 192, "bfloat16"),
+    ("causal", 512, 512, 128, 1, 2, 2, 256, "bfloat16"),
+    ("local", 384, 384, 64, 1, 4, 4, 256, "float16"),
+    ("causal", 512, 512, 64, 1, 2, 2, 80, "bfloat16"),
+)
+
+
+def _real_case_name(c) -> str:
+    return f"{c[0]}_nq{c[1]}_nk{c[2]}_bs{c[3]}_b{c[4]}_h{c[5]}_hkv{c[6]}_d{c[7]}_{c[8]}"
 
 
 class AttentionTestBase(parameterized.TestCase):
@@ -101,9 +147,16 @@ class AttentionTestBase(parameterized.TestCase):
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ helpers
-    def _case(self, name, n, bs, b, h, d, dtype, seed=0):
-        layout = make_layout(example_pattern(name, n, bs), n, h, bs)
-        q, k, v, d_out = tu.random_inputs(seed, (b, h, n, d), dtype)
+    def _case(self, name, n, bs, b, h, d, dtype, seed=0, *, n_kv=None, h_kv=None):
+        """Layout and inputs; ``n_kv`` keys and ``h_kv`` kv heads (default ``n``, ``h``)."""
+        n_kv = n if n_kv is None else n_kv
+        h_kv = h if h_kv is None else h_kv
+        layout = make_layout(example_pattern(name, max(n, n_kv), bs), n, h, bs, kv_len=n_kv)
+        if (n_kv, h_kv) == (n, h):
+            q, k, v, d_out = tu.random_inputs(seed, (b, h, n, d), dtype)
+        else:
+            q, d_out = tu.random_inputs(seed, (b, h, n, d), dtype, count=2)
+            k, v = tu.random_inputs(seed + 1000, (b, h_kv, n_kv, d), dtype, count=2)
         return layout, q, k, v, d_out
 
     def _check_forward(self, layout, q, k, v, scale, dtype, tag):
@@ -116,15 +169,25 @@ class AttentionTestBase(parameterized.TestCase):
     def _check_backward(self, layout, q, k, v, scale, dtype, d_out, tag):
         grads = self.backward(q, k, v, layout, scale, dtype, d_out)
         refs = reference.attention_grad(q, k, v, layout, d_out, scale)
+        # GQA: dk, dv sum the contributions of a group of query heads, each within the table's
+        # error: a sum over `group` terms (testing_utils, "reduced").
+        group = q.shape[1] // k.shape[1]
         for g_name, g, r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
-            tu.assert_close(g, r, dtype, grad=True, what=f"{tag} {g_name}")
+            tu.assert_close(g, r, dtype, grad=True, reduced=1 if g_name == "dq" else group,
+                            what=f"{tag} {g_name}")
         return grads
 
-    def _check_all(self, name, n, bs, b, h, d, dtype, scale=None, seed=0):
-        layout, q, k, v, d_out = self._case(name, n, bs, b, h, d, dtype, seed)
-        tag = f"{name} N={n} bs={bs} B={b} H={h} D={d}"
+    def _check_all(self, name, n, bs, b, h, d, dtype, scale=None, seed=0, *, n_kv=None,
+                   h_kv=None):
+        layout, q, k, v, d_out = self._case(name, n, bs, b, h, d, dtype, seed, n_kv=n_kv,
+                                            h_kv=h_kv)
+        tag = f"{name} N={n} N_kv={n_kv} bs={bs} B={b} H={h} H_kv={h_kv} D={d}"
         self._check_forward(layout, q, k, v, scale, dtype, tag)
         self._check_backward(layout, q, k, v, scale, dtype, d_out, tag)
+
+    def _check_real_case(self, case, seed=0):
+        name, n, n_kv, bs, b, h, h_kv, d, dtype = case
+        self._check_all(name, n, bs, b, h, d, dtype, seed=seed, n_kv=n_kv, h_kv=h_kv)
 
     # ------------------------------------------------------------------ tests
     @parameterized.named_parameters((name, name) for name in sorted(EXAMPLE_PATTERNS))
@@ -155,6 +218,60 @@ class AttentionTestBase(parameterized.TestCase):
         with self.float64_context():
             self._check_forward(layout, q, k, v, scale, "float64", tag)
             self._check_backward(layout, q, k, v, scale, "float64", d_out, tag)
+
+    @parameterized.named_parameters((_real_case_name(c), c) for c in GQA_CASES)
+    def test_gqa(self, case):
+        """Grouped-query / multi-query attention: k, v with H_kv heads, never repeated; out,
+        LSE, dq and the group-summed dk, dv vs the oracle (which repeats k, v)."""
+        self._check_real_case(case, seed=case[5] * 7 + case[6])
+
+    @parameterized.named_parameters((_real_case_name(c), c) for c in KV_LEN_CASES)
+    def test_queries_keys_differ(self, case):
+        """N_q != N_kv: the pattern's diagonal aligned to the end of the keys (layout
+        docstring), with and without GQA; the oracle applies the layout's dense mask."""
+        self._check_real_case(case, seed=case[1] + case[2])
+
+    @parameterized.named_parameters((_real_case_name(c), c) for c in HEAD_DIM_CASES)
+    def test_head_dims(self, case):
+        """Head dims off the power-of-two ladder (padded, masked columns) and up to 256."""
+        self._check_real_case(case, seed=case[7])
+
+    def test_packed_documents(self):
+        """documents(l) & causal with boundaries inside tiles (token-exact partial tiles),
+        under GQA, vs the oracle; then a second packing of the same total in the same process."""
+        for lengths in ((7, 40, 1, 52), (50, 50)):
+            with self.subTest(lengths=lengths):
+                n, bs, h = 100, 32, 4
+                layout = make_layout(P.documents(lengths) & P.causal(), n, h, bs)
+                q, d_out = tu.random_inputs(sum(lengths[:2]), (1, h, n, 16), "float32", 2)
+                k, v = tu.random_inputs(lengths[0], (1, 2, n, 16), "float32", 2)
+                tag = f"documents {lengths}"
+                self._check_forward(layout, q, k, v, None, "float32", tag)
+                self._check_backward(layout, q, k, v, None, "float32", d_out, tag)
+
+    def test_gqa_matches_repeated_kv_and_is_deterministic(self):
+        """GQA equals multi-head attention on k, v repeated per group (same layout), with dk,
+        dv the group sums of the repeated run's; two GQA runs agree bitwise (the group sum
+        runs in a fixed order in one program, no atomics)."""
+        h, h_kv, dtype = 6, 2, "float32"
+        layout, q, k, v, d_out = self._case("per_head_mix", 64, 16, 1, h, 16, dtype, 4,
+                                            h_kv=h_kv)
+        first = (*self.forward(q, k, v, layout, None, dtype),
+                 *self.backward(q, k, v, layout, None, dtype, d_out))
+        second = (*self.forward(q, k, v, layout, None, dtype),
+                  *self.backward(q, k, v, layout, None, dtype, d_out))
+        for a, b in zip(first, second, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        k_rep, v_rep = (np.repeat(x, h // h_kv, axis=1) for x in (k, v))
+        out, lse = self.forward(q, k_rep, v_rep, layout, None, dtype)
+        dq, dk, dv = self.backward(q, k_rep, v_rep, layout, None, dtype, d_out)
+        tu.assert_close(first[0], out, dtype, what="out vs repeated kv")
+        tu.assert_close(first[2], dq, dtype, grad=True, what="dq vs repeated kv")
+        for got, rep_grad, name in ((first[3], dk, "dk"), (first[4], dv, "dv")):
+            summed = np.asarray(rep_grad, np.float64).reshape(1, h_kv, h // h_kv,
+                                                            *rep_grad.shape[2:]).sum(2)
+            tu.assert_close(got, summed, dtype, grad=True, reduced=h // h_kv,
+                            what=f"{name} vs repeated kv")
 
     def test_fully_masked_rows(self):
         """Rows with no allowed key: output exactly 0, LSE -inf, zero gradients, no NaN."""
@@ -277,6 +394,16 @@ class AttentionTestBase(parameterized.TestCase):
         ("layout_seq_len", dict(layout_n=96), r"layout.*seq_len"),
         ("layout_heads", dict(layout_h=3), r"layout.*num_heads"),
         ("layout_type", dict(layout_obj="causal"), r"layout"),
+        ("kv_heads_not_divisor", dict(q_shape=(1, 3, 64, 16), layout_h=3,
+                                      k_shape=(1, 2, 64, 16), v_shape=(1, 2, 64, 16)),
+         r"H_kv"),
+        ("kv_heads_k_v_differ", dict(k_shape=(1, 1, 64, 16)), r"\bv\b"),
+        ("layout_kv_len", dict(k_shape=(1, 2, 96, 16), v_shape=(1, 2, 96, 16)),
+         r"layout.*kv_len"),
+        ("head_dim_272", dict(q_shape=(1, 2, 64, 272), k_shape=(1, 2, 64, 272),
+                              v_shape=(1, 2, 64, 272)), r"head dim"),
+        ("head_dim_200", dict(q_shape=(1, 2, 64, 200), k_shape=(1, 2, 64, 200),
+                              v_shape=(1, 2, 64, 200)), r"head dim"),
     )
     def test_bad_inputs(self, spec, regex):
         shape = (1, 2, 64, 16)
@@ -309,3 +436,10 @@ class CompiledAttentionTestBase(AttentionTestBase):
         bs = 64 if d == 64 else 128
         self._check_all(name, s["seq_len"], bs, s["batch"], s["heads"], d, dtype,
                         seed=len(name) + d)
+
+    @parameterized.named_parameters((_real_case_name(c), c) for c in COMPILED_REAL_CASES)
+    def test_compiled_real_model(self, case):
+        """Compiled kernels on GQA/MQA, N_q != N_kv and head dims 80/192/256 vs the oracle."""
+        if self.device_kind != "cuda":
+            self.skipTest("compiled kernels only: this process forces the interpreter")
+        self._check_real_case(case, seed=case[1] + case[7])

@@ -36,6 +36,8 @@ class ConfigTest(parameterized.TestCase):
         ("norm_eps", dict(norm_eps=0.0), "norm_eps"),
         ("bias", dict(bias=1), "bias"),
         ("dtype", dict(dtype="float8"), "dtype"),
+        ("num_kv_heads", dict(num_kv_heads=0), "num_kv_heads"),
+        ("num_kv_heads_divides", dict(num_kv_heads=3), "num_kv_heads=3"),
     )
     def test_validation_names_field(self, change, regex):
         kw = dict(d_model=64, num_heads=4, d_ff=256, pattern=P.causal(), block_size=32)
@@ -87,6 +89,23 @@ class ParamsTest(parameterized.TestCase):
                     w[:, h * 3 * hd + t * hd: h * 3 * hd + (t + 1) * hd])
         out = shard_param("attn.out.weight", params["attn.out.weight"], CFG, 1, 2)
         np.testing.assert_array_equal(out, params["attn.out.weight"][2 * hd: 4 * hd])
+
+    def test_gqa_qkv_shapes_and_shards_hold_whole_groups(self):
+        """num_kv_heads=2 of 8 query heads: qkv is [d, d + 2 * 2 * hd], group-major (per kv head
+        its 4 query heads, its key, its value), and a TP-2 shard holds one whole group."""
+        cfg = HybridConfig(64, 8, 128, P.causal(), block_size=32, num_kv_heads=2)
+        hd = cfg.head_dim
+        self.assertEqual((cfg.kv_group, cfg.kv_dim), (4, 2 * hd))
+        self.assertEqual(param_shapes(cfg)["attn.qkv.weight"], (64, 64 + 4 * hd))
+        w = init_params(cfg, 0)["attn.qkv.weight"]
+        shard = shard_param("attn.qkv.weight", w, cfg, rank=1, world_size=2)
+        np.testing.assert_array_equal(shard, w[:, 6 * hd:])  # group 1: 4 q, 1 k, 1 v heads
+        with self.assertRaisesRegex(ValueError, "num_kv_heads=2 is not divisible"):
+            check_tp_size(cfg, 4)
+        check_tp_size(cfg, 2)
+        mha = HybridConfig(64, 4, 128, P.causal(), block_size=32)
+        self.assertEqual((mha.num_kv_heads, mha.kv_group), (4, 1))
+        self.assertEqual(param_shapes(mha)["attn.qkv.weight"], (64, 192))
 
     def test_partition_dims(self):
         self.assertEqual({n: partition_dim(n) for n in PARAM_NAMES}, {

@@ -182,9 +182,9 @@ class LayersTest(parameterized.TestCase):
             fn(np.concatenate([x, x], -1), w, b)  # each shard: [2, 5, d_in], varying
 
 
-def _block_config(bias=True, pattern="bigbird"):
+def _block_config(bias=True, pattern="bigbird", num_kv_heads=None):
     return HybridConfig(d_model=64, num_heads=4, d_ff=128, bias=bias, block_size=32,
-                        pattern=example_pattern(pattern, 96, 32))
+                        pattern=example_pattern(pattern, 96, 32), num_kv_heads=num_kv_heads)
 
 
 class HybridBlockTest(parameterized.TestCase):
@@ -218,6 +218,19 @@ class HybridBlockTest(parameterized.TestCase):
         ref_dx, ref_grads = reference.hybrid_block_grad(params, x, config, dy)
         assert_close(dx, ref_dx, "float32", grad=True, what="dx")
         self.assertEqual(set(grads), set(ref_grads))
+        for name in ref_grads:
+            assert_close(grads[name], ref_grads[name], "float32", grad=True, what=f"d {name}")
+
+    @parameterized.named_parameters(("unsharded", None), ("tp2", 2))
+    def test_gqa_matches_oracle(self, tp):
+        """num_kv_heads=2 of 4 (group-major qkv columns): unsharded and on 2 shards, each shard
+        one whole kv group; y, dx and every parameter gradient vs the oracle."""
+        config = _block_config(pattern="per_head_mix", num_kv_heads=2)
+        params, x, dy = self._problem(config, seed=2)
+        y, dx, grads = self._run(params, x, dy, config, tp)
+        assert_close(y, reference.hybrid_block(params, x, config), "float32", what="y")
+        ref_dx, ref_grads = reference.hybrid_block_grad(params, x, config, dy)
+        assert_close(dx, ref_dx, "float32", grad=True, what="dx")
         for name in ref_grads:
             assert_close(grads[name], ref_grads[name], "float32", grad=True, what=f"d {name}")
 

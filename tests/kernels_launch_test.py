@@ -388,5 +388,70 @@ class AbiTest(absltest.TestCase):
         self.assertEqual(abi.mask_words(16), 1)
 
 
+
+class RealModelLaunchTest(parameterized.TestCase):
+    """Launch descriptions of GQA/MQA, N_q != N_kv and head dims past 128 (shapes only)."""
+
+    def test_gqa_and_kv_len_launches(self):
+        """q [B, H, N, D] with k, v [B, H_kv, N_kv, D]: forward and dQ run a program per
+        (query tile, b, query head), dK/dV one per (key tile, b, kv head), with outputs in k's
+        shape; N, N_kv, H and the group size are runtime ints (no compile per group size),
+        GROUPED (group > 1) is dK/dV's only new constexpr."""
+        b, h, h_kv, n, n_kv, d = 2, 6, 2, 128, 320, 64
+        lay = make_layout(P.causal(), n, h, 64, kv_len=n_kv)
+        meta = lay.metadata()  # no head groups: every head interleaved
+        q = np.zeros((b, h, n, d), np.float32)
+        kv = np.zeros((b, h_kv, n_kv, d), np.float32)
+        stats = q[..., 0]
+        kw = dict(scale=0.125, dtype="float32", device_kind="cuda")
+        fwd = abi.fwd_call(q, kv, kv, meta, **kw)
+        dq = abi.bwd_dq_call(q, kv, kv, q, stats, stats, meta, **kw)
+        dkdv = abi.bwd_dkdv_call(q, kv, kv, q, stats, stats, meta, **kw)
+        self.assertEqual(fwd.grid, (b * h, 2, 1))
+        self.assertEqual(dq.grid, (b * h, 2, 1))
+        self.assertEqual(dkdv.grid, (b * h_kv, 5, 1))
+        self.assertEqual([o.shape for o in dkdv.outputs], [kv.shape, kv.shape])
+        self.assertEqual(dq.outputs[0].shape, q.shape)
+        self.assertTrue(dkdv.constexprs["GROUPED"])
+        self.assertNotIn("GROUPED", fwd.constexprs)
+        # (N, N_kv, H, GROUP) follow the two scale parts.
+        for call, n_meta in ((fwd, 6), (dkdv, 6)):
+            pos = 3 + (3 if call.name != "fwd" else 0) + n_meta + 2
+            self.assertEqual(call.args[pos:pos + 4], (n, n_kv, h, h // h_kv), call.name)
+        mha = abi.bwd_dkdv_call(q, q, q, q, stats, stats, make_layout(P.causal(), n, h, 64)
+                                .metadata(), **kw)
+        self.assertFalse(mha.constexprs["GROUPED"])
+        with self.assertRaisesRegex(ValueError, "H_kv"):
+            abi.check_attention_shapes(q.shape, (b, 4, n_kv, d), (b, 4, n_kv, d), lay, None)
+        with self.assertRaisesRegex(ValueError, "kv_len"):
+            abi.check_attention_shapes(q.shape, (b, 2, 64, d), (b, 2, 64, d), lay, None)
+
+    @parameterized.parameters(16, 48, 80, 96, 128, 144, 192, 256)
+    def test_head_dims_supported(self, d):
+        """Every multiple of 16 up to 256; HEAD_DIM_PAD the next power of two; above 128 the
+        CUDA tiles stay at block 64 with one stage (fits an H100's shared memory and
+        registers), and schedule.kernel_layout runs a block-128 layout at block 64."""
+        self.assertEqual(tiles.check_head_dim(d), d)
+        self.assertEqual(abi.head_dim_padded(d), 1 << (d - 1).bit_length())
+        lay = make_layout(P.causal(), 512, 2, 128)
+        kernel_lay = schedule.kernel_layout(lay, "cuda", head_dim=d, dtype="bfloat16")
+        if d > 128:
+            self.assertEqual(kernel_lay.block_size, 64)
+            for name in tiles.KERNEL_NAMES:
+                cfg = tiles.tile_config(name, head_dim=d, dtype="bfloat16", block_size=64,
+                                        device_kind="cuda")
+                if name != "bwd_preprocess":
+                    self.assertEqual((cfg.num_stages, cfg.sub), (1, 32), name)
+            with self.assertRaisesRegex(ValueError, "head dim"):
+                tiles.tile_config("fwd", head_dim=d, dtype="bfloat16", block_size=128,
+                                  device_kind="cuda")
+        # The interpreter runs any layout block at any head dim.
+        self.assertIs(schedule.kernel_layout(lay, "interpreter", head_dim=d), lay)
+
+    @parameterized.parameters(8, 24, 200, 272, 512)
+    def test_head_dims_rejected(self, d):
+        with self.assertRaisesRegex(ValueError, "head dim"):
+            tiles.check_head_dim(d)
+
 if __name__ == "__main__":
     absltest.main()

@@ -60,10 +60,35 @@ SPECS = {
                            lambda h, i, j, n: ((j // 16) % 4 == 0) & (j <= i)),
     "union": (P.local(3, 0) | P.strided(5, 4),
               lambda h, i, j, n: ((i - 3 <= j) & (j <= i)) | ((j // 4) % 5 == 0)),
+    # Boundaries at 5, 21, 22 (not block-aligned; one 1-token document); lengths sum to the
+    # case's N (see _documents_spec).
+    "documents": (None, None),
+    "documents_causal": (None, None),
     "per_head": (P.per_head([P.causal(), P.local(4, 4), P.strided(2, 8, per_head_offset=True)]),
                  lambda h, i, j, n: [j <= i, np.abs(i - j) <= 4,
                                      (j // 8 + h) % 2 == 0][h % 3]),
 }
+
+
+def _documents_spec(name, n):
+    """(pattern, rule) of the documents cases for n tokens: lengths 5, 16, 1, then the rest in
+    pieces of 29 tokens."""
+    lengths = [5, 16, 1]
+    while sum(lengths) < n:
+        lengths.append(min(29, n - sum(lengths)))
+    ends = np.cumsum(lengths)
+
+    def doc(x):
+        return np.searchsorted(ends, x, side="right")
+
+    if name == "documents":
+        return P.documents(lengths), lambda h, i, j, n: doc(i) == doc(j)
+    return (P.documents(lengths) & P.causal(),
+            lambda h, i, j, n: (doc(i) == doc(j)) & (j <= i))
+
+
+def _spec(name, n):
+    return _documents_spec(name, n) if name.startswith("documents") else SPECS[name]
 
 
 def _token_truth(spec, heads, n):
@@ -73,16 +98,17 @@ def _token_truth(spec, heads, n):
 
 
 def _check_layout(test, lay, truth):
-    """block_mask, the CSR/CSC lists and the bitmasks all agree with the token-level truth."""
-    h_n, n, bs = lay.num_heads, lay.seq_len, lay.block_size
+    """block_mask, the CSR/CSC lists and the bitmasks all agree with the token-level truth
+    (``truth``: bool[H, N_q, N_kv])."""
+    h_n, n, n_kv, bs = lay.num_heads, lay.seq_len, lay.kv_len, lay.block_size
     np.testing.assert_array_equal(lay.dense_mask(), truth)
-    nb = lay.num_blocks
-    pad = np.zeros((h_n, nb * bs, nb * bs), bool)
+    nb, nbk = lay.num_blocks, lay.num_kv_blocks
+    pad = np.zeros((h_n, nb * bs, nbk * bs), bool)
     valid = np.zeros_like(pad)
-    pad[:, :n, :n] = truth
-    valid[:, :n, :n] = True
-    allowed = pad.reshape(h_n, nb, bs, nb, bs).sum((2, 4))
-    n_valid = valid.reshape(h_n, nb, bs, nb, bs).sum((2, 4))
+    pad[:, :n, :n_kv] = truth
+    valid[:, :n, :n_kv] = True
+    allowed = pad.reshape(h_n, nb, bs, nbk, bs).sum((2, 4))
+    n_valid = valid.reshape(h_n, nb, bs, nbk, bs).sum((2, 4))
     expect = np.where(allowed == 0, 0, np.where(allowed == n_valid, 2, 1))
     np.testing.assert_array_equal(lay.block_mask, expect)
     for h, r in itertools.product(range(h_n), range(nb)):
@@ -93,6 +119,7 @@ def _check_layout(test, lay, truth):
         test.assertTrue((expect[h, r, q_list[npart:]] == 2).all())
         test.assertTrue((lay.q_mask_id[h, r, :npart] >= 0).all())
         test.assertTrue((lay.q_mask_id[h, r, npart:] == -1).all())
+    for h, r in itertools.product(range(h_n), range(nbk)):
         k_list = lay.k_index[h, r, : lay.k_count[h, r]]
         np.testing.assert_array_equal(np.sort(k_list), np.nonzero(expect[h, :, r])[0])
         kpart = lay.k_partial[h, r]
@@ -133,8 +160,9 @@ def _check_work_order(test, lay):
         test.assertEqual(order.dtype, np.int32)
         test.assertEqual(order.shape, count.shape)
         test.assertFalse(order.flags.writeable)
+        tiles = lay.num_blocks if major == "q" else lay.num_kv_blocks
         for h in range(lay.num_heads):
-            np.testing.assert_array_equal(np.sort(order[h]), np.arange(lay.num_blocks))
+            np.testing.assert_array_equal(np.sort(order[h]), np.arange(tiles))
             c = count[h, order[h]]
             test.assertTrue((np.diff(c) <= 0).all(), f"{major}_order[{h}] not longest first")
             ties = np.diff(c) == 0
@@ -146,7 +174,7 @@ class PatternTest(parameterized.TestCase):
         (f"{name}_n{n}_bs{bs}", name, n, bs)
         for name, (n, bs) in itertools.product(SPECS, [(64, 16), (100, 32), (37, 16), (130, 64)]))
     def test_layout_matches_token_rule(self, name, n, bs):
-        pattern, spec = SPECS[name]
+        pattern, spec = _spec(name, n)
         heads = 3
         if name in ("random", "bigbird") and n < 32:
             n = 40  # random_blocks needs per_row <= number of key blocks
@@ -157,9 +185,52 @@ class PatternTest(parameterized.TestCase):
                       for h in range(heads)]), truth)
         _check_layout(self, lay, truth)
 
+    @parameterized.named_parameters(
+        (f"{name}_nq{nq}_nk{nk}_bs{bs}", name, nq, nk, bs)
+        for name, (nq, nk, bs) in itertools.product(
+            SPECS, [(40, 100, 16), (100, 37, 32), (1, 70, 16), (64, 128, 32), (130, 64, 64)]))
+    def test_queries_keys_differ(self, name, nq, nk, bs):
+        """kv_len != seq_len: the token rule evaluated bottom-right aligned (layout docstring:
+        query i is virtual token i + L - N_q, key j is j + L - N_kv, L = max(N_q, N_kv)),
+        exactly, at block-aligned and unaligned shifts."""
+        pattern, spec = _spec(name, max(nq, nk))
+        heads = 3
+        lay = make_layout(pattern, nq, heads, bs, kv_len=nk)
+        n = max(nq, nk)
+        i = np.arange(nq)[:, None] + n - nq
+        j = np.arange(nk)[None, :] + n - nk
+        truth = np.stack([np.broadcast_to(spec(h, i, j, n), (nq, nk)) for h in range(heads)])
+        self.assertEqual((lay.seq_len, lay.kv_len), (nq, nk))
+        _check_layout(self, lay, truth)
+
+    def test_causal_bottom_right_rule(self):
+        """FlashAttention 2.1+'s rule in so many words: query i sees key j iff
+        j <= i + N_kv - N_q; decode (one query) sees every key; with N_q > N_kv the first
+        N_q - N_kv queries see none."""
+        for nq, nk in ((16, 50), (1, 50), (50, 16), (33, 33)):
+            with self.subTest(nq=nq, nk=nk):
+                mask = make_layout(P.causal(), nq, 1, 16, kv_len=nk).dense_mask()[0]
+                i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+                np.testing.assert_array_equal(mask, j <= i + nk - nq)
+        self.assertTrue(make_layout(P.causal(), 1, 1, 16, kv_len=50).dense_mask().all())
+        self.assertFalse(make_layout(P.causal(), 50, 1, 16, kv_len=16).dense_mask()[0, :34].any())
+
+    def test_documents_lengths_are_data(self):
+        """Two packings of one total: same metadata shapes up to ELL width (a multiple of 16)
+        and mask count, and the block kinds come from the structure alone for aligned
+        boundaries (no partial tiles but the causal diagonal)."""
+        a = make_layout(P.documents([128, 64, 320]) & P.causal(), 512, 2, 64)
+        self.assertEqual(int(a.masks.shape[0]), 1)  # only the causal diagonal mask
+        b = make_layout(P.documents([100, 300, 112]) & P.causal(), 512, 2, 64)
+        for name in ("q_count", "k_count", "q_order"):
+            self.assertEqual(getattr(a, name).shape, getattr(b, name).shape)
+        self.assertEqual(a.q_index.shape[-1] % 16, 0)
+        self.assertEqual(b.q_index.shape[-1] % 16, 0)
+        self.assertEqual(P.documents([1, 2]), P.documents((1, 2)))
+
     def test_random_shapes_and_combinations(self):
         rng = np.random.default_rng(0)
-        names = list(SPECS)
+        names = [x for x in SPECS if not x.startswith("documents")]  # those depend on n
         for _ in range(25):
             a, b = (str(x) for x in rng.choice(names, 2))  # plain types: xdist sends subtests
             op = int(rng.integers(2))
@@ -331,6 +402,14 @@ class ValueSemanticsTest(absltest.TestCase):
             (lambda: make_layout(P.causal(), 64, 1, True), "block_size"),
             (lambda: make_layout(P.causal(), 0, 1, 16), "seq_len"),
             (lambda: make_layout(P.causal(), 64, 0, 16), "num_heads"),
+            (lambda: make_layout(P.causal(), 64, 1, 16, kv_len=0), "kv_len"),
+            (lambda: P.documents([3, 0, 5]), "lengths"),
+            (lambda: P.documents([3, -2]), "lengths"),
+            (lambda: P.documents([]), "lengths"),
+            (lambda: P.documents([2.5, 3]), "lengths"),
+            (lambda: make_layout(P.documents([30, 30]), 64, 1, 16), "lengths"),
+            (lambda: make_layout(P.documents([30, 30]) & P.causal(), 64, 1, 16), "lengths"),
+            (lambda: make_layout(P.causal(), 64, 1, 16, kv_len=8.0), "kv_len"),
             (lambda: make_layout("causal", 64, 1, 16), "pattern"),
             (lambda: make_layout(P.random_blocks(5, 16, 0), 64, 1, 16), "per_row"),
             (lambda: make_layout(P.causal() | P.random_blocks(5, 16, 0), 64, 1, 16), "per_row"),

@@ -44,7 +44,7 @@ SHAPES = (
 )
 
 
-def _patterns(b: int) -> dict[str, P.Pattern]:
+def _patterns(b: int, n: int) -> dict[str, P.Pattern]:
     return {
         "causal": P.causal(),
         "bigbird": P.bigbird(b, 3, 1, 1, seed=3),
@@ -52,6 +52,10 @@ def _patterns(b: int) -> dict[str, P.Pattern]:
         "strided_causal_or_local": P.strided(4, b) & P.causal() | P.local(b - 1, 0),
         "dense": P.dense(),
         "global_tokens": P.global_tokens(b // 2 + 3),
+        # Packed documents: two packings of the same total (boundaries inside tiles); lengths
+        # are layout data, never kernel arguments.
+        "documents_a": P.documents([7, n // 2, 1, n - n // 2 - 8]) & P.causal(),
+        "documents_b": P.documents([n // 3 + 1, n - n // 3 - 1]) & P.causal(),
         "per_head_mix": P.per_head([P.causal(), P.local(b, b),
                                     P.strided(2, b, per_head_offset=True) | P.global_tokens(5)]),
     }
@@ -132,7 +136,7 @@ class RecompileTest(parameterized.TestCase):
     @parameterized.parameters(*SHAPES)
     def test_patterns_share_one_compile_key(self, b, h, n, d, bs, dtype):
         keys, widths = {}, set()
-        for name, pattern in _patterns(bs).items():
+        for name, pattern in _patterns(bs, n).items():
             lay = make_layout(pattern, n, h, bs)
             widths.add(int(lay.q_count.max()))
             keys[name] = _compile_keys(lay, b, d, dtype)
@@ -185,12 +189,14 @@ class RecompileTest(parameterized.TestCase):
                 self.assertNotEqual(base[kernel]["constexprs"][constexpr],
                                     other[kernel]["constexprs"][constexpr])
 
-    def test_head_dim_above_128_is_refused_before_compiling(self):
-        """D > 128 never reaches a compile: a ValueError naming the argument and the reason."""
+    def test_head_dim_above_256_is_refused_before_compiling(self):
+        """D > 256 never reaches a compile: a ValueError naming the argument and the reason
+        (up to 256 the kernels pad the head dim to a power of two, tiles.SUPPORTED_HEAD_DIMS)."""
         lay = make_layout(P.causal(), 256, 2, 64)
-        with self.assertRaisesRegex(ValueError, r"^q has head dim 256; head dims above 128 are "
-                                    r"not supported .*split-D accumulator"):
-            _calls(lay, 1, 256, "bfloat16")
+        with self.assertRaisesRegex(ValueError, r"^q has head dim 272; head dims above 256 are "
+                                    r"not supported.*split-D accumulator"):
+            _calls(lay, 1, 272, "bfloat16")
+        _calls(lay, 1, 256, "bfloat16")  # described (block 64 fits D=256)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ from sparsetp.core import HybridConfig, init_params, make_layout, reference
 from sparsetp.core import patterns as P
 
 
-def _cfg(bias=True):
+def _cfg(bias=True, num_kv_heads=None):
     return HybridConfig(d_model=32, num_heads=4, d_ff=48, pattern=P.bigbird(8, 3, 1, 1, seed=3),
-                        block_size=16, norm_eps=1e-5, bias=bias)
+                        block_size=16, norm_eps=1e-5, bias=bias, num_kv_heads=num_kv_heads)
 
 
 class PiecesTest(absltest.TestCase):
@@ -65,11 +65,36 @@ class PiecesTest(absltest.TestCase):
         y = y1 + reference.mlp(p, h2)
         np.testing.assert_allclose(reference.hybrid_block(p, x, cfg), y, rtol=1e-12, atol=1e-12)
 
+    def test_gqa_block_matches_per_head_loop(self):
+        """GQA restated: kv head g's columns are [q of heads 2g, 2g+1 | k_g | v_g] (group-major,
+        G = 2); query head h uses k, v of kv head h // 2."""
+        cfg = _cfg(num_kv_heads=2)
+        p = {k: v.astype(np.float64) for k, v in init_params(cfg, 4).items()}
+        x = np.random.default_rng(5).standard_normal((2, 40, 32))
+        hd, n, g = cfg.head_dim, 40, 2
+        mask = make_layout(cfg.pattern, n, cfg.num_heads, cfg.block_size).dense_mask()
+        h1 = reference.layer_norm(x, p["ln1.weight"], p["ln1.bias"], cfg.norm_eps)
+        qkv = h1 @ p["attn.qkv.weight"] + p["attn.qkv.bias"]
+        self.assertEqual(qkv.shape[-1], 32 + 2 * 2 * hd)
+        heads = []
+        for h in range(cfg.num_heads):
+            base = (h // g) * (g + 2) * hd
+            q = qkv[..., base + (h % g) * hd: base + (h % g + 1) * hd]
+            k = qkv[..., base + g * hd: base + (g + 1) * hd]
+            v = qkv[..., base + (g + 1) * hd: base + (g + 2) * hd]
+            s = np.where(mask[h], q @ k.transpose(0, 2, 1) / np.sqrt(hd), -np.inf)
+            e = np.exp(s - s.max(-1, keepdims=True))
+            heads.append(e / e.sum(-1, keepdims=True) @ v)
+        y1 = x + np.concatenate(heads, -1) @ p["attn.out.weight"] + p["attn.out.bias"]
+        y = y1 + reference.mlp(p, reference.layer_norm(y1, p["ln2.weight"], p["ln2.bias"],
+                                                       cfg.norm_eps))
+        np.testing.assert_allclose(reference.hybrid_block(p, x, cfg), y, rtol=1e-12, atol=1e-12)
+
 
 class BlockGradTest(parameterized.TestCase):
-    @parameterized.parameters(True, False)
-    def test_grad_matches_finite_differences(self, bias):
-        cfg = _cfg(bias)
+    @parameterized.parameters((True, None), (False, None), (True, 2), (False, 1))
+    def test_grad_matches_finite_differences(self, bias, num_kv_heads):
+        cfg = _cfg(bias, num_kv_heads)
         rng = np.random.default_rng(6)
         params = {k: v.astype(np.float64) for k, v in init_params(cfg, 7).items()}
         x = rng.standard_normal((2, 40, 32))

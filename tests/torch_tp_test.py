@@ -222,11 +222,11 @@ def _check_layers(rank, world):
     return _check_mlp(rank, world, "float32", bias=True)
 
 
-def _block_config(bias=True, dtype="float32"):
+def _block_config(bias=True, dtype="float32", num_kv_heads=None):
     # N=128 with 32-token tiles and a 16-token BigBird: full, partial and empty tiles (density
     # ~0.9 with ~0.6 partial); small enough for the interpreter (~4 s of fwd+bwd on 2 cores).
     return HybridConfig(d_model=64, num_heads=4, d_ff=128, pattern=P.bigbird(16, 3, 1, 1, seed=3),
-                        block_size=32, bias=bias, dtype=dtype)
+                        block_size=32, bias=bias, dtype=dtype, num_kv_heads=num_kv_heads)
 
 
 def _block_problem(cfg):
@@ -237,8 +237,8 @@ def _block_problem(cfg):
     return params, x, dy
 
 
-def _check_block(rank, world, bias):
-    cfg = _block_config(bias)
+def _check_block(rank, world, bias, num_kv_heads=None):
+    cfg = _block_config(bias, num_kv_heads=num_kv_heads)
     params, x, dy = _block_problem(cfg)
     y_ref = reference.hybrid_block(params, x, cfg)
     dx_ref, dparams_ref = reference.hybrid_block_grad(params, x, cfg, dy)
@@ -461,6 +461,12 @@ class DistributedBlockTest(parameterized.TestCase):
 
     def test_block_without_bias(self):
         dist_utils.run_distributed(_check_block, 2, False, timeout=180)
+
+    def test_block_gqa(self):
+        """num_kv_heads=2 of 4 query heads at TP 2: each rank holds one whole kv group (two
+        query heads, one key and value head: the qkv weight's group-major columns) and checks
+        y, dx and its qkv/out weight-grad shards against the float64 oracle."""
+        dist_utils.run_distributed(_check_block, 2, True, 2, timeout=180)
 
 
 class HarnessTest(absltest.TestCase):

@@ -13,8 +13,8 @@ name                   shape          tensor-parallel split (``partition_dim``)
 =====================  =============  ==========================================
 ``ln1.weight``         ``[d]``        replicated (None)
 ``ln1.bias``           ``[d]``        replicated (None)
-``attn.qkv.weight``    ``[d, 3d]``    output columns (1): whole heads per rank
-``attn.qkv.bias``      ``[3d]``       output columns (0)
+``attn.qkv.weight``    ``[d, d+2kv]`` output columns (1): whole kv groups per rank
+``attn.qkv.bias``      ``[d+2kv]``    output columns (0)
 ``attn.out.weight``    ``[d, d]``     input rows (0): whole heads per rank
 ``attn.out.bias``      ``[d]``        replicated (added once to the summed output)
 ``ln2.weight``         ``[d]``        replicated
@@ -25,10 +25,17 @@ name                   shape          tensor-parallel split (``partition_dim``)
 ``mlp.fc2.bias``       ``[d]``        replicated (added once to the summed output)
 =====================  =============  ==========================================
 
-``qkv`` columns are head-major and interleaved (Megatron's layout): column
-``h * 3 * hd + t * hd + e`` is element ``e`` of head ``h`` of ``t`` (0 q, 1 k, 2 v), so a
-contiguous column split gives a rank whole heads, and ``attn.out`` rows are ``h * hd + e``.
+``qkv`` columns are group-major and interleaved (Megatron's layout, with its GQA "query
+groups"): ``kv = num_kv_heads * head_dim`` and ``G = num_heads / num_kv_heads`` query heads
+share each kv head; the columns of kv head ``g`` are ``G + 2`` blocks of ``hd``: its query heads
+``g*G .. g*G + G - 1``, then its key, then its value. Column ``g * (G+2) * hd + t * hd + e`` is
+element ``e`` of query head ``g*G + t`` (``t < G``), of key ``g`` (``t = G``) or of value ``g``
+(``t = G + 1``). With ``num_kv_heads == num_heads`` (the default, ``G = 1``) this is the
+classic ``h * 3 * hd + t * hd + e``. A contiguous column split gives a rank whole kv groups
+(its query heads and their keys and values), and ``attn.out`` rows are ``h * hd + e``.
 With ``bias=False`` the four linear biases are absent (layer norms keep theirs).
+
+GQA: ``HybridConfig(..., num_kv_heads=2)``; TP needs ``num_kv_heads`` divisible by the TP size.
 
 >>> from sparsetp.core import patterns as P
 >>> cfg = HybridConfig(d_model=64, num_heads=4, d_ff=256, pattern=P.causal(), block_size=32)
@@ -111,6 +118,8 @@ class HybridConfig:
     norm_eps: float = 1e-5
     bias: bool = True
     dtype: str = "float32"
+    # Key/value heads (grouped-query attention); None means num_heads (multi-head attention).
+    num_kv_heads: int | None = None
 
     def __post_init__(self):
         _pos_int("d_model", self.d_model)
@@ -119,6 +128,12 @@ class HybridConfig:
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of "
                              f"num_heads={self.num_heads}")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        _pos_int("num_kv_heads", self.num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
         if not isinstance(self.pattern, Pattern):
             raise ValueError(f"pattern must be a sparsetp Pattern, got {self.pattern!r}")
         if isinstance(self.block_size, bool) or self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -136,13 +151,24 @@ class HybridConfig:
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def kv_group(self) -> int:
+        """Query heads per kv head (1 for multi-head attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (and of the values): ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
 
 def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
     """Canonical unsharded parameter shapes, in canonical order."""
     d, ff = config.d_model, config.d_ff
+    qkv = d + 2 * config.kv_dim
     shapes = {
         "ln1.weight": (d,), "ln1.bias": (d,),
-        "attn.qkv.weight": (d, 3 * d), "attn.qkv.bias": (3 * d,),
+        "attn.qkv.weight": (d, qkv), "attn.qkv.bias": (qkv,),
         "attn.out.weight": (d, d), "attn.out.bias": (d,),
         "ln2.weight": (d,), "ln2.bias": (d,),
         "mlp.fc1.weight": (d, ff), "mlp.fc1.bias": (ff,),
@@ -183,11 +209,16 @@ def partition_dim(name: str) -> int | None:
 
 
 def check_tp_size(config: HybridConfig, world_size: int) -> None:
-    """Raise ValueError unless ``num_heads`` and ``d_ff`` are multiples of ``world_size``."""
+    """Raise ValueError unless ``num_heads``, ``num_kv_heads`` and ``d_ff`` are multiples of
+    ``world_size`` (each rank holds whole kv groups: its query heads with their keys/values)."""
     _pos_int("world_size", world_size)
     if config.num_heads % world_size:
         raise ValueError(f"num_heads={config.num_heads} is not divisible by the tensor-parallel "
                          f"size {world_size}")
+    if config.num_kv_heads % world_size:
+        raise ValueError(f"num_kv_heads={config.num_kv_heads} is not divisible by the "
+                         f"tensor-parallel size {world_size}: each rank must hold whole kv "
+                         "groups (kv heads are not replicated across ranks)")
     if config.d_ff % world_size:
         raise ValueError(f"d_ff={config.d_ff} is not divisible by the tensor-parallel size "
                          f"{world_size}")

@@ -8,6 +8,25 @@ does not divide ``N``) and records, as numpy arrays, everything a kernel needs:
     0 empty (never computed), 1 partial (computed under the element mask), 2 full (computed
     with no element mask). Only valid tokens (``< seq_len``) count when classifying.
 
+Queries != keys (``kv_len``)
+    ``make_layout(..., kv_len=N_k)`` lays out an ``N_q x N_k`` score matrix (``seq_len = N_q``
+    queries; ``kv_len`` defaults to ``seq_len``). Rule (FlashAttention 2.1+, "bottom-right
+    aligned"): queries and keys are the *last* tokens of one virtual sequence of
+    ``L = max(N_q, N_k)`` tokens, so query ``i`` is virtual token ``i + L - N_q`` and key ``j``
+    is virtual token ``j + L - N_k``, and the pattern is evaluated there with ``n = L``. For
+    causal this reads: query ``i`` sees key ``j`` iff ``j <= i + N_k - N_q`` (decoding one query
+    against a cache of ``N_k`` keys sees them all; with ``N_q > N_k`` the first ``N_q - N_k``
+    queries see no key and give output 0). Every pattern (local windows, documents, global
+    tokens, ...) is aligned the same way. Query-major arrays have ``ceil(N_q / bs)`` tiles,
+    key-major ones ``ceil(N_k / bs)``.
+
+Grouped-query attention (GQA/MQA)
+    A layout has one row per *query* head (``num_heads = H``), whatever the number of key/value
+    heads: kernels read kv head ``h // (H / H_kv)`` for query head ``h``, and the dK/dV program
+    of kv head ``g`` walks the key-major lists of each query head of its group in turn (no
+    atomics, deterministic). Keeping the layout per query head means a per-head pattern still
+    gives every query head of a group its own mask; the layout never needs to know ``H_kv``.
+
 Query-major lists (forward and dQ), padded ("ELL") so every array has a static shape:
     ``q_count[h, I]`` key tiles listed for query tile ``I``; ``q_partial[h, I]`` how many of them,
     listed *first*, are partial; ``q_index[h, I, k]`` the key tile; ``q_mask_id[h, I, k]`` the
@@ -63,7 +82,7 @@ from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
 
-__all__ = ["BlockLayout", "make_layout", "work_order", "layout_from_handle",
+__all__ = ["BlockLayout", "make_layout", "block_kinds", "work_order", "layout_from_handle",
            "SUPPORTED_BLOCK_SIZES"]
 
 # Every layout gets a process-unique string handle, so a frontend can name it inside a traced
@@ -111,12 +130,16 @@ class BlockLayout:
     # None and 0 for a whole layout.
     source: BlockLayout | None = dataclasses.field(default=None, repr=False)
     head_offset: int = 0
+    # Number of keys (``N_k``); None means ``seq_len`` (self-attention). See the module docstring.
+    kv_len: int | None = None
     # Process-unique id of this object (:func:`layout_from_handle`); not part of the value.
     handle: str = dataclasses.field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self):
         object.__setattr__(self, "handle", f"layout-{next(_HANDLES)}")
         _BY_HANDLE[self.handle] = self
+        if self.kv_len is None:
+            object.__setattr__(self, "kv_len", self.seq_len)
         for name in ("q_order", "k_order"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, work_order(getattr(self, name[0] + "_count")))
@@ -127,7 +150,13 @@ class BlockLayout:
 
     @property
     def num_blocks(self) -> int:
+        """Query tiles (rows of ``block_mask``)."""
         return self.block_mask.shape[1]
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Key tiles (columns of ``block_mask``); ``num_blocks`` unless ``kv_len != seq_len``."""
+        return self.block_mask.shape[2]
 
     @property
     def density(self) -> float:
@@ -152,10 +181,10 @@ class BlockLayout:
 
     def tile_mask(self, h: int, qi: int, kj: int) -> np.ndarray:
         """bool[bs, bs] element mask of one tile (rows queries), including padding as False."""
-        bs, n = self.block_size, self.seq_len
+        bs = self.block_size
         kind = self.block_mask[h, qi, kj]
-        rows = qi * bs + np.arange(bs) < n
-        cols = kj * bs + np.arange(bs) < n
+        rows = qi * bs + np.arange(bs) < self.seq_len
+        cols = kj * bs + np.arange(bs) < self.kv_len
         if kind == EMPTY:
             return np.zeros((bs, bs), bool)
         if kind == FULL:
@@ -165,10 +194,11 @@ class BlockLayout:
         return _unpack(self.masks[self.q_mask_id[h, qi, k]], bs)
 
     def dense_mask(self) -> np.ndarray:
-        """bool[H, N, N] expanded from the tiles (for tests and references; O(N^2))."""
-        h_n, nb, bs, n = self.num_heads, self.num_blocks, self.block_size, self.seq_len
-        out = np.zeros((h_n, nb * bs, nb * bs), bool)
-        view = out.reshape(h_n, nb, bs, nb, bs)
+        """bool[H, N_q, N_k] expanded from the tiles (for tests and references; O(N^2))."""
+        h_n, nb, bs = self.num_heads, self.num_blocks, self.block_size
+        nbk = self.num_kv_blocks
+        out = np.zeros((h_n, nb * bs, nbk * bs), bool)
+        view = out.reshape(h_n, nb, bs, nbk, bs)
         full = self.block_mask == FULL
         view[:] = full[:, :, None, :, None]
         hh, ii = np.nonzero(self.q_partial > 0)
@@ -176,7 +206,7 @@ class BlockLayout:
             for k in range(self.q_partial[h, i]):
                 view[h, i, :, self.q_index[h, i, k], :] = _unpack(
                     self.masks[self.q_mask_id[h, i, k]], bs)
-        return out[:, :n, :n].copy()
+        return out[:, :self.seq_len, :self.kv_len].copy()
 
     def heads(self, start: int, stop: int) -> BlockLayout:
         """The layout of heads ``[start, stop)`` (what one tensor-parallel rank holds).
@@ -200,7 +230,8 @@ class BlockLayout:
                 "k_partial", "k_index", "k_mask_id", "q_order", "k_order")})
 
     def __repr__(self):
-        return (f"BlockLayout(pattern={self.pattern!r}, seq_len={self.seq_len}, "
+        kv = "" if self.kv_len == self.seq_len else f"kv_len={self.kv_len}, "
+        return (f"BlockLayout(pattern={self.pattern!r}, seq_len={self.seq_len}, {kv}"
                 f"num_heads={self.num_heads}, block_size={self.block_size}, "
                 f"density={self.density:.4f}, masks={self.masks.shape[0]})")
 
@@ -269,28 +300,79 @@ def _check_int(name, value, lo):
     return int(value)
 
 
-def _eval_tiles(pattern: Pattern, h: int, bs: int, n: int, qi: np.ndarray, kj: np.ndarray):
-    """bool[P, bs, bs] element masks of tiles (qi, kj); tokens past n are False."""
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Query and key counts of a layout and where they sit in the virtual sequence of
+    ``n = max(nq, nk)`` tokens the pattern is evaluated on (module docstring, "Queries != keys"):
+    query ``i`` is virtual token ``i + sq``, key ``j`` is ``j + sk``."""
+
+    nq: int
+    nk: int
+
+    @property
+    def n(self) -> int:
+        return max(self.nq, self.nk)
+
+    @property
+    def sq(self) -> int:
+        return self.n - self.nq
+
+    @property
+    def sk(self) -> int:
+        return self.n - self.nk
+
+
+def _virtual_tiles(shift: int, count: int, bs: int):
+    """First and last virtual tile (of the square tiling of the virtual sequence) that each of
+    the ``ceil(count / bs)`` tiles of a shifted axis touches."""
+    lo = shift + np.arange(-(-count // bs), dtype=np.int64) * bs
+    hi = np.minimum(lo + bs, shift + count) - 1
+    return lo // bs, hi // bs
+
+
+def block_kinds(pattern: Pattern, h: int, bs: int, seq_len: int,
+                kv_len: int | None = None) -> np.ndarray:
+    """int8[ceil(seq_len/bs), ceil(kv_len/bs)]: the pattern's *structural* tile kinds (sound,
+    maybe not tight) for ``seq_len`` queries and ``kv_len`` keys, aligned as in the module
+    docstring. Square layouts use ``pattern.block_kinds``; shifted axes take, per tile, the
+    kinds of the (at most 2 x 2) virtual tiles it overlaps: FULL if all are full, EMPTY if all
+    are empty, else PARTIAL (sound: a tile is a subset of the virtual tiles it overlaps)."""
+    g = _Geometry(seq_len, seq_len if kv_len is None else kv_len)
+    kinds = np.asarray(pattern.block_kinds(h, bs, g.n))
+    if g.sq == 0 and g.sk == 0:
+        return kinds
+    r0, r1 = _virtual_tiles(g.sq, g.nq, bs)
+    c0, c1 = _virtual_tiles(g.sk, g.nk, bs)
+    parts = [kinds[r][:, c] for r in (r0, r1) for c in (c0, c1)]
+    full = np.logical_and.reduce([p == FULL for p in parts])
+    empty = np.logical_and.reduce([p == EMPTY for p in parts])
+    return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+
+
+def _eval_tiles(pattern: Pattern, h: int, bs: int, g: _Geometry, qi: np.ndarray,
+                kj: np.ndarray):
+    """bool[P, bs, bs] element masks of tiles (qi, kj); tokens past nq / nk are False."""
     r = np.arange(bs, dtype=np.int64)
     out = np.empty((qi.size, bs, bs), bool)
     step = max(1, _CHUNK_ELEMENTS // (bs * bs))
     for s in range(0, qi.size, step):
         i = qi[s:s + step, None, None] * bs + r[None, :, None]
         j = kj[s:s + step, None, None] * bs + r[None, None, :]
-        valid = (i < n) & (j < n)
-        out[s:s + step] = pattern._token(h, np.minimum(i, n - 1), np.minimum(j, n - 1), n) & valid
+        valid = (i < g.nq) & (j < g.nk)
+        out[s:s + step] = pattern._token(h, np.minimum(i, g.nq - 1) + g.sq,
+                                         np.minimum(j, g.nk - 1) + g.sk, g.n) & valid
     return out
 
 
-def _head_tiles(pattern: Pattern, h: int, bs: int, n: int, mask_ids: dict):
+def _head_tiles(pattern: Pattern, h: int, bs: int, g: _Geometry, mask_ids: dict):
     """Exact non-empty tiles of one head: ``(qi, kj, kind, mask_id)`` (mask_id -1 unless
     partial), in row-major tile order. From the pattern's sparse candidates when it lists them
-    (``Pattern._sparse_tiles``), else from its dense ``block_kinds``."""
-    nb = -(-n // bs)
-    sparse = pattern._sparse_tiles(h, bs, n)
+    (``Pattern._sparse_tiles``, square layouts only), else from its dense :func:`block_kinds`."""
+    nbq, nbk = -(-g.nq // bs), -(-g.nk // bs)
+    sparse = pattern._sparse_tiles(h, bs, g.n) if g.sq == 0 and g.sk == 0 else None
     if sparse is None:
-        kinds = np.asarray(pattern.block_kinds(h, bs, n), dtype=np.int8)
-        if kinds.shape != (nb, nb):
+        kinds = np.asarray(block_kinds(pattern, h, bs, g.nq, g.nk), dtype=np.int8)
+        if kinds.shape != (nbq, nbk):
             raise AssertionError(f"{pattern!r} returned block kinds of shape {kinds.shape}")
         qi, kj = np.nonzero(kinds != EMPTY)
         kind = kinds[qi, kj]
@@ -302,27 +384,31 @@ def _head_tiles(pattern: Pattern, h: int, bs: int, n: int, mask_ids: dict):
     mid = np.full(qi.shape, -1, np.int32)
     part = np.nonzero(kind == PARTIAL)[0]
     if part.size:
-        kind[part], mid[part] = _classify(pattern, h, bs, n, qi[part], kj[part], mask_ids)
+        kind[part], mid[part] = _classify(pattern, h, bs, g, qi[part], kj[part], mask_ids)
     keep = kind != EMPTY
     return qi[keep], kj[keep], kind[keep], mid[keep]
 
 
-def _classify(pattern: Pattern, h: int, bs: int, n: int, qi, kj, mask_ids: dict):
+def _classify(pattern: Pattern, h: int, bs: int, g: _Geometry, qi, kj, mask_ids: dict):
     """Exact kinds and mask ids of "maybe" tiles ``(qi, kj)``."""
-    nb = -(-n // bs)
+    nbq, nbk = -(-g.nq // bs), -(-g.nk // bs)
     # Evaluate one representative tile per class of identical masks; tiles of the ragged last
     # row/column (different valid region) and patterns with no known classes go one by one.
-    classes = pattern._tile_classes(h, bs, n, qi, kj)
+    # Classes are those of the virtual square's tiles, so only for shifts that are whole tiles.
+    classes = None
+    if g.sq % bs == 0 and g.sk % bs == 0:
+        classes = pattern._tile_classes(h, bs, g.n, qi + g.sq // bs, kj + g.sk // bs)
     if classes is None:
         cls = np.arange(qi.size, dtype=np.int64)
     else:
         cls = np.asarray(classes, np.int64)
-        ragged = ((qi == nb - 1) | (kj == nb - 1)) & (n % bs != 0)
+        ragged = (((qi == nbq - 1) & (g.nq % bs != 0))
+                  | ((kj == nbk - 1) & (g.nk % bs != 0)))
         cls = np.where(ragged, cls.max(initial=0) + 1 + np.arange(qi.size), cls)
     _, rep, inverse = np.unique(cls, return_index=True, return_inverse=True)
-    tiles = _eval_tiles(pattern, h, bs, n, qi[rep], kj[rep])
-    valid_rows = np.minimum(n - qi[rep] * bs, bs)
-    valid_cols = np.minimum(n - kj[rep] * bs, bs)
+    tiles = _eval_tiles(pattern, h, bs, g, qi[rep], kj[rep])
+    valid_rows = np.minimum(g.nq - qi[rep] * bs, bs)
+    valid_cols = np.minimum(g.nk - kj[rep] * bs, bs)
     allowed = tiles.sum(axis=(1, 2))
     n_valid = valid_rows * valid_cols
     # Re-classify exactly: the structure may only have said "maybe".
@@ -369,8 +455,12 @@ def _stack_padded(arrays, fill):
 
 
 def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
-                block_size: int = 64) -> BlockLayout:
+                block_size: int = 64, *, kv_len: int | None = None) -> BlockLayout:
     """Build the :class:`BlockLayout` of ``pattern`` for ``seq_len`` tokens and ``num_heads``.
+
+    ``num_heads`` counts *query* heads (GQA: the kv heads are the kernels' business, see the
+    module docstring). ``kv_len``: number of keys when it differs from the number of queries
+    ``seq_len``; the pattern's diagonal is aligned to the end of the keys (module docstring).
 
     Cost is O(H' * nb^2) for the tile classification (``H'`` distinct head masks, ``nb`` tiles
     per side) plus O(bs^2) per class of partial tiles; no N x N array is ever built. A pattern
@@ -380,10 +470,14 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
     >>> from sparsetp.core import patterns as P
     >>> make_layout(P.local(64, 0), seq_len=200, num_heads=1, block_size=64).q_count.tolist()
     [[1, 2, 2, 2]]
+    >>> lay = make_layout(P.causal(), seq_len=64, num_heads=1, block_size=64, kv_len=192)
+    >>> lay.block_mask.tolist()     # 64 queries at the end of 192 keys: 128 + i sees keys <= 128+i
+    [[[2, 2, 1]]]
     """
     if not isinstance(pattern, Pattern):
         raise ValueError(f"pattern must be a sparsetp Pattern, got {type(pattern).__name__}")
     seq_len = _check_int("seq_len", seq_len, 1)
+    kv_len = seq_len if kv_len is None else _check_int("kv_len", kv_len, 1)
     num_heads = _check_int("num_heads", num_heads, 1)
     # Type first: 64.0 == 64 would pass the membership test and fail later with a TypeError.
     if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
@@ -391,18 +485,20 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
         raise ValueError(
             f"block_size must be an int, one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
     block_size = int(block_size)
-    pattern._validate(seq_len)
+    geom = _Geometry(seq_len, kv_len)
+    pattern._validate(geom.n)
     mask_ids: dict[bytes, int] = {}
     by_key: dict = {}
     per_head = []
-    nb = -(-seq_len // block_size)
     for h in range(num_heads):
         key = pattern.head_key(h)
         if key not in by_key:
-            qi, kj, kind, mid = _head_tiles(pattern, h, block_size, seq_len, mask_ids)
-            kinds = np.zeros((nb, nb), np.int8)
+            qi, kj, kind, mid = _head_tiles(pattern, h, block_size, geom, mask_ids)
+            nbq, nbk = -(-seq_len // block_size), -(-kv_len // block_size)
+            kinds = np.zeros((nbq, nbk), np.int8)
             kinds[qi, kj] = kind
-            by_key[key] = (kinds, None, _ell(qi, kj, kind, mid, nb), _ell(kj, qi, kind, mid, nb))
+            by_key[key] = (kinds, None, _ell(qi, kj, kind, mid, nbq),
+                           _ell(kj, qi, kind, mid, nbk))
         per_head.append(by_key[key])
     w = _words(block_size)
     if mask_ids:
@@ -411,7 +507,8 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
     else:  # a valid pointer for kernels that never read it
         masks = np.zeros((1, block_size, w), np.int32)
     return BlockLayout(
-        pattern=pattern, seq_len=seq_len, num_heads=num_heads, block_size=block_size,
+        pattern=pattern, seq_len=seq_len, kv_len=kv_len, num_heads=num_heads,
+        block_size=block_size,
         block_mask=np.stack([p[0] for p in per_head]),
         q_count=np.stack([p[2][0] for p in per_head]),
         q_partial=np.stack([p[2][1] for p in per_head]),

@@ -44,7 +44,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 __all__ = [
     "Pattern", "dense", "causal", "local", "block_diagonal", "fixed", "strided", "random_blocks",
     "global_tokens", "block_local", "bigbird", "longformer", "neighborhood", "grid_tiling",
-    "per_head", "EMPTY", "PARTIAL", "FULL",
+    "per_head", "documents", "EMPTY", "PARTIAL", "FULL",
 ]
 
 
@@ -288,6 +288,65 @@ class BlockDiagonal(Pattern):
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         return _relative_classes(self.size, block_size, n, qi, kj)
+
+
+@_frozen
+class Documents(Pattern):
+    """Packed documents: ``doc(i) == doc(j)``, documents of ``lengths`` tokens end to end."""
+
+    lengths: tuple
+
+    def __post_init__(self):
+        if isinstance(self.lengths, (str, bytes)) or not hasattr(self.lengths, "__len__"):
+            raise ValueError(f"lengths must be a sequence of ints, got {self.lengths!r}")
+        if len(self.lengths) == 0:
+            raise ValueError("lengths must hold at least one document length")
+        for k, length in enumerate(self.lengths):
+            if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+                raise ValueError(f"lengths[{k}] must be an int, got {length!r}")
+            if length < 1:
+                raise ValueError(f"lengths[{k}] must be >= 1 (a document of no token), got "
+                                 f"{length}")
+        object.__setattr__(self, "lengths", tuple(int(x) for x in self.lengths))
+
+    def _validate(self, seq_len):
+        total = sum(self.lengths)
+        if total != seq_len:
+            raise ValueError(f"document lengths sum to {total} but the sequence has {seq_len} "
+                             f"tokens: lengths must sum to the (key) sequence length")
+
+    def _ends(self) -> np.ndarray:
+        return np.cumsum(np.asarray(self.lengths, np.int64))
+
+    def _doc(self, x) -> np.ndarray:
+        """Document index of tokens ``x`` (O(log D) per token)."""
+        return np.searchsorted(self._ends(), x, side="right")
+
+    def _token(self, h, i, j, n):
+        return self._doc(i) == self._doc(j)
+
+    def block_kinds(self, h, block_size, n) -> np.ndarray:
+        # Closed form, as for block_diagonal with irregular groups: the documents a tile row or
+        # column spans are the contiguous range doc(lo) .. doc(hi).
+        lo, hi = _tile_bounds(block_size, n)
+        g_lo, g_hi = self._doc(lo), self._doc(hi)
+        one = g_lo == g_hi
+        full = one[:, None] & one[None, :] & (g_lo[:, None] == g_lo[None, :])
+        empty = (g_hi[:, None] < g_lo[None, :]) | (g_lo[:, None] > g_hi[None, :])
+        return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        # A partial tile whose rows lie in one document d has the mask "columns in d", the same
+        # for every such row tile: class (key tile, d). Likewise (query tile, d) for columns in
+        # one document. Tiles with boundaries on both axes are classes of their own.
+        lo, hi = _tile_bounds(block_size, n)
+        d_lo, d_hi = self._doc(lo), self._doc(hi)
+        row_one = d_lo[qi] == d_hi[qi]
+        col_one = d_lo[kj] == d_hi[kj]
+        kind = np.where(row_one, 0, np.where(col_one, 1, 2))
+        a = np.where(row_one, kj, qi)
+        b = np.where(row_one, d_lo[qi], np.where(col_one, d_lo[kj], kj))
+        return _combine_classes([kind.astype(np.int64), a.astype(np.int64), b.astype(np.int64)])
 
 
 @_frozen
@@ -1016,6 +1075,21 @@ def longformer(window: int, global_n: int) -> Pattern:
     """Longformer = ``local(window // 2, window // 2) | global_tokens(global_n)``."""
     _positive_int("window", window, allow_zero=True)
     return local(window // 2, window // 2) | global_tokens(global_n)
+
+
+def documents(lengths: Sequence[int]) -> Pattern:
+    """Packed documents (sequence packing): token ``i`` may attend to token ``j`` iff both lie in
+    the same document, the documents being ``lengths`` tokens long, end to end from token 0.
+    The lengths must sum to the (key) sequence length and be positive; boundaries need not be
+    block-aligned (tiles straddling one are partial, token-exact). Compose with ``&``:
+    ``documents(l) & causal()`` is causal attention within each document. Block kinds are in
+    closed form (no N x N pass); a new set of lengths is new layout *data*, never a new kernel.
+
+    >>> p = documents([3, 5]) & causal()
+    >>> bool(p.token_mask(0, 4, 2, n=8)), bool(p.token_mask(0, 4, 3, n=8))
+    (False, True)
+    """
+    return Documents(tuple(lengths) if not isinstance(lengths, (str, bytes)) else lengths)
 
 
 def per_head(patterns: Sequence[Pattern]) -> Pattern:

@@ -4,7 +4,10 @@ Plain, obviously-correct implementations over dense masks (O(N^2) memory: for te
 Every function takes and returns numpy arrays and computes in float64 whatever the input dtype.
 
 Conventions: attention tensors are ``[B, H, N, D]``; a row with no allowed key has output 0 and
-log-sum-exp ``-inf`` and passes no gradient (never NaN).
+log-sum-exp ``-inf`` and passes no gradient (never NaN). ``k`` and ``v`` may be
+``[B, H_kv, N_k, D]``: grouped-query attention (``H % H_kv == 0``, query head ``h`` uses kv
+head ``h // (H // H_kv)``; dK/dV sum over each group) and ``N_k`` keys for ``N_q`` queries
+(the layout's ``kv_len``; its docstring states the bottom-right alignment).
 
 >>> import numpy as np
 >>> from sparsetp.core import patterns as P, make_layout, reference
@@ -35,8 +38,24 @@ def _t(x):
     return np.swapaxes(x, -1, -2)
 
 
+def _group(q, k) -> int:
+    return q.shape[1] // k.shape[1]
+
+
+def _expand(x, group):
+    """[B, H_kv, ...] -> [B, H_kv * group, ...]: kv head g serves query heads g*group ...
+    (the oracle may repeat K, V; the kernels never do)."""
+    return np.repeat(x, group, axis=1)
+
+
+def _reduce(x, group):
+    """[B, H, ...] -> [B, H / group, ...]: sum each group of query heads (dK, dV of GQA)."""
+    b, h = x.shape[:2]
+    return x.reshape(b, h // group, group, *x.shape[2:]).sum(axis=2)
+
+
 def _probs(q, k, layout: BlockLayout, scale):
-    mask = layout.dense_mask()[None]  # [1, H, N, N]
+    mask = layout.dense_mask()[None]  # [1, H, N_q, N_k]
     s = q @ _t(k) * scale
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -52,27 +71,37 @@ def _probs(q, k, layout: BlockLayout, scale):
 
 
 def _check(q, k, v, layout):
-    if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k, v must share one [B, H, N, D] shape, got {q.shape}, {k.shape}, "
-                         f"{v.shape}")
+    if (q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0]
+            or k.shape[3] != q.shape[3]):
+        raise ValueError(f"q must be [B, H, N, D] and k, v one [B, H_kv, N_k, D] shape, got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"q has H={q.shape[1]} heads, not a multiple of H_kv={k.shape[1]}")
     if q.shape[1] != layout.num_heads or q.shape[2] != layout.seq_len:
         raise ValueError(f"layout is for H={layout.num_heads}, N={layout.seq_len}, got q of shape "
                          f"{q.shape}")
+    if k.shape[2] != layout.kv_len:
+        raise ValueError(f"layout is for kv_len={layout.kv_len}, got k of shape {k.shape}")
 
 
 def attention(q, k, v, layout: BlockLayout, scale: float | None = None):
     """Masked softmax attention: returns ``(out [B,H,N,D], lse [B,H,N])`` in float64."""
     q, k, v = _f64(q, k, v)
     _check(q, k, v, layout)
+    g = _group(q, k)
+    k, v = _expand(k, g), _expand(v, g)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     p, lse = _probs(q, k, layout, scale)
     return p @ v, lse
 
 
 def attention_grad(q, k, v, layout: BlockLayout, d_out, scale: float | None = None):
-    """Gradients ``(dq, dk, dv)`` of ``attention(...)[0]`` for the cotangent ``d_out``."""
+    """Gradients ``(dq, dk, dv)`` of ``attention(...)[0]`` for the cotangent ``d_out``
+    (``dk``, ``dv`` in k's ``[B, H_kv, N_k, D]`` shape)."""
     q, k, v, d_out = _f64(q, k, v, d_out)
     _check(q, k, v, layout)
+    g = _group(q, k)
+    k, v = _expand(k, g), _expand(v, g)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     p, _ = _probs(q, k, layout, scale)
     dv = _t(p) @ d_out
@@ -80,7 +109,7 @@ def attention_grad(q, k, v, layout: BlockLayout, d_out, scale: float | None = No
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
     dq = ds @ k
     dk = _t(ds) @ q
-    return dq, dk, dv
+    return dq, _reduce(dk, g), _reduce(dv, g)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,12 +209,22 @@ def _block_layout(config, seq_len):
     return make_layout(config.pattern, seq_len, config.num_heads, config.block_size)
 
 
-def _split_heads(qkv, num_heads):
-    """[B, N, 3d] (columns h*3*hd + t*hd + e) -> q, k, v each [B, H, N, hd]."""
-    b, n, three_d = qkv.shape
-    hd = three_d // (3 * num_heads)
-    t = qkv.reshape(b, n, num_heads, 3, hd).transpose(3, 0, 2, 1, 4)  # [3, B, H, N, hd]
-    return t[0], t[1], t[2]
+def _split_heads(qkv, config):
+    """[B, N, d + 2kv] (group-major columns, see :mod:`sparsetp.core.config`) -> q [B, H, N, hd],
+    k, v [B, H_kv, N, hd]."""
+    b, n, _ = qkv.shape
+    hk, g, hd = config.num_kv_heads, config.kv_group, config.head_dim
+    t = qkv.reshape(b, n, hk, g + 2, hd).transpose(0, 2, 3, 1, 4)  # [B, Hk, G+2, N, hd]
+    q = t[:, :, :g].reshape(b, hk * g, n, hd)
+    return q, t[:, :, g], t[:, :, g + 1]
+
+
+def _merge_qkv(dq, dk, dv, config):
+    """Inverse of :func:`_split_heads`: [B, H, N, hd], [B, H_kv, N, hd] x 2 -> [B, N, d + 2kv]."""
+    b, _, n, hd = dq.shape
+    hk, g = config.num_kv_heads, config.kv_group
+    t = np.concatenate([dq.reshape(b, hk, g, n, hd), dk[:, :, None], dv[:, :, None]], axis=2)
+    return t.transpose(0, 3, 1, 2, 4).reshape(b, n, hk * (g + 2) * hd)
 
 
 def _merge_heads(o):
@@ -205,7 +244,7 @@ def _block_forward(params, x, config):
     eps = config.norm_eps
     h1 = layer_norm(x, p["ln1.weight"], p["ln1.bias"], eps)
     qkv = _linear(h1, p["attn.qkv.weight"], p.get("attn.qkv.bias"))
-    q, k, v = _split_heads(qkv, config.num_heads)
+    q, k, v = _split_heads(qkv, config)
     o, _ = attention(q, k, v, layout, scale=scale)
     o_m = _merge_heads(o)
     y1 = x + _linear(o_m, p["attn.out.weight"], p.get("attn.out.bias"))
@@ -260,7 +299,7 @@ def hybrid_block_value_and_grad(params, x, config, dy):
     b, n, _ = do_m.shape
     do = do_m.reshape(b, n, config.num_heads, config.head_dim).transpose(0, 2, 1, 3)
     dq, dk, dv = attention_grad(c["q"], c["k"], c["v"], c["layout"], do, scale=c["scale"])
-    dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 2, 0, 4).reshape(b, n, 3 * config.d_model)
+    dqkv = _merge_qkv(dq, dk, dv, config)
     dh1, g["attn.qkv.weight"], db = _linear_grad(c["h1"], p["attn.qkv.weight"], dqkv, has_b)
     if has_b:
         g["attn.qkv.bias"] = db

@@ -7,8 +7,8 @@ one of :func:`fwd_call`, :func:`bwd_preprocess_call`, :func:`bwd_dq_call`,
 
     (*call.args, *<one pointer per call.outputs entry>, **call.constexprs)
 
-i.e. input pointers, then scalars (the scale as two fp32 parts, see :func:`scale_args`; N, H,
-every stride, including the strides of the outputs), then the output pointers, then
+i.e. input pointers, then scalars (the scale as two fp32 parts, see :func:`scale_args`; N, N_KV,
+H, GROUP, every stride, including the strides of the outputs), then the output pointers, then
 constexprs by keyword. That is exactly the order
 ``jax_triton.triton_call`` uses (it appends output pointers after all positional arguments).
 
@@ -35,7 +35,15 @@ launches with a lock (the interpreter is not thread-safe).
 Arguments
 ---------
 ``q, k, v`` (and ``out``, ``d_out``, ``lse``, ``delta``) are passed through untouched into
-``call.args``; only ``.shape`` is read. ``meta`` is a mapping with the int32 arrays of
+``call.args``; only ``.shape`` is read. ``q`` (and ``out``, ``d_out``, ``dq``) is
+``[B, H, N, D]``; ``k`` and ``v`` (and ``dk``, ``dv``) are ``[B, H_kv, N_kv, D]`` with
+``H % H_kv == 0`` (GQA/MQA: query head ``h`` reads kv head ``h // (H // H_kv)``; K and V are
+never repeated in memory) and ``N_kv`` keys (``layout.kv_len``; the layout aligns the
+diagonal to the end of the keys). The layout, and so ``meta``, has one row per *query* head
+(H rows), for every kernel: the dK/dV launch runs one program per (key tile, b, kv head),
+which walks the key-major lists of the query heads of its group one after another (a fixed
+order, no atomics, deterministic) - so a per-head pattern keeps one mask per query head.
+``meta`` is a mapping with the int32 arrays of
 :meth:`sparsetp.core.layout.BlockLayout.metadata` (``q_count``, ``q_partial``, ``q_index``,
 ``q_mask_id``, ``q_order``, ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id``, ``k_order``,
 ``masks``), already on
@@ -90,8 +98,8 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES", "DEVICE_KINDS",
     "KERNEL_NAMES", "OutputSpec", "KernelCall", "kernel", "check_head_dim", "check_dtype",
     "check_attention_shapes", "scale_args", "stats_dtype", "dot_precision", "dot_upcast",
-    "mask_words", "aligned", "contiguous_strides", "fwd_call", "bwd_preprocess_call",
-    "bwd_dq_call", "bwd_dkdv_call",
+    "mask_words", "aligned", "contiguous_strides", "head_dim_padded", "fwd_call",
+    "bwd_preprocess_call", "bwd_dq_call", "bwd_dkdv_call",
 ]
 
 _KERNELS = {
@@ -135,18 +143,30 @@ class KernelCall:
 
 def check_attention_shapes(q_shape, k_shape, v_shape, layout, scale) -> float:
     """The framework-neutral input checks both frontends share (one place, one wording):
-    q/k/v shapes, the layout's sequence length and head count, batch, scale and head dim.
-    ``layout`` is anything with ``seq_len`` and ``num_heads``. Returns the softmax scale."""
+    q/k/v shapes (q ``[B, H, N, D]``, k and v ``[B, H_kv, N_kv, D]``, ``H % H_kv == 0``), the
+    layout's query and key lengths and head count, batch, scale and head dim. ``layout`` is
+    anything with ``seq_len``, ``num_heads`` and optionally ``kv_len`` (default ``seq_len``).
+    Returns the softmax scale."""
     q_shape = tuple(q_shape)
     if len(q_shape) != 4:
         raise ValueError(f"q must have shape [B, H, N, D], got {q_shape}")
-    for name, shape in (("k", tuple(k_shape)), ("v", tuple(v_shape))):
-        if shape != q_shape:
-            raise ValueError(f"{name} has shape {shape} but q has {q_shape}; "
-                             "q, k and v must share one [B, H, N, D] shape")
+    k_shape = tuple(k_shape)
+    for name, shape in (("k", k_shape), ("v", tuple(v_shape))):
+        if (len(shape) != 4 or shape[0] != q_shape[0] or shape[3] != q_shape[3]
+                or shape != k_shape):
+            raise ValueError(f"{name} has shape {shape} but q has {q_shape}; k and v must share "
+                             "one [B, H_kv, N_kv, D] shape with q's B and D")
     b, h, n, d = q_shape
+    h_kv, n_kv = k_shape[1], k_shape[2]
+    if h_kv < 1 or h % h_kv:
+        raise ValueError(f"k has {h_kv} heads (H_kv) but q has H={h}: H must be a multiple of "
+                         "H_kv (grouped-query attention)")
     if layout.seq_len != n:
         raise ValueError(f"layout is for seq_len={layout.seq_len} but q has N={n}")
+    kv_len = getattr(layout, "kv_len", None) or layout.seq_len
+    if kv_len != n_kv:
+        raise ValueError(f"layout is for kv_len={kv_len} but k has N_kv={n_kv} keys (build the "
+                         "layout with make_layout(..., kv_len=N_kv))")
     if layout.num_heads != h:
         raise ValueError(f"layout is for num_heads={layout.num_heads} but q has H={h}")
     if b == 0:
@@ -190,15 +210,17 @@ def mask_words(block_size: int) -> int:
     return -(-block_size // 32)
 
 
-def aligned(seq_len: int, strides: Mapping[str, tuple[int, ...]]) -> bool:
+def aligned(seq_len: int, strides: Mapping[str, tuple[int, ...]],
+            kv_len: int | None = None) -> bool:
     """Whether the kernels may assume 16-divisible ints (the ``ALIGNED`` constexpr).
 
-    True when ``seq_len`` % 16 == 0 and every tensor's last stride is 1 and its other strides
-    are multiples of 16 (contiguous [B, H, N, D] inputs with N % 16 == 0 always are). Both
-    frontends decide it from the same shapes and strides, so torch's launcher (which marks such
-    ints divisible itself) and jax_triton 0.3.1 (which marks none) compile the same code.
+    True when ``seq_len`` and ``kv_len`` are multiples of 16 and every tensor's last stride is 1
+    and its other strides are multiples of 16 (contiguous [B, H, N, D] inputs with N % 16 == 0
+    and D % 16 == 0 always are). Both frontends decide it from the same shapes and strides, so
+    torch's launcher (which marks such ints divisible itself) and jax_triton 0.3.1 (which marks
+    none) compile the same code.
     """
-    if int(seq_len) % 16:
+    if int(seq_len) % 16 or (kv_len is not None and int(kv_len) % 16):
         return False
     return all(int(st[-1]) == 1 and all(int(x) % 16 == 0 for x in st[:-1])
                for st in strides.values())
@@ -259,22 +281,46 @@ def dot_upcast(dtype: str, device_kind: str) -> bool:
     return device_kind == "interpreter" and check_dtype(dtype) == "bfloat16"
 
 
+def head_dim_padded(head_dim: int) -> int:
+    """The ``HEAD_DIM_PAD`` constexpr: the head dim rounded up to a power of two (``tl.arange``
+    needs one); the kernels mask the extra columns (``attention._cols_ok``).
+
+    >>> head_dim_padded(64), head_dim_padded(80), head_dim_padded(192)
+    (64, 128, 256)
+    """
+    return 1 << (int(head_dim) - 1).bit_length()
+
+
 def _constexprs(block_size, d, dtype, device_kind, cfg: TileConfig, sub_name: str,
                 is_aligned: bool):
     return {"BLOCK": block_size, sub_name: cfg.sub, "HEAD_DIM": d,
             "MASK_WORDS": mask_words(block_size), "DOT_PRECISION": dot_precision(dtype),
             "DOT_UPCAST": dot_upcast(dtype, device_kind),
-            "ORDERED": _options.current().work_order != "natural", "ALIGNED": is_aligned}
+            "ORDERED": _options.current().work_order != "natural", "ALIGNED": is_aligned,
+            "HEAD_DIM_PAD": head_dim_padded(d)}
 
 
 def _block_size(meta) -> int:
     return int(_shape(meta["masks"])[1])
 
 
-def _all_strides(strides, names4, names3, shape, lse_shape):
-    st = {nm: _strides(strides, nm, shape) for nm in names4}
+_KV_NAMES = ("k", "v", "dk", "dv")
+
+
+def _all_strides(strides, names4, names3, shape, lse_shape, kv_shape=None):
+    st = {nm: _strides(strides, nm, kv_shape if kv_shape and nm in _KV_NAMES else shape)
+          for nm in names4}
     st.update({nm: _strides(strides, nm, lse_shape) for nm in names3})
     return st
+
+
+def _kv(q, k) -> tuple[int, int, tuple[int, ...]]:
+    """(N_kv, GROUP = H // H_kv, k's shape), checking the GQA head ratio."""
+    kv_shape = _shape(k)
+    h, h_kv = _shape(q)[1], kv_shape[1]
+    if h_kv < 1 or h % h_kv:
+        raise ValueError(f"k has {h_kv} heads but q has {h}: H must be a multiple of H_kv")
+    return kv_shape[2], h // h_kv, kv_shape
 
 
 def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, device_kind: str,
@@ -282,17 +328,19 @@ def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, devi
     """Forward launch: outputs ``out`` [B, H, N, D] (input dtype) and ``lse`` [B, H, N]."""
     bs = _block_size(meta)
     b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, "fwd")
+    n_kv, group, kv_shape = _kv(q, k)
     tiles = -(-n // bs)
     arrays, meta_strides = _check_meta(meta, "q", h, tiles, bs)
     shape, lse_shape = (b, h, n, d), (b, h, n)
-    st = _all_strides(strides, ("q", "k", "v", "out"), ("lse",), shape, lse_shape)
-    args = (q, k, v, *arrays, *scale_args(scale), n, h, *st["q"], *st["k"], *st["v"], *st["out"],
-            *st["lse"], *meta_strides)
+    st = _all_strides(strides, ("q", "k", "v", "out"), ("lse",), shape, lse_shape, kv_shape)
+    args = (q, k, v, *arrays, *scale_args(scale), n, n_kv, h, group, *st["q"], *st["k"],
+            *st["v"], *st["out"], *st["lse"], *meta_strides)
     return KernelCall("fwd", kernel("fwd"), list_grid(b, h, tiles, grid_group(meta, "q", b, h)),
                       args,
                       (OutputSpec("out", shape, dtype),
                        OutputSpec("lse", lse_shape, stats_dtype(dtype))),
-                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N", aligned(n, st)),
+                      _constexprs(bs, d, dtype, device_kind, cfg, "SUB_N",
+                                  aligned(n, st, n_kv)),
                       cfg.num_warps, cfg.num_stages)
 
 
@@ -305,27 +353,37 @@ def bwd_preprocess_call(out, d_out, *, block_size: int, dtype: str, device_kind:
     args = (out, d_out, n, h, *st["out"], *st["d_out"], *st["delta"])
     return KernelCall("bwd_preprocess", kernel("bwd_preprocess"), grid(b, h, n, block_size),
                       args, (OutputSpec("delta", lse_shape, stats_dtype(dtype)),),
-                      {"BLOCK": block_size, "HEAD_DIM": d, "ALIGNED": aligned(n, st)},
+                      {"BLOCK": block_size, "HEAD_DIM": d, "ALIGNED": aligned(n, st),
+                       "HEAD_DIM_PAD": head_dim_padded(d)},
                       cfg.num_warps, cfg.num_stages)
 
 
 def _bwd_list_call(name, major, out_names, sub_name, q, k, v, d_out, lse, delta, meta, scale,
                    dtype, device_kind, strides) -> KernelCall:
     """The dQ and dK/dV launches: the same operands, the ``major`` ("q"/"k") lists, and one
-    [B, H, N, D] output per ``out_names`` (in the input dtype), appended after the metadata."""
+    output per ``out_names`` (in the input dtype, q's shape for dq, k's for dk and dv),
+    appended after the metadata. dQ runs a program per (query tile, b, query head), dK/dV one
+    per (key tile, b, kv head); both read the layout's per-query-head lists."""
     bs = _block_size(meta)
     b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, name)
-    arrays, meta_strides = _check_meta(meta, major, h, -(-n // bs), bs)
+    n_kv, group, kv_shape = _kv(q, k)
+    tiles = -(-(n if major == "q" else n_kv) // bs)
+    arrays, meta_strides = _check_meta(meta, major, h, tiles, bs)
     shape, lse_shape = (b, h, n, d), (b, h, n)
-    st = _all_strides(strides, ("q", "k", "v", "d_out", *out_names), ("lse",), shape, lse_shape)
-    args = (q, k, v, d_out, lse, delta, *arrays, *scale_args(scale), n, h,
+    st = _all_strides(strides, ("q", "k", "v", "d_out", *out_names), ("lse",), shape, lse_shape,
+                      kv_shape)
+    args = (q, k, v, d_out, lse, delta, *arrays, *scale_args(scale), n, n_kv, h, group,
             *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides,
             *(x for o in out_names for x in st[o]))
-    group = grid_group(meta, major, b, h)
-    return KernelCall(name, _KERNELS[name], list_grid(b, h, -(-n // bs), group), args,
-                      tuple(OutputSpec(o, shape, dtype) for o in out_names),
-                      _constexprs(bs, d, dtype, device_kind, cfg, sub_name, aligned(n, st)),
-                      cfg.num_warps, cfg.num_stages)
+    heads = h if major == "q" else h // group  # the programs' heads: query or kv heads
+    constexprs = _constexprs(bs, d, dtype, device_kind, cfg, sub_name, aligned(n, st, n_kv))
+    if major == "k":
+        constexprs["GROUPED"] = group > 1
+    return KernelCall(name, _KERNELS[name],
+                      list_grid(b, heads, tiles, grid_group(meta, major, b, heads)), args,
+                      tuple(OutputSpec(o, kv_shape if o in _KV_NAMES else shape, dtype)
+                            for o in out_names),
+                      constexprs, cfg.num_warps, cfg.num_stages)
 
 
 def bwd_dq_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
@@ -339,6 +397,7 @@ def bwd_dq_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: f
 def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
                   dtype: str, device_kind: str,
                   strides: Mapping[str, Any] | None = None) -> KernelCall:
-    """dK/dV launch (key-major lists): outputs ``dk``, ``dv`` [B, H, N, D] in the input dtype."""
+    """dK/dV launch (key-major lists): outputs ``dk``, ``dv`` [B, H_kv, N_kv, D] in the input
+    dtype (GQA: summed over each kv head's group of query heads, in the kernel)."""
     return _bwd_list_call("bwd_dkdv", "k", ("dk", "dv"), "SUB_M", q, k, v, d_out, lse, delta,
                           meta, scale, dtype, device_kind, strides)

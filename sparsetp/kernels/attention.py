@@ -8,10 +8,15 @@ kernel by hand.
 
 Conventions shared by the four kernels
 --------------------------------------
-* Tensors are ``[B, H, N, D]`` with arbitrary strides (passed as ``stride_<tensor><dim>``);
-  ``LSE`` and ``Delta`` are ``[B, H, N]`` float32 (float64 for float64 inputs).
-* One program per (tile, batch, head): it owns query tile ``i`` (forward, dQ, preprocess) or
-  key tile ``i`` (dK/dV) of batch ``b``, head ``h``. The preprocess grid is
+* Tensors are ``[B, H, N, D]`` (Q, Out, dO, dQ) and ``[B, H / GROUP, N_KV, D]`` (K, V, dK,
+  dV) with arbitrary strides (passed as ``stride_<tensor><dim>``); ``LSE`` and ``Delta`` are
+  ``[B, H, N]`` float32 (float64 for float64 inputs). GROUP = H / H_kv (grouped-query
+  attention; 1 for multi-head): query head ``h`` reads kv head ``h // GROUP``, K and V are never
+  repeated. ``N`` counts queries, ``N_KV`` keys (the layout aligns the two, see
+  :mod:`sparsetp.core.layout`).
+* One program per (tile, batch, head): it owns query tile ``i`` (forward, dQ, preprocess) of
+  batch ``b``, query head ``h``, or key tile ``i`` (dK/dV) of batch ``b``, kv head ``g`` (which
+  sums over the query heads of its group in a fixed order: no atomics). The preprocess grid is
   ``(num_tiles, B * H)``; the other kernels map their program ids through :func:`_program`
   (optionally a per-head longest-first work order, optionally head-fastest dispatch).
 * Block-sparse structure reaches the kernels as *tensors* (pointers + strides), never as
@@ -23,11 +28,13 @@ Conventions shared by the four kernels
   sub-tile walked per loop step (``SUB_N`` keys in forward/dQ, ``SUB_M`` queries in dK/dV),
   the number of int32 mask words per tile row (``MASK_WORDS``), the tl.dot input precision,
   ``DOT_UPCAST`` (an interpreter-only bf16 workaround, see :func:`_dot`), the work-order
-  switch ``ORDERED`` (:func:`_program`) and ``ALIGNED`` (:func:`_hint16`). None depends on the
+  switch ``ORDERED`` (:func:`_program`), ``ALIGNED`` (:func:`_hint16`), ``HEAD_DIM_PAD`` (the
+  head dim rounded up to a power of two, :func:`_cols_ok`) and, in dK/dV, ``GROUPED``
+  (GROUP > 1). None depends on the
   pattern's values, so a new pattern never recompiles. (How heads are interleaved, which the
   layout decides, is read off the grid's shape at run time: see :func:`_program`.)
-* Every kernel bounds its loads by ``N``: full tiles of the ragged last tile row/column carry no
-  mask bits, so ``offs < N`` is always part of the validity mask.
+* Every kernel bounds its loads by ``N`` (queries) and ``N_KV`` (keys): full tiles of the ragged
+  last tile row/column carry no mask bits, so ``offs < N`` is always part of the validity mask.
 * Softmax runs in fp32 (fp64 for fp64 inputs) in base 2: scores are multiplied by
   ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp`` (one MUFU.EX2 instead of a multiply and
   an EX2). ``LSE`` is stored in natural log so that frontends and the oracle agree.
@@ -98,7 +105,7 @@ def _softmax_scale(sm_scale, sm_scale_lo, ref):
 
 
 @triton.jit
-def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: tl.constexpr):
+def _program(order, stride_ch, stride_cm, H, ranks, head_stride, ORDERED: tl.constexpr):
     """(tile, b * H + h) of this program, out of ``ranks`` per (batch, head).
 
     Two grid forms, told apart at run time so that the head order a layout asks for never
@@ -109,7 +116,9 @@ def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: tl.constexpr):
     always uses the one-axis grid (``schedule.list_grid``): rank 0 of head ``program_id(0)``.
     With ``ORDERED`` the rank is mapped through the layout's per-head work order
     (``order[h, rank]`` = tile, longest list first, so long rows start early instead of
-    forming the tail of the launch); otherwise rank = tile.
+    forming the tail of the launch); otherwise rank = tile. ``H`` heads per batch entry; the
+    work order row of head ``h`` is ``h * head_stride`` (the dK/dV kernel's heads are kv heads,
+    which take the order of their group's first query head; 1 elsewhere).
     """
     if tl.num_programs(1) == 1:
         g = tl.program_id(0)
@@ -119,10 +128,23 @@ def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: tl.constexpr):
         off_bh = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
         rank = tl.program_id(1)
     if ORDERED:
-        tile = tl.load(order + (off_bh % H) * stride_ch + rank * stride_cm)
+        tile = tl.load(order + (off_bh % H) * head_stride * stride_ch + rank * stride_cm)
     else:
         tile = rank
     return tile, off_bh
+
+
+@triton.jit
+def _cols_ok(offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """bool [HEAD_DIM_PAD]: which of the padded head-dim columns are real. tl.arange needs a
+    power of two, so a head dim like 192 runs as 256 columns whose loads are masked to 0 (zero
+    columns add nothing to q.k or p.v) and whose stores are masked off. For a power-of-two
+    head dim this is an all-true constant, which the compiler folds out of every mask."""
+    if HEAD_DIM == HEAD_DIM_PAD:
+        ok = tl.full([HEAD_DIM_PAD], 1, tl.int1)
+    else:
+        ok = offs_d < HEAD_DIM
+    return ok
 
 
 @triton.jit
@@ -182,7 +204,7 @@ def _mask_bits(masks, mask_id, row0, col0, stride_mu, stride_mr, stride_mw,
 
 
 @triton.jit
-def _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, sub, offs_d, N, qk_scale,
+def _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, sub, offs_d, d_ok, N_KV, qk_scale,
               stride_kn, stride_kd, stride_vn, stride_vd,
               masks, mask_id, stride_mu, stride_mr, stride_mw,
               BLOCK: tl.constexpr, SUB_N: tl.constexpr, PARTIAL: tl.constexpr,
@@ -191,9 +213,9 @@ def _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, sub, offs_d, N, qk_scale,
     ``kb`` (shapes in :func:`_attn_fwd_kernel`)."""
     offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
     k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                  mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, SUB_N] = K^T
+                  mask=(offs_n[None, :] < N_KV) & d_ok[:, None], other=0.0)  # [HEAD_DIM, SUB_N]
     qk = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale  # base-2 scores [BLOCK, SUB_N]
-    valid = offs_n[None, :] < N
+    valid = offs_n[None, :] < N_KV
     if PARTIAL:
         valid = valid & _mask_bits(masks, mask_id, 0, sub * SUB_N, stride_mu, stride_mr,
                                    stride_mw, BLOCK, SUB_N, False)
@@ -207,7 +229,7 @@ def _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, sub, offs_d, N, qk_scale,
     p = tl.math.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=offs_n[:, None] < N, other=0.0)  # [SUB_N, HEAD_DIM]
+                mask=(offs_n[:, None] < N_KV) & d_ok[None, :], other=0.0)  # [SUB_N, HEAD_DIM]
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return acc, m_new, l_i
 
@@ -216,7 +238,7 @@ def _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, sub, offs_d, N, qk_scale,
 def _attn_fwd_kernel(
     Q, K, V,
     q_count, q_partial, q_index, q_mask_id, masks, q_order,
-    sm_scale, sm_scale_lo, N, H,
+    sm_scale, sm_scale_lo, N, N_KV, H, GROUP,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -228,11 +250,13 @@ def _attn_fwd_kernel(
     Out, LSE,
     BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ORDERED: tl.constexpr, ALIGNED: tl.constexpr,
+    ORDERED: tl.constexpr, ALIGNED: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     """Forward: Out = softmax(Q K^T * sm_scale, masked) V and LSE = logsumexp of the scores.
 
-    Q, K, V, Out: [B, H, N, HEAD_DIM]; LSE: [B, H, N] (fp32, or fp64 for fp64 inputs);
+    Q, Out: [B, H, N, HEAD_DIM]; K, V: [B, H / GROUP, N_KV, HEAD_DIM] (query head h reads kv
+    head h // GROUP: GQA/MQA without repeating K, V); LSE: [B, H, N] (fp32, or fp64 for fp64
+    inputs);
     q_count, q_partial, q_order: int32[H, NT]; q_index, q_mask_id: int32[H, NT, W]; masks:
     int32[U, BLOCK, MASK_WORDS]. One program per (query tile, b, h), see :func:`_program`.
     The program keeps a [BLOCK, HEAD_DIM] query tile and walks each listed key tile in
@@ -243,21 +267,25 @@ def _attn_fwd_kernel(
     tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK), ORDERED)
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM, "padded head dim covers the head dim")
+    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK), 1, ORDERED)
     N = _hint16(N, ALIGNED)
+    N_KV = _hint16(N_KV, ALIGNED)
     # int64 batch/head offsets: B*H*N*D overflows int32 from ~2^31 elements (e.g. B=8, H=32,
     # N=64k, D=128).
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H
     off_h64 = off_h.to(tl.int64)
+    off_hk64 = (off_h // GROUP).to(tl.int64)  # the kv head of this query head
     offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = _cols_ok(offs_d, HEAD_DIM, HEAD_DIM_PAD)
 
     q = tl.load(Q + off_b * _hint16(stride_qb, ALIGNED) + off_h64 * _hint16(stride_qh, ALIGNED)
                 + offs_m[:, None] * _hint16(stride_qn, ALIGNED) + offs_d[None, :] * stride_qd,
-                mask=offs_m[:, None] < N, other=0.0)  # [BLOCK, HEAD_DIM]
-    k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
-    v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
+                mask=(offs_m[:, None] < N) & d_ok[None, :], other=0.0)  # [BLOCK, HEAD_DIM]
+    k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_hk64 * _hint16(stride_kh, ALIGNED)
+    v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_hk64 * _hint16(stride_vh, ALIGNED)
     stride_kn = _hint16(stride_kn, ALIGNED)
     stride_vn = _hint16(stride_vn, ALIGNED)
     scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
@@ -266,7 +294,7 @@ def _attn_fwd_kernel(
 
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
-    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_DIM_PAD], tl.float32)
     if Q.dtype.element_ty == tl.float64:  # fp64 inputs (gradcheck) accumulate in fp64
         m_i = m_i.to(tl.float64)
         l_i = l_i.to(tl.float64)
@@ -282,7 +310,7 @@ def _attn_fwd_kernel(
         kb = tl.load(q_index + row + e * stride_ik)
         mid = tl.load(q_mask_id + row + e * stride_ik)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, it % (BLOCK // SUB_N),
-                                  offs_d, N, qk_scale, stride_kn, stride_kd, stride_vn,
+                                  offs_d, d_ok, N_KV, qk_scale, stride_kn, stride_kd, stride_vn,
                                   stride_vd, masks, mid, stride_mu, stride_mr, stride_mw,
                                   BLOCK, SUB_N, True, DOT_PRECISION, DOT_UPCAST)
     # The next key-tile index is loaded one step ahead so the next K/V address does not wait on
@@ -295,7 +323,7 @@ def _attn_fwd_kernel(
         kb_next = tl.load(q_index + row + (tl.minimum(it + 1, hi - 1) // (BLOCK // SUB_N))
                           * stride_ik)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, kb, it % (BLOCK // SUB_N),
-                                  offs_d, N, qk_scale, stride_kn, stride_kd, stride_vn,
+                                  offs_d, d_ok, N_KV, qk_scale, stride_kn, stride_kd, stride_vn,
                                   stride_vd, masks, 0, stride_mu, stride_mr, stride_mw,
                                   BLOCK, SUB_N, False, DOT_PRECISION, DOT_UPCAST)
 
@@ -308,7 +336,7 @@ def _attn_fwd_kernel(
     lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * ln2, float("-inf"))
     tl.store(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h64 * _hint16(stride_oh, ALIGNED)
              + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
-             out.to(Out.dtype.element_ty), mask=offs_m[:, None] < N)
+             out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < N) & d_ok[None, :])
     tl.store(LSE + off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED)
              + offs_m * stride_ln, lse.to(LSE.dtype.element_ty), mask=offs_m < N)
 
@@ -322,6 +350,7 @@ def _attn_bwd_preprocess_kernel(
     stride_lb, stride_lh, stride_ln,
     Delta,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ALIGNED: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
 ):
     """Delta = rowsum(dO * O), the softmax-backward correction term.
 
@@ -335,8 +364,8 @@ def _attn_bwd_preprocess_kernel(
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
     offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    in_range = offs_m[:, None] < N
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    in_range = (offs_m[:, None] < N) & _cols_ok(offs_d, HEAD_DIM, HEAD_DIM_PAD)[None, :]
     o = tl.load(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h * _hint16(stride_oh, ALIGNED)
                 + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
                 mask=in_range, other=0.0)
@@ -350,7 +379,7 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, N, qk_scale,
+def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, d_ok, N_KV, qk_scale,
              stride_kn, stride_kd, stride_vn, stride_vd,
              masks, mask_id, stride_mu, stride_mr, stride_mw,
              BLOCK: tl.constexpr, SUB_N: tl.constexpr, PARTIAL: tl.constexpr,
@@ -359,13 +388,13 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, N, qk_scal
     (shapes in :func:`_attn_bwd_dq_kernel`)."""
     offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=offs_n[:, None] < N, other=0.0)  # [SUB_N, HEAD_DIM]
+                mask=(offs_n[:, None] < N_KV) & d_ok[None, :], other=0.0)  # [SUB_N, HEAD_DIM]
     v_t = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
-                  mask=offs_n[None, :] < N, other=0.0)  # [HEAD_DIM, SUB_N] = V^T
+                  mask=(offs_n[None, :] < N_KV) & d_ok[:, None], other=0.0)  # V^T
     qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK, SUB_N]
     # dP does not depend on P: issued here, its MMA can overlap the exp2s below (KERNEL_NOTES.md).
     dp = _dot(do, v_t, DOT_PRECISION, DOT_UPCAST)
-    valid = offs_n[None, :] < N
+    valid = offs_n[None, :] < N_KV
     if PARTIAL:
         valid = valid & _mask_bits(masks, mask_id, 0, sub * SUB_N, stride_mu, stride_mr,
                                    stride_mw, BLOCK, SUB_N, False)
@@ -381,7 +410,7 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, N, qk_scal
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, Delta,
     q_count, q_partial, q_index, q_mask_id, masks, q_order,
-    sm_scale, sm_scale_lo, N, H,
+    sm_scale, sm_scale_lo, N, N_KV, H, GROUP,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -394,11 +423,12 @@ def _attn_bwd_dq_kernel(
     DQ,
     BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ORDERED: tl.constexpr, ALIGNED: tl.constexpr,
+    ORDERED: tl.constexpr, ALIGNED: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     """dQ = sm_scale * sum_j dS_ij K_j with dS = P * (dO V^T - Delta), over the query-major lists.
 
-    Q, K, V, DO, DQ: [B, H, N, HEAD_DIM]; LSE, Delta: [B, H, N] sharing strides stride_l*;
+    Q, DO, DQ: [B, H, N, HEAD_DIM]; K, V: [B, H / GROUP, N_KV, HEAD_DIM] (kv head h // GROUP,
+    as in the forward); LSE, Delta: [B, H, N] sharing strides stride_l*;
     q_* lists and masks as in :func:`_attn_fwd_kernel`. The program keeps the [BLOCK, HEAD_DIM]
     tiles q, do and dq and walks each listed key tile in sub-tiles of SUB_N keys (one flattened
     loop, as in the forward), so only [SUB_N, HEAD_DIM] K and V tiles are live per step.
@@ -407,21 +437,25 @@ def _attn_bwd_dq_kernel(
     tl.static_assert(SUB_N >= 16 and BLOCK % SUB_N == 0, "key sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK), ORDERED)
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM, "padded head dim covers the head dim")
+    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK), 1, ORDERED)
     N = _hint16(N, ALIGNED)
+    N_KV = _hint16(N_KV, ALIGNED)
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H
     off_h64 = off_h.to(tl.int64)
+    off_hk64 = (off_h // GROUP).to(tl.int64)  # the kv head of this query head
     offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = _cols_ok(offs_d, HEAD_DIM, HEAD_DIM_PAD)
     row_ok = offs_m < N
 
     q = tl.load(Q + off_b * _hint16(stride_qb, ALIGNED) + off_h64 * _hint16(stride_qh, ALIGNED)
                 + offs_m[:, None] * _hint16(stride_qn, ALIGNED) + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     do = tl.load(DO + off_b * _hint16(stride_dob, ALIGNED) + off_h64 * _hint16(stride_doh, ALIGNED)
                  + offs_m[:, None] * _hint16(stride_don, ALIGNED) + offs_d[None, :] * stride_dod,
-                 mask=row_ok[:, None], other=0.0)
+                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     l_off = off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED) \
         + offs_m * stride_ln
     lse = tl.load(LSE + l_off, mask=row_ok, other=float("-inf"))
@@ -430,14 +464,14 @@ def _attn_bwd_dq_kernel(
     # their gradient is exactly 0 (exp2(s + inf) would be inf, and inf * 0 NaN).
     lse2 = tl.where(lse == float("-inf"), float("inf"),
                     lse * _stats_const(LOG2E, LSE))
-    k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
-    v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
+    k_base = K + off_b * _hint16(stride_kb, ALIGNED) + off_hk64 * _hint16(stride_kh, ALIGNED)
+    v_base = V + off_b * _hint16(stride_vb, ALIGNED) + off_hk64 * _hint16(stride_vh, ALIGNED)
     stride_kn = _hint16(stride_kn, ALIGNED)
     stride_vn = _hint16(stride_vn, ALIGNED)
     scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
     qk_scale = scale * _stats_const(LOG2E, Q)  # log2(e), as in forward
 
-    dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dq = tl.zeros([BLOCK, HEAD_DIM_PAD], tl.float32)
     if Q.dtype.element_ty == tl.float64:
         dq = dq.to(tl.float64)
     count = tl.load(q_count + off_h * stride_ch + start_m * stride_cm)
@@ -448,24 +482,24 @@ def _attn_bwd_dq_kernel(
         kb = tl.load(q_index + row + e * stride_ik)
         mid = tl.load(q_mask_id + row + e * stride_ik)
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, it % (BLOCK // SUB_N), offs_d,
-                      N, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+                      d_ok, N_KV, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                       masks, mid, stride_mu, stride_mr, stride_mw,
                       BLOCK, SUB_N, True, DOT_PRECISION, DOT_UPCAST)
     for it in range(n_partial * (BLOCK // SUB_N), count * (BLOCK // SUB_N)):
         kb = tl.load(q_index + row + (it // (BLOCK // SUB_N)) * stride_ik)
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, it % (BLOCK // SUB_N), offs_d,
-                      N, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+                      d_ok, N_KV, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                       masks, 0, stride_mu, stride_mr, stride_mw,
                       BLOCK, SUB_N, False, DOT_PRECISION, DOT_UPCAST)
     # dS is the gradient w.r.t. the *natural* scaled scores, hence scale (not qk_scale).
     dq = dq * scale
     tl.store(DQ + off_b * _hint16(stride_dqb, ALIGNED) + off_h64 * _hint16(stride_dqh, ALIGNED)
              + offs_m[:, None] * _hint16(stride_dqn, ALIGNED) + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, offs_d, N,
+def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, offs_d, d_ok, N,
                qk_scale, stride_qn, stride_qd, stride_don, stride_dod, stride_ln,
                masks, mask_id, stride_mu, stride_mr, stride_mw,
                BLOCK: tl.constexpr, SUB_M: tl.constexpr, PARTIAL: tl.constexpr,
@@ -479,9 +513,9 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, off
     offs_m = qb * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)  # query tokens (columns of S^T)
     col_ok = offs_m < N
     q_t = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None] * stride_qd,
-                  mask=col_ok[None, :], other=0.0)  # [HEAD_DIM, SUB_M] = Q^T
+                  mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM, SUB_M] = Q^T
     do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                 mask=col_ok[:, None], other=0.0)  # [SUB_M, HEAD_DIM]
+                 mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [SUB_M, HEAD_DIM]
     lse = tl.load(lse_base + offs_m * stride_ln, mask=col_ok, other=float("-inf"))
     delta = tl.load(delta_base + offs_m * stride_ln, mask=col_ok, other=0.0)
     # As in the dQ kernel: -inf LSE (row with no key, or padding) -> +inf so P^T is 0.
@@ -504,10 +538,50 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb, sub, off
 
 
 @triton.jit
+def _dkdv_head(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_n, offs_d, d_ok, N,
+               qk_scale, k_count, k_partial, k_index, k_mask_id, masks,
+               stride_qb, stride_qh, stride_qn, stride_qd,
+               stride_dob, stride_doh, stride_don, stride_dod,
+               stride_lb, stride_lh, stride_ln,
+               stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+               stride_mu, stride_mr, stride_mw,
+               BLOCK: tl.constexpr, SUB_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               DOT_UPCAST: tl.constexpr, ALIGNED: tl.constexpr):
+    """dK/dV contributions of query head ``off_h`` to key tile ``start_n``: its key-major list
+    (partial entries first, then full ones), in sub-tiles of SUB_M queries."""
+    off_h64 = off_h.to(tl.int64)
+    q_base = Q + off_b * _hint16(stride_qb, ALIGNED) + off_h64 * _hint16(stride_qh, ALIGNED)
+    do_base = DO + off_b * _hint16(stride_dob, ALIGNED) + off_h64 * _hint16(stride_doh, ALIGNED)
+    l_off = off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED)
+    lse_base = LSE + l_off
+    delta_base = Delta + l_off
+    stride_qn = _hint16(stride_qn, ALIGNED)
+    stride_don = _hint16(stride_don, ALIGNED)
+    count = tl.load(k_count + off_h * stride_ch + start_n * stride_cm)
+    n_partial = tl.load(k_partial + off_h * stride_ch + start_n * stride_cm)
+    row = off_h * stride_ih + start_n * stride_im
+    for it in range(0, n_partial * (BLOCK // SUB_M)):
+        e = it // (BLOCK // SUB_M)
+        qb = tl.load(k_index + row + e * stride_ik)
+        mid = tl.load(k_mask_id + row + e * stride_ik)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb,
+                            it % (BLOCK // SUB_M), offs_d, d_ok, N, qk_scale, stride_qn,
+                            stride_qd, stride_don, stride_dod, stride_ln, masks, mid, stride_mu,
+                            stride_mr, stride_mw, BLOCK, SUB_M, True, DOT_PRECISION, DOT_UPCAST)
+    for it in range(n_partial * (BLOCK // SUB_M), count * (BLOCK // SUB_M)):
+        qb = tl.load(k_index + row + (it // (BLOCK // SUB_M)) * stride_ik)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb,
+                            it % (BLOCK // SUB_M), offs_d, d_ok, N, qk_scale, stride_qn,
+                            stride_qd, stride_don, stride_dod, stride_ln, masks, 0, stride_mu,
+                            stride_mr, stride_mw, BLOCK, SUB_M, False, DOT_PRECISION, DOT_UPCAST)
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, Delta,
     k_count, k_partial, k_index, k_mask_id, masks, k_order,
-    sm_scale, sm_scale_lo, N, H,
+    sm_scale, sm_scale_lo, N, N_KV, H, GROUP,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -521,74 +595,77 @@ def _attn_bwd_dkdv_kernel(
     DK, DV,
     BLOCK: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ORDERED: tl.constexpr, ALIGNED: tl.constexpr,
+    ORDERED: tl.constexpr, ALIGNED: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     """dV = sum_i P_i^T dO_i and dK = sm_scale * sum_i dS_i^T Q_i over the key-major lists.
 
-    Q, K, V, DO, DK, DV: [B, H, N, HEAD_DIM]; LSE, Delta: [B, H, N] sharing strides stride_l*;
-    k_count, k_partial, k_order: int32[H, NT]; k_index, k_mask_id: int32[H, NT, W'] (k_index
-    lists query tiles; k_mask_id names the query-major mask); masks: int32[U, BLOCK, MASK_WORDS].
-    One program per key tile (no atomics: bitwise-deterministic). It keeps the [BLOCK, HEAD_DIM]
-    k, v, dk, dv tiles and walks each listed query tile in sub-tiles of SUB_M queries (one
-    flattened loop, as FlashAttention-2 / the Triton tutorial do), so only [SUB_M, HEAD_DIM]
-    q and dO tiles are live per step.
+    Q, DO: [B, H, N, HEAD_DIM]; K, V, DK, DV: [B, H / GROUP, N_KV, HEAD_DIM]; LSE, Delta:
+    [B, H, N] sharing strides stride_l*; k_count, k_partial, k_order: int32[H, NT_KV]; k_index,
+    k_mask_id: int32[H, NT_KV, W'] (per *query* head; k_index lists query tiles; k_mask_id
+    names the query-major mask); masks: int32[U, BLOCK, MASK_WORDS].
+    One program per (key tile, b, kv head) (no atomics: bitwise-deterministic). It keeps the
+    [BLOCK, HEAD_DIM] k, v, dk, dv tiles and walks, for each query head of its group in turn
+    (GQA: heads g * GROUP .. g * GROUP + GROUP - 1, each with its own layout row; GROUPED is
+    GROUP > 1, so plain multi-head attention compiles exactly the one-head body), each listed
+    query tile in sub-tiles of SUB_M queries (one flattened loop per head, as
+    FlashAttention-2 / the Triton tutorial do), so only [SUB_M, HEAD_DIM] q and dO tiles are
+    live per step. The sum over the group is in a fixed order: deterministic.
     """
     tl.static_assert(BLOCK >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(SUB_M >= 16 and BLOCK % SUB_M == 0, "query sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
-    start_n, off_bh = _program(k_order, stride_ch, stride_cm, H, tl.cdiv(N, BLOCK), ORDERED)
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM, "padded head dim covers the head dim")
+    H_KV = H // GROUP
+    start_n, off_bh = _program(k_order, stride_ch, stride_cm, H_KV, tl.cdiv(N_KV, BLOCK), GROUP,
+                               ORDERED)
     N = _hint16(N, ALIGNED)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = off_bh % H
-    off_h64 = off_h.to(tl.int64)
+    N_KV = _hint16(N_KV, ALIGNED)
+    off_b = (off_bh // H_KV).to(tl.int64)
+    off_g = off_bh % H_KV  # kv head
+    off_g64 = off_g.to(tl.int64)
     offs_n = start_n * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n < N
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = _cols_ok(offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    key_ok = offs_n < N_KV
 
-    k = tl.load(K + off_b * _hint16(stride_kb, ALIGNED) + off_h64 * _hint16(stride_kh, ALIGNED)
+    k = tl.load(K + off_b * _hint16(stride_kb, ALIGNED) + off_g64 * _hint16(stride_kh, ALIGNED)
                 + offs_n[:, None] * _hint16(stride_kn, ALIGNED) + offs_d[None, :] * stride_kd,
-                mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + off_b * _hint16(stride_vb, ALIGNED) + off_h64 * _hint16(stride_vh, ALIGNED)
+                mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V + off_b * _hint16(stride_vb, ALIGNED) + off_g64 * _hint16(stride_vh, ALIGNED)
                 + offs_n[:, None] * _hint16(stride_vn, ALIGNED) + offs_d[None, :] * stride_vd,
-                mask=key_ok[:, None], other=0.0)
-    # Padding keys (>= N) load K = V = 0 and are never stored, so their scores need no mask.
-    q_base = Q + off_b * _hint16(stride_qb, ALIGNED) + off_h64 * _hint16(stride_qh, ALIGNED)
-    do_base = DO + off_b * _hint16(stride_dob, ALIGNED) + off_h64 * _hint16(stride_doh, ALIGNED)
-    l_off = off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED)
-    lse_base = LSE + l_off
-    delta_base = Delta + l_off
-    stride_qn = _hint16(stride_qn, ALIGNED)
-    stride_don = _hint16(stride_don, ALIGNED)
+                mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    # Padding keys (>= N_KV) load K = V = 0 and are never stored, so their scores need no mask.
     scale = _softmax_scale(sm_scale, sm_scale_lo, Q)
     qk_scale = scale * _stats_const(LOG2E, Q)  # log2(e), as in forward
 
-    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dk = tl.zeros([BLOCK, HEAD_DIM_PAD], tl.float32)
+    dv = tl.zeros([BLOCK, HEAD_DIM_PAD], tl.float32)
     if Q.dtype.element_ty == tl.float64:
         dk = dk.to(tl.float64)
         dv = dv.to(tl.float64)
-    count = tl.load(k_count + off_h * stride_ch + start_n * stride_cm)
-    n_partial = tl.load(k_partial + off_h * stride_ch + start_n * stride_cm)
-    row = off_h * stride_ih + start_n * stride_im
-    for it in range(0, n_partial * (BLOCK // SUB_M)):
-        e = it // (BLOCK // SUB_M)
-        qb = tl.load(k_index + row + e * stride_ik)
-        mid = tl.load(k_mask_id + row + e * stride_ik)
-        dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb,
-                            it % (BLOCK // SUB_M), offs_d, N, qk_scale, stride_qn, stride_qd,
-                            stride_don, stride_dod, stride_ln, masks, mid, stride_mu, stride_mr,
-                            stride_mw, BLOCK, SUB_M, True, DOT_PRECISION, DOT_UPCAST)
-    for it in range(n_partial * (BLOCK // SUB_M), count * (BLOCK // SUB_M)):
-        qb = tl.load(k_index + row + (it // (BLOCK // SUB_M)) * stride_ik)
-        dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, qb,
-                            it % (BLOCK // SUB_M), offs_d, N, qk_scale, stride_qn, stride_qd,
-                            stride_don, stride_dod, stride_ln, masks, 0, stride_mu, stride_mr,
-                            stride_mw, BLOCK, SUB_M, False, DOT_PRECISION, DOT_UPCAST)
+    if GROUPED:
+        for j in range(0, GROUP):
+            dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_g * GROUP + j,
+                                start_n, offs_d, d_ok, N, qk_scale, k_count, k_partial, k_index,
+                                k_mask_id, masks, stride_qb, stride_qh, stride_qn, stride_qd,
+                                stride_dob, stride_doh, stride_don, stride_dod,
+                                stride_lb, stride_lh, stride_ln, stride_ch, stride_cm,
+                                stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw,
+                                BLOCK, SUB_M, DOT_PRECISION, DOT_UPCAST, ALIGNED)
+    else:
+        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_g,
+                            start_n, offs_d, d_ok, N, qk_scale, k_count, k_partial, k_index,
+                            k_mask_id, masks, stride_qb, stride_qh, stride_qn, stride_qd,
+                            stride_dob, stride_doh, stride_don, stride_dod,
+                            stride_lb, stride_lh, stride_ln, stride_ch, stride_cm,
+                            stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw,
+                            BLOCK, SUB_M, DOT_PRECISION, DOT_UPCAST, ALIGNED)
     dk = dk * scale  # gradient w.r.t. natural scaled scores, as in dQ
-    tl.store(DK + off_b * _hint16(stride_dkb, ALIGNED) + off_h64 * _hint16(stride_dkh, ALIGNED)
+    tl.store(DK + off_b * _hint16(stride_dkb, ALIGNED) + off_g64 * _hint16(stride_dkh, ALIGNED)
              + offs_n[:, None] * _hint16(stride_dkn, ALIGNED) + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + off_b * _hint16(stride_dvb, ALIGNED) + off_h64 * _hint16(stride_dvh, ALIGNED)
+             dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & d_ok[None, :])
+    tl.store(DV + off_b * _hint16(stride_dvb, ALIGNED) + off_g64 * _hint16(stride_dvh, ALIGNED)
              + offs_n[:, None] * _hint16(stride_dvn, ALIGNED) + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+             dv.to(DV.dtype.element_ty), mask=key_ok[:, None] & d_ok[None, :])

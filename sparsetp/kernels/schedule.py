@@ -26,9 +26,15 @@ from typing import Any
 import numpy as np
 
 from sparsetp.core.layout import SUPPORTED_BLOCK_SIZES
+from sparsetp.core.layout import block_kinds as _block_kinds
 from sparsetp.core.patterns import EMPTY
 from sparsetp.kernels import options as _options
-from sparsetp.kernels.tiles import DEVICE_KINDS, check_dtype
+from sparsetp.kernels.tiles import (
+    DEVICE_KINDS,
+    LARGE_HEAD_DIM,
+    LARGE_HEAD_DIM_MAX_BLOCK,
+    check_dtype,
+)
 
 __all__ = ["CONCURRENT_PROGRAMS", "HEAD_MAJOR_TAIL", "head_group", "head_groups", "grid",
            "list_grid", "grid_group", "kernel_layout"]
@@ -152,7 +158,8 @@ _REFINE = {"from_block": 128, "to_block": 64, "head_dims": (64, 128),
 _KERNEL_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _modelled_ms(pattern, seq_len: int, num_heads: int, block: int) -> float:
+def _modelled_ms(pattern, seq_len: int, num_heads: int, block: int,
+                 kv_len: int | None = None) -> float:
     """Modelled fwd+bwd ms of ``pattern`` run at ``block``, per batch element. Tile counts come
     from the pattern's structural block kinds (no element masks, no lists: ~20x cheaper than a
     layout; tiles only "maybe" partial count as computed), so a first call does not build
@@ -164,7 +171,7 @@ def _modelled_ms(pattern, seq_len: int, num_heads: int, block: int) -> float:
         key = pattern.head_key(h)
         if key not in tiles_by_key:
             tiles_by_key[key] = int(np.count_nonzero(
-                np.asarray(pattern.block_kinds(h, block, seq_len)) != EMPTY))
+                np.asarray(_block_kinds(pattern, h, block, seq_len, kv_len)) != EMPTY))
         tiles += tiles_by_key[key]
     return a * num_heads * -(-seq_len // block) + b * tiles * block * block / 1e6
 
@@ -176,7 +183,9 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
 
     Policy (:attr:`LaunchOptions.kernel_tile`, default ``"auto"``): on CUDA, the block with the
     least modelled time among the layout's own, every larger one, and, for a block-128 layout with
-    ``head_dim`` 64 or 128 and bfloat16/float16 (where tile 64 was measured), 64; in the
+    ``head_dim`` 64 or 128 and bfloat16/float16 (where tile 64 was measured), 64; for
+    ``head_dim`` above 128, the layout's block if at most 64, else 64 (larger tiles do not fit,
+    see :func:`sparsetp.kernels.tiles.tile_config`); in the
     interpreter the layout itself, so CPU tests run the kernels at every block. A layout
     without a pattern (built by hand) is launched as it is. Both frontends call this with the
     same arguments, so torch and JAX launch the same tiles. The other layouts are built once
@@ -205,7 +214,13 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
             cache.clear()
             cache[whole] = whole.heads(layout.head_offset, layout.head_offset + layout.num_heads)
         return cache[whole]
-    if mode == "auto":
+    large_d = head_dim is not None and head_dim > LARGE_HEAD_DIM
+    if mode == "auto" and large_d:
+        # Head dims above 128 only fit tiles of at most 64 (tiles.tile_config): the layout's
+        # own block when it is small enough, else the same pattern at 64.
+        blocks = ([] if layout.block_size <= LARGE_HEAD_DIM_MAX_BLOCK
+                  else [LARGE_HEAD_DIM_MAX_BLOCK])
+    elif mode == "auto":
         blocks = [b for b in SUPPORTED_BLOCK_SIZES if b > layout.block_size]
         if (layout.block_size == _REFINE["from_block"] and head_dim in _REFINE["head_dims"]
                 and dtype is not None and check_dtype(dtype) in _REFINE["dtypes"]):
@@ -215,12 +230,14 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
     if not blocks:
         return layout
     cache = _KERNEL_LAYOUTS.setdefault(layout, {})
-    key = (mode, tuple(blocks))
+    key = (mode, tuple(blocks), large_d)
     if key not in cache:
         best = layout.block_size
-        if mode == "auto":
+        if mode == "auto" and large_d:
+            best = blocks[0]
+        elif mode == "auto":
             args = (layout.pattern, layout.seq_len, layout.num_heads)
-            cost = {b: _modelled_ms(*args, b) for b in blocks}
+            cost = {b: _modelled_ms(*args, b, layout.kv_len) for b in blocks}
             a, b = _TILE_MODEL[layout.block_size]  # the layout's own: its exact tile counts
             cost[layout.block_size] = (a * layout.num_heads * layout.num_blocks
                                        + b * float(layout.q_count.sum())
@@ -237,5 +254,6 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
         else:
             from sparsetp.core.layout import make_layout  # noqa: PLC0415 (numpy-only spec)
 
-            cache[key] = make_layout(layout.pattern, layout.seq_len, layout.num_heads, best)
+            cache[key] = make_layout(layout.pattern, layout.seq_len, layout.num_heads, best,
+                                     kv_len=layout.kv_len)
     return cache[key]

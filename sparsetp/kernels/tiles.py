@@ -22,9 +22,15 @@ from sparsetp.kernels import options as _options
 __all__ = ["SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES", "KERNEL_NAMES",
            "DEVICE_KINDS", "TileConfig", "tile_config", "check_head_dim", "check_dtype"]
 
-# tl.dot needs >= 16 and tl.arange a power of two; above 128 the [BLOCK, D] fp32 accumulators
-# would not fit in registers without a split-D accumulator.
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+# Every multiple of 16 from 16 to 256 (tl.dot needs K >= 16 and multiples of 16). tl.arange needs
+# a power of two, so the kernels run a head dim like 80 or 192 as HEAD_DIM_PAD = 128 / 256
+# columns with the extra ones masked (abi.head_dim_padded, attention._cols_ok). Above 128 the
+# [BLOCK, D] fp32 accumulators need the block-64 tiles picked below (schedule.kernel_layout
+# runs a block-128 layout at block 64 there).
+SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
+# The head dims above which the kernels need tiles of at most this block.
+LARGE_HEAD_DIM = 128
+LARGE_HEAD_DIM_MAX_BLOCK = 64
 SUPPORTED_DTYPES = DTYPES
 KERNEL_NAMES = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
 DEVICE_KINDS = ("cuda", "interpreter")
@@ -32,15 +38,14 @@ DEVICE_KINDS = ("cuda", "interpreter")
 
 def check_head_dim(head_dim: int, arg: str = "q") -> int:
     """``head_dim`` as an int, or ``ValueError`` naming ``arg`` when the kernels lack it."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
+    if isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS:
         if isinstance(head_dim, int) and head_dim > max(SUPPORTED_HEAD_DIMS):
             raise ValueError(
                 f"{arg} has head dim {head_dim}; head dims above {max(SUPPORTED_HEAD_DIMS)} are "
-                f"not supported (supported: {SUPPORTED_HEAD_DIMS}): the kernels keep "
-                f"[BLOCK, {head_dim}] fp32 accumulators in registers, which would not fit "
-                "without a split-D accumulator")
-        raise ValueError(f"{arg} has head dim {head_dim}; supported head dims are "
-                         f"{SUPPORTED_HEAD_DIMS} (tl.dot needs >= 16 and a power of two)")
+                f"not supported: the kernels keep [BLOCK, {head_dim}] fp32 accumulators in "
+                "registers, which would not fit without a split-D accumulator")
+        raise ValueError(f"{arg} has head dim {head_dim}; supported head dims are the multiples "
+                         f"of 16 from 16 to {max(SUPPORTED_HEAD_DIMS)} (tl.dot needs >= 16)")
     return int(head_dim)
 
 
@@ -124,6 +129,17 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
     bs = block_size
     if kernel_name == "bwd_preprocess":
         return TileConfig(bs, bs, 4, 1)
+    if head_dim > LARGE_HEAD_DIM:
+        # D = 144..256 (padded to 256): a [64, 256] fp32 accumulator is 128 registers per
+        # thread at 4 warps, so 8 warps; dK/dV keeps two of them plus K, V tiles. Sub-tiles of
+        # 32 and one stage keep shared memory at 2 x [32, 256] x 2 B per operand pair (32 KB
+        # of Q/dO, or K/V, per stage), far within an H100's 227 KB. Not yet swept on a GPU:
+        # FlashAttention-2's D=256 kernels use the same 64-row tiles.
+        if bs > LARGE_HEAD_DIM_MAX_BLOCK:
+            raise ValueError(f"head dim {head_dim} needs a kernel block of at most "
+                             f"{LARGE_HEAD_DIM_MAX_BLOCK}, got {bs} "
+                             "(schedule.kernel_layout picks one)")
+        return TileConfig(bs, bs, 8 if bs == 64 else 4, 1, sub=min(bs, 32))
     if kernel_name == "fwd":
         # A 128-query tile walked 64 keys at a time: the [128, 64] fp32 score tile plus the
         # [128, D] accumulator stay in registers with 8 warps, and 3 stages of K, V sub-tiles

@@ -1,7 +1,8 @@
 """Block-sparse attention for JAX: the Triton kernels of :mod:`sparsetp.kernels` behind a
 ``jax.custom_vjp``.
 
-``sparse_attention(q, k, v, layout)`` takes ``[B, H, N, D]`` arrays and a layout, and returns the
+``sparse_attention(q, k, v, layout)`` takes ``q`` ``[B, H, N, D]``, ``k, v`` ``[B, H_kv, N_kv, D]``
+(GQA/MQA when ``H_kv < H``; ``N_kv`` keys, the layout's ``kv_len``) and a layout, and returns the
 attention output ``[B, H, N, D]``. The forward launches ``_attn_fwd_kernel``; the backward (a
 ``custom_vjp`` rule, since jax-triton does not differentiate) launches the preprocess, dQ and
 dK/dV kernels. Launches go through :func:`sparsetp.backends.jax.launch.launch`
@@ -9,7 +10,8 @@ dK/dV kernels. Launches go through :func:`sparsetp.backends.jax.launch.launch`
 
 Layouts reach the kernels as array *operands*, never as trace constants: :class:`LayoutArrays`
 is a pytree whose leaves are the int32 metadata arrays of a
-:class:`~sparsetp.core.layout.BlockLayout` and whose static part is only ``seq_len``. Under
+:class:`~sparsetp.core.layout.BlockLayout` and whose static part is ``seq_len`` and ``kv_len``
+(and the head order). Under
 ``jax.jit``, two patterns whose metadata arrays have the same shapes therefore share one trace
 and one compiled executable::
 
@@ -78,6 +80,12 @@ class LayoutArrays:
     # (schedule.grid_group).
     q_head_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
     k_head_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    # Number of keys; 0 means seq_len (self-attention).
+    kv_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    def __post_init__(self):
+        if not self.kv_len:
+            object.__setattr__(self, "kv_len", self.seq_len)
 
     @property
     def num_heads(self) -> int:
@@ -129,7 +137,8 @@ class LayoutArrays:
 
 
 jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
-                                 meta_fields=["seq_len", "q_head_group", "k_head_group"])
+                                 meta_fields=["seq_len", "q_head_group", "k_head_group",
+                                              "kv_len"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
@@ -153,7 +162,8 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
                                      dtype=None if dtype is None else jnp.dtype(dtype).name)
     q_group, k_group = _schedule.head_groups(layout)
     return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
-                        seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group)
+                        seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
+                        kv_len=layout.kv_len)
 
 
 def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
@@ -191,12 +201,15 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     """Block-sparse softmax attention ``softmax(q k^T * scale, masked by layout) v`` per head.
 
     Args:
-      q, k, v: ``[B, H, N, D]`` arrays of one dtype (float16, bfloat16, float32; float64 with
-        ``jax_enable_x64``: within 1e-10 of the float64 oracle, not a fast path). Supported
-        head dims ``D`` are 16, 32, 64 and 128; any other ``D`` raises ``ValueError`` (above
-        128 the fp32 accumulators would not fit in registers).
+      q: ``[B, H, N, D]``; k, v: ``[B, H_kv, N_kv, D]`` with ``H % H_kv == 0`` (GQA/MQA: query
+        head ``h`` uses kv head ``h // (H // H_kv)``, never repeated in memory; dk, dv sum
+        over each group, deterministically). One dtype (float16, bfloat16, float32; float64
+        with ``jax_enable_x64``: within 1e-10 of the float64 oracle, not a fast path).
+        Supported head dims ``D``: the multiples of 16 from 16 to 256; others raise
+        ``ValueError``.
       layout: a :class:`~sparsetp.core.layout.BlockLayout` or :class:`LayoutArrays` for
-        ``H`` heads and ``N`` tokens.
+        ``H`` query heads, ``N`` queries and ``N_kv`` keys (``make_layout(..., kv_len=N_kv)``;
+        causal and local patterns are aligned to the end of the keys).
       scale: softmax scale (a Python float, static); default ``D ** -0.5``.
       return_lse: also return the log-sum-exp ``[B, H, N]`` (float32; differentiable).
 

@@ -210,12 +210,16 @@ def _block_local(p: Mapping[str, jax.Array], x: jax.Array, lay: LayoutArrays,
     hd = config.head_dim
     sp = dict(axis_name=axis_name, sequence_parallel=sequence_parallel)
     h1 = _layer_norm(x, p["ln1.weight"], p["ln1.bias"], config.norm_eps)
+    g = config.kv_group
     qkv = column_parallel_linear(h1, p["attn.qkv.weight"], p.get("attn.qkv.bias"),
-                                 **sp)                                 # [B, N, 3 * H_loc * hd]
+                                 **sp)                       # [B, N, Hk_loc * (G + 2) * hd]
     b, n, _ = qkv.shape  # all N tokens (x holds only N/tp of them with sequence_parallel)
-    h_loc = qkv.shape[-1] // (3 * hd)
-    qkv = qkv.reshape(b, n, h_loc, 3, hd).transpose(3, 0, 2, 1, 4)    # [3, B, H_loc, N, hd]
-    o = sparse_attention(qkv[0], qkv[1], qkv[2], lay, scale=hd ** -0.5)
+    hk_loc = qkv.shape[-1] // ((g + 2) * hd)
+    h_loc = hk_loc * g
+    # Group-major columns (sparsetp.core.config): per kv head, G query heads, its key, its value.
+    qkv = qkv.reshape(b, n, hk_loc, g + 2, hd).transpose(0, 2, 3, 1, 4)  # [B, Hk, G+2, N, hd]
+    q = qkv[:, :, :g].reshape(b, h_loc, n, hd)
+    o = sparse_attention(q, qkv[:, :, g], qkv[:, :, g + 1], lay, scale=hd ** -0.5)
     o = o.transpose(0, 2, 1, 3).reshape(b, n, h_loc * hd)
     y1 = x + row_parallel_linear(o, p["attn.out.weight"], p.get("attn.out.bias"), **sp)
     h2 = _layer_norm(y1, p["ln2.weight"], p["ln2.bias"], config.norm_eps)
@@ -235,8 +239,8 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
       x: ``[B, N, d_model]`` input (cast to ``config.dtype``).
       config: the :class:`~sparsetp.core.config.HybridConfig` (static under ``jit``).
       mesh: ``None`` runs unsharded on one device; otherwise a mesh with axis ``axis_name`` of
-        size ``tp`` (``num_heads`` and ``d_ff`` divisible by it), over which the block runs
-        Megatron-style inside ``shard_map``.
+        size ``tp`` (``num_heads``, ``num_kv_heads`` and ``d_ff`` divisible by it), over which
+        the block runs Megatron-style inside ``shard_map``.
       axis_name: the mesh axis to split over.
       sequence_parallel: Megatron's sequence parallelism (see the module docstring): ``x`` and
         the result are split along ``N`` over ``axis_name`` (``N`` divisible by ``tp``). Needs a

@@ -8,9 +8,11 @@
   backward. The benchmark baseline for "block-sparse in plain PyTorch".
 * :func:`dense_attention` - ``scaled_dot_product_attention`` with the layout's dense mask.
 
-All take ``q, k, v`` of shape ``[B, H, N, D]`` and a :class:`~sparsetp.core.layout.BlockLayout`
-built for ``seq_len=N`` and ``num_heads=H``. A query row with no allowed key gets output 0,
-LSE ``-inf`` and zero gradients, in every function here.
+All take ``q`` of shape ``[B, H, N, D]``, ``k, v`` of shape ``[B, H_kv, N_kv, D]`` (``H_kv``
+divides ``H``: grouped-query / multi-query attention, kv heads never repeated in memory; ``N_kv``
+keys, ``N`` by default) and a :class:`~sparsetp.core.layout.BlockLayout` built for
+``seq_len=N``, ``num_heads=H`` (query heads) and ``kv_len=N_kv``. A query row with no allowed
+key gets output 0, LSE ``-inf`` and zero gradients, in every function here.
 
 Example::
 
@@ -175,21 +177,25 @@ def _traced_layout(handle: str) -> BlockLayout:
 
 
 def cached_layout(pattern: Pattern, seq_len: int, num_heads: int, block_size: int,
-                  heads: tuple[int, int] | None = None) -> BlockLayout:
-    """``make_layout(pattern, seq_len, num_heads, block_size)``, or its ``.heads(*heads)``,
-    cached per value: modules with equal patterns share one layout (and its device metadata).
+                  heads: tuple[int, int] | None = None, *,
+                  kv_len: int | None = None) -> BlockLayout:
+    """``make_layout(pattern, seq_len, num_heads, block_size, kv_len=kv_len)``, or its
+    ``.heads(*heads)``, cached per value: modules with equal patterns share one layout (and its
+    device metadata).
 
     >>> from sparsetp.core import patterns as P
     >>> cached_layout(P.causal(), 64, 2, 32) is cached_layout(P.causal(), 64, 2, 32)
     True
     """
-    key = (pattern, int(seq_len), int(num_heads), int(block_size), heads)
+    kv_len = seq_len if kv_len is None else kv_len
+    key = (pattern, int(seq_len), int(num_heads), int(block_size), heads, int(kv_len))
     layout = _LAYOUTS.get(key)
     if layout is None:
         if heads is None:
-            layout = make_layout(pattern, seq_len, num_heads, block_size)
+            layout = make_layout(pattern, seq_len, num_heads, block_size, kv_len=kv_len)
         else:
-            layout = cached_layout(pattern, seq_len, num_heads, block_size).heads(*heads)
+            layout = cached_layout(pattern, seq_len, num_heads, block_size,
+                                   kv_len=kv_len).heads(*heads)
         if len(_LAYOUTS) >= _LAYOUTS_MAX:
             _LAYOUTS.clear()
         _LAYOUTS[key] = layout
@@ -197,10 +203,10 @@ def cached_layout(pattern: Pattern, seq_len: int, num_heads: int, block_size: in
 
 
 @torch.compiler.assume_constant_result
-def _traced_layout_handle(pattern, seq_len, num_heads, block_size, heads) -> str:
+def _traced_layout_handle(pattern, seq_len, num_heads, block_size, heads, kv_len) -> str:
     """The handle of :func:`cached_layout`'s layout, as a constant of the traced graph (the
     layout is built at trace time, outside the graph, and kept for the graph's lifetime)."""
-    layout = cached_layout(pattern, seq_len, num_heads, block_size, heads)
+    layout = cached_layout(pattern, seq_len, num_heads, block_size, heads, kv_len=kv_len)
     _TRACED_LAYOUTS[layout.handle] = layout
     return layout.handle
 
@@ -255,11 +261,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """Block-sparse attention ``softmax(q k^T * scale, masked by layout) v``.
 
     Args:
-      q, k, v: ``[B, H, N, D]`` tensors of one dtype (float16, bfloat16, float32; float64 works
-        too, mainly for gradcheck) on one device, any strides. Supported head dims ``D`` are
-        16, 32, 64 and 128; any other ``D`` raises ``ValueError`` (above 128 the fp32
-        accumulators would not fit in registers).
-      layout: a :class:`BlockLayout` for ``seq_len=N``, ``num_heads=H``.
+      q: ``[B, H, N, D]``; k, v: ``[B, H_kv, N_kv, D]`` with ``H % H_kv == 0`` (GQA/MQA:
+        query head ``h`` attends with kv head ``h // (H // H_kv)``; dk, dv sum over the group,
+        deterministically). One dtype (float16, bfloat16, float32; float64 works too, mainly
+        for gradcheck), one device, any strides. Supported head dims ``D``: the multiples of
+        16 from 16 to 256; others raise ``ValueError``.
+      layout: a :class:`BlockLayout` for ``seq_len=N``, ``num_heads=H`` and ``kv_len=N_kv``
+        (``make_layout(..., kv_len=N_kv)`` when ``N_kv != N``: causal and local patterns are
+        then aligned to the end of the keys).
       scale: softmax scale, default ``D ** -0.5``.
       return_lse: also return the log-sum-exp ``[B, H, N]`` (float32; differentiable).
 
@@ -279,6 +288,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     >>> out, lse = sparse_attention(q, k, v, lay, return_lse=True)
     >>> out.shape, lse.shape
     (torch.Size([1, 1, 40, 32]), torch.Size([1, 1, 40]))
+
+    Grouped-query attention, 8 query heads sharing 2 kv heads, 16 new queries after 48 cached
+    keys (``kv_len=64``)::
+
+    >>> lay = make_layout(P.causal(), seq_len=16, num_heads=8, block_size=16, kv_len=64)
+    >>> q, k, v = torch.randn(1, 8, 16, 32), torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32)
+    >>> sparse_attention(q, k, v, lay).shape
+    torch.Size([1, 8, 16, 32])
     """
     q, k, v = _autocast(q, k, v)
     if torch.compiler.is_compiling():
@@ -294,22 +311,22 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern,
                       block_size: int, *, scale: float | None = None, num_heads: int | None = None,
                       heads: tuple[int, int] | None = None) -> torch.Tensor:
-    """:func:`sparse_attention` with the layout of ``pattern`` for q's sequence length (from
+    """:func:`sparse_attention` with the layout of ``pattern`` for q's and k's lengths (from
     :func:`cached_layout`), what the modules call: eager calls look the layout up, and under
     ``torch.compile`` it is built while tracing and enters the graph as a constant.
     ``num_heads``/``heads``: the whole layout's head count and the slice ``q`` holds (tensor
     parallelism); default ``q``'s heads."""
     # operator.index, not int(): under torch.compile it specializes a symbolic length to the
     # constant the layout needs (with a guard), where int() would keep it symbolic.
-    n = operator.index(q.shape[2])
+    n, kv_len = operator.index(q.shape[2]), operator.index(k.shape[2])
     num_heads = operator.index(q.shape[1]) if num_heads is None else num_heads
     if torch.compiler.is_compiling():
         q, k, v = _autocast(q, k, v)
-        handle = _traced_layout_handle(pattern, n, num_heads, block_size, heads)
+        handle = _traced_layout_handle(pattern, n, num_heads, block_size, heads, kv_len)
         out, _ = _attention_op(q, k, v, handle, q.shape[-1] ** -0.5 if scale is None else scale)
         return out
-    return sparse_attention(q, k, v, cached_layout(pattern, n, num_heads, block_size, heads),
-                            scale=scale)
+    layout = cached_layout(pattern, n, num_heads, block_size, heads, kv_len=kv_len)
+    return sparse_attention(q, k, v, layout, scale=scale)
 
 
 def _autocast(q, k, v):
@@ -326,7 +343,8 @@ def _autocast(q, k, v):
 
 
 class SparseAttention(torch.nn.Module):
-    """Block-sparse attention with a fixed pattern; layouts cached per (seq_len, num_heads).
+    """Block-sparse attention with a fixed pattern; layouts cached per (seq_len, num_heads,
+    kv_len) (``kv_len`` from k, which may also have fewer heads: GQA).
 
     >>> import torch
     >>> from sparsetp.core import patterns as P
@@ -347,15 +365,18 @@ class SparseAttention(torch.nn.Module):
         self.block_size = block_size
         self.scale = scale
 
-    def layout(self, seq_len: int, num_heads: int) -> BlockLayout:
-        """The pattern's layout for ``seq_len`` tokens and ``num_heads`` heads (cached)."""
-        return cached_layout(self.pattern, seq_len, num_heads, self.block_size)
+    def layout(self, seq_len: int, num_heads: int, kv_len: int | None = None) -> BlockLayout:
+        """The pattern's layout for ``seq_len`` queries, ``num_heads`` query heads and
+        ``kv_len`` keys (default ``seq_len``), cached."""
+        return cached_layout(self.pattern, seq_len, num_heads, self.block_size, kv_len=kv_len)
 
     def forward(self, q, k, v, return_lse: bool = False):
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise ValueError("q must be a [B, H, N, D] torch.Tensor")
+        if not isinstance(k, torch.Tensor) or k.dim() != 4:
+            raise ValueError("k must be a [B, H_kv, N_kv, D] torch.Tensor")
         if return_lse:
-            lay = self.layout(q.shape[2], q.shape[1])
+            lay = self.layout(q.shape[2], q.shape[1], k.shape[2])
             return sparse_attention(q, k, v, lay, scale=self.scale, return_lse=True)
         return pattern_attention(q, k, v, self.pattern, self.block_size, scale=self.scale)
 
@@ -369,7 +390,7 @@ def _naive_tables(layout: BlockLayout, device: torch.device):
     per_layout = _NAIVE_CACHE.setdefault(layout, {})
     key = str(device)
     if key not in per_layout:
-        bs, n = layout.block_size, layout.seq_len
+        bs, n = layout.block_size, layout.kv_len
         # Only the widest row's entries: gathering the ELL padding (widths are padded to a
         # multiple of 16 for the kernels' sake) would only slow this baseline down.
         h_n, nt, _ = layout.q_index.shape
@@ -399,15 +420,17 @@ def naive_sparse_attention(q, k, v, layout: BlockLayout,
     layout); differentiable through autograd. Returns ``out`` only.
     """
     scale = _check_inputs(q, k, v, layout, scale)
+    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
     b, h, n, d = q.shape
     bs = layout.block_size
     nt = -(-n // bs)
-    pad = nt * bs - n
     index, elem = _naive_tables(layout, q.device)
     w = index.shape[-1]
 
     def tiles(t):
-        return torch.nn.functional.pad(t, (0, 0, 0, pad)).reshape(b, h, nt, bs, d)
+        t_n = -(-t.shape[2] // bs)
+        return torch.nn.functional.pad(t, (0, 0, 0, t_n * bs - t.shape[2])).reshape(
+            b, h, t_n, bs, d)
 
     qt, kt, vt = tiles(q), tiles(k), tiles(v)
     heads = torch.arange(h, device=q.device)[:, None, None]
@@ -422,14 +445,21 @@ def naive_sparse_attention(q, k, v, layout: BlockLayout,
     return out.reshape(b, h, nt * bs, d)[:, :, :n]
 
 
+def _repeat_kv(q, t):
+    """The baselines' GQA: kv heads repeated to q's head count (the kernels never do this)."""
+    group = q.shape[1] // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
 def dense_attention(q, k, v, layout: BlockLayout, scale: float | None = None) -> torch.Tensor:
-    """``scaled_dot_product_attention`` with the layout's dense ``[H, N, N]`` mask.
+    """``scaled_dot_product_attention`` with the layout's dense ``[H, N, N_kv]`` mask.
 
     SDPA returns NaN for rows whose mask is all False; here those rows see every key inside
     SDPA and are then set to 0 (so forward and gradients stay finite: 0 output, 0 gradient).
     """
     scale = _check_inputs(q, k, v, layout, scale)
-    mask = torch.from_numpy(layout.dense_mask()).to(q.device)  # [H, N, N], True = attend
+    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+    mask = torch.from_numpy(layout.dense_mask()).to(q.device)  # [H, N, N_kv], True = attend
     has_key = mask.any(-1, keepdim=True)                        # [H, N, 1]
     safe_mask = mask | ~has_key
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -59,7 +59,8 @@ class HybridBlock(nn.Module):
         weight-gradient GEMM (bitwise the same numbers; see ``layers.ColumnParallelLinear``).
       sequence_parallel: input and output are this rank's sequence shard (below).
 
-    Raises ValueError when ``num_heads`` or ``d_ff`` is not divisible by the group size.
+    Raises ValueError when ``num_heads``, ``num_kv_heads`` or ``d_ff`` is not divisible by the
+    group size.
     Input ``x [B, N, d_model]`` (the same on every rank), output ``[B, N, d_model]``. With
     ``sequence_parallel``: input ``[B, N / tp, d_model]``, this rank's contiguous tokens of the
     ``N``-token sequence the attention sees, output the same tokens of the block's output. To
@@ -84,7 +85,8 @@ class HybridBlock(nn.Module):
                   sequence_parallel=self.sequence_parallel)
         self.ln1 = nn.LayerNorm(d, eps=config.norm_eps, dtype=dtype, device=device)
         self.attn = ParallelSparseAttention(d, config.num_heads, config.pattern,
-                                            config.block_size, config.bias, **kw)
+                                            config.block_size, config.bias,
+                                            num_kv_heads=config.num_kv_heads, **kw)
         self.ln2 = nn.LayerNorm(d, eps=config.norm_eps, dtype=dtype, device=device)
         self.mlp = ParallelMLP(d, config.d_ff, config.bias, **kw)
         if seed is not None:

@@ -480,13 +480,16 @@ class ParallelMLP(nn.Module):
 class ParallelSparseAttention(nn.Module):
     """Block-sparse multi-head self-attention with heads split contiguously over ``group``.
 
-    ``qkv`` is column-parallel with the canonical head-major interleaved columns
-    (``h * 3 * hd + t * hd + e``), so rank ``r`` of ``tp`` holds heads
-    ``[r * H / tp, (r + 1) * H / tp)`` and attends with ``layout.heads(...)`` of those heads;
-    ``out`` is row-parallel. Scale ``head_dim ** -0.5``.
+    ``qkv`` is column-parallel with the canonical group-major interleaved columns
+    (:mod:`sparsetp.core.config`: per kv head, its ``G = num_heads / num_kv_heads`` query heads,
+    its key and its value; ``h * 3 * hd + t * hd + e`` when ``G = 1``), so rank ``r`` of ``tp``
+    holds whole kv groups: query heads ``[r * H / tp, (r + 1) * H / tp)`` with their kv heads,
+    and attends with ``layout.heads(...)`` of those query heads (GQA in the kernels, k and v
+    never repeated); ``out`` is row-parallel. Scale ``head_dim ** -0.5``.
 
     Args:
       d_model, num_heads: unsharded sizes (``num_heads`` divisible by the TP size).
+      num_kv_heads: key/value heads (GQA; default ``num_heads``), divisible by the TP size.
       pattern: attention pattern, laid out per sequence length with ``block_size`` tiles.
       block_size, bias, group, dtype, device, seed: as above.
       overlap_comm: passed to the qkv :class:`ColumnParallelLinear`.
@@ -501,20 +504,27 @@ class ParallelSparseAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, pattern: Pattern, block_size: int = 64,
                  bias: bool = True, group=None, *, dtype: torch.dtype | None = None,
                  device=None, seed: int | None = 0, overlap_comm: bool = True,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, num_kv_heads: int | None = None):
         super().__init__()
         if not isinstance(pattern, Pattern):
             raise ValueError(f"pattern must be a sparsetp Pattern, got {pattern!r}")
         if num_heads < 1 or d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be a positive multiple of "
                              f"num_heads={num_heads}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
         world = group_size(group)
         self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.num_kv_heads, self.kv_group = num_kv_heads, num_heads // num_kv_heads
         self.local_heads = _divide("num_heads", num_heads, world)
+        self.local_kv_heads = _divide("num_kv_heads", num_kv_heads, world)
         self.pattern, self.block_size = pattern, block_size
         self.head_start = group_rank(group) * self.local_heads
         kw = dict(group=group, dtype=dtype, device=device, sequence_parallel=sequence_parallel)
-        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, bias, gather_output=False,
+        qkv_width = d_model + 2 * num_kv_heads * self.head_dim
+        self.qkv = ColumnParallelLinear(d_model, qkv_width, bias, gather_output=False,
                                         seed=seed, overlap_comm=overlap_comm, **kw)
         self.out = RowParallelLinear(d_model, d_model, bias, input_is_parallel=True,
                                      seed=None if seed is None else seed + 1, **kw)
@@ -530,12 +540,14 @@ class ParallelSparseAttention(nn.Module):
                              self._heads())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv_local = self.qkv(x)  # [B, N, Hl * 3 * hd] (under SP, gathered from N / tp tokens)
+        # [B, N, Hk_l * (G + 2) * hd] (under SP, gathered from N / tp tokens); group-major columns
+        qkv_local = self.qkv(x)
         b, n, _ = qkv_local.shape
-        qkv_local = qkv_local.view(b, n, self.local_heads, 3, self.head_dim)
-        q, k, v = (qkv_local[:, :, :, t].transpose(1, 2).contiguous() for t in range(3))
-        o = pattern_attention(q, k, v, self.pattern, self.block_size,
-                              scale=self.head_dim ** -0.5, num_heads=self.num_heads,
-                              heads=self._heads())
+        g, hd = self.kv_group, self.head_dim
+        qkv_local = qkv_local.view(b, n, self.local_kv_heads, g + 2, hd)
+        q = qkv_local[:, :, :, :g].reshape(b, n, self.local_heads, hd).transpose(1, 2).contiguous()
+        k, v = (qkv_local[:, :, :, t].transpose(1, 2).contiguous() for t in (g, g + 1))
+        o = pattern_attention(q, k, v, self.pattern, self.block_size, scale=hd ** -0.5,
+                              num_heads=self.num_heads, heads=self._heads())
         o_local = o.transpose(1, 2).reshape(b, n, self.local_heads * self.head_dim)
         return self.out(o_local)
