@@ -84,7 +84,8 @@ def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages
     constexprs = {"BLOCK": block, "HEAD_DIM": head_dim, "MASK_WORDS": abi.mask_words(block),
                   "DOT_PRECISION": abi.dot_precision(dtype), "DOT_UPCAST": False,
                   "ORDERED": True, "ALIGNED": True,
-                  "SUB_N": sub, "SUB_M": sub}
+                  "SUB_N": sub, "SUB_M": sub, "HEAD_DIM_PAD": abi.head_dim_padded(head_dim),
+                  "GROUPED": False}
     constexprs = {k: v for k, v in constexprs.items() if k in names}
     constexprs.update({n: 1 for n in names if n in _UNIT_STRIDES})
     sig = {}

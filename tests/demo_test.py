@@ -171,7 +171,8 @@ class DemoTest(absltest.TestCase):
     def test_bad_head_dim_fails_before_spawning(self):
         # d_model=32 over 4 heads is head dim 8 (tl.dot needs >= 16): one clear error in the
         # parent, not a kernel error in every rank after the process group is up.
-        msg = r"d_model=32 / num_heads=4 has head dim 8; supported head dims are \(16, 32"
+        msg = (r"d_model=32 / num_heads=4 has head dim 8; supported head dims are the "
+               r"multiples of 16")
         args = demo.DemoArgs(tp=2, device="cpu", d_model=32, num_heads=4, seq_len=64,
                              block_size=16, d_ff=64)
         with mock.patch("torch.multiprocessing.spawn",

@@ -100,14 +100,16 @@ class _JaxHooks:
             self.assertEqual(a.devices(), {self.device})
 
     def forward(self, q, k, v, layout, scale, dtype):
+        # head_dim and dtype: the arrays of the tile the kernels run (schedule.kernel_layout).
+        lay = jattn.layout_arrays(layout, head_dim=q.shape[-1], dtype=dtype)
         out, lse = _jitted(scale)(self._to(q, dtype), self._to(k, dtype), self._to(v, dtype),
-                                  jattn.layout_arrays(layout))
+                                  lay)
         self.assertEqual(out.dtype, jnp.dtype(dtype))
         self._on_device(out, lse)
         return _np(out), _np(lse)
 
     def backward(self, q, k, v, layout, scale, dtype, d_out):
-        lay = jattn.layout_arrays(layout)
+        lay = jattn.layout_arrays(layout, head_dim=q.shape[-1], dtype=dtype)
         fn = _jitted(scale, return_lse=False)
         _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), self._to(q, dtype),
                          self._to(k, dtype), self._to(v, dtype))

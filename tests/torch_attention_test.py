@@ -426,8 +426,8 @@ class DirectLaunchTest(absltest.TestCase):
         names = call.kernel.arg_names
         # What JITFunction.run passes: every parameter's value in signature order.
         self.assertLen(launched, len(names))
-        expect = (*call.args, self.out, self.lse, *(call.constexprs[n] for n in
-                                                   names[len(call.args) + 2:]))
+        expect = (self.q, self.k, self.v, *call.args[3:], self.out, self.lse,
+                  *(call.constexprs[n] for n in names[len(call.args) + 2:]))
         for name, got, want in zip(names, launched, expect, strict=True):
             if isinstance(want, (bool, int, float, str)):
                 self.assertEqual(got, want, name)

@@ -137,8 +137,9 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
         # FlashAttention-2's D=256 kernels use the same 64-row tiles.
         if bs > LARGE_HEAD_DIM_MAX_BLOCK:
             raise ValueError(f"head dim {head_dim} needs a kernel block of at most "
-                             f"{LARGE_HEAD_DIM_MAX_BLOCK}, got {bs} "
-                             "(schedule.kernel_layout picks one)")
+                             f"{LARGE_HEAD_DIM_MAX_BLOCK}, got {bs} (schedule.kernel_layout "
+                             "picks one from a BlockLayout; a JAX LayoutArrays needs "
+                             "layout_arrays(layout, head_dim=...))")
         return TileConfig(bs, bs, 8 if bs == 64 else 4, 1, sub=min(bs, 32))
     if kernel_name == "fwd":
         # A 128-query tile walked 64 keys at a time: the [128, 64] fp32 score tile plus the

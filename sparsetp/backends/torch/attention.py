@@ -44,6 +44,7 @@ from sparsetp.kernels import abi
 from sparsetp.kernels import options as _options
 
 __all__ = ["sparse_attention", "SparseAttention", "pattern_attention", "cached_layout",
+           "pattern_key", "PatternModule",
            "naive_sparse_attention", "dense_attention"]
 
 _NAIVE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -202,11 +203,35 @@ def cached_layout(pattern: Pattern, seq_len: int, num_heads: int, block_size: in
     return layout
 
 
+_PATTERN_KEYS: dict[Pattern, str] = {}
+_PATTERNS: dict[str, Pattern] = {}
+
+
+def pattern_key(pattern: Pattern) -> str:
+    """A string naming ``pattern`` (equal patterns share one), for code that torch.compile
+    traces: a string is a constant there on every torch version, a pattern object is not.
+
+    >>> from sparsetp.core import patterns as P
+    >>> pattern_key(P.causal()) == pattern_key(P.causal())
+    True
+    """
+    key = _PATTERN_KEYS.get(pattern)
+    if key is None:
+        key = _PATTERN_KEYS[pattern] = f"pattern-{len(_PATTERN_KEYS)}"
+        _PATTERNS[key] = pattern
+    return key
+
+
+def _as_pattern(pattern: Pattern | str) -> Pattern:
+    return _PATTERNS[pattern] if isinstance(pattern, str) else pattern
+
+
 @torch.compiler.assume_constant_result
 def _traced_layout_handle(pattern, seq_len, num_heads, block_size, heads, kv_len) -> str:
     """The handle of :func:`cached_layout`'s layout, as a constant of the traced graph (the
     layout is built at trace time, outside the graph, and kept for the graph's lifetime)."""
-    layout = cached_layout(pattern, seq_len, num_heads, block_size, heads, kv_len=kv_len)
+    layout = cached_layout(_as_pattern(pattern), seq_len, num_heads, block_size, heads,
+                           kv_len=kv_len)
     _TRACED_LAYOUTS[layout.handle] = layout
     return layout.handle
 
@@ -308,14 +333,16 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     return (out, lse) if return_lse else out
 
 
-def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern,
-                      block_size: int, *, scale: float | None = None, num_heads: int | None = None,
+def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      pattern: Pattern | str, block_size: int, *, scale: float | None = None,
+                      num_heads: int | None = None,
                       heads: tuple[int, int] | None = None) -> torch.Tensor:
     """:func:`sparse_attention` with the layout of ``pattern`` for q's and k's lengths (from
     :func:`cached_layout`), what the modules call: eager calls look the layout up, and under
     ``torch.compile`` it is built while tracing and enters the graph as a constant.
     ``num_heads``/``heads``: the whole layout's head count and the slice ``q`` holds (tensor
-    parallelism); default ``q``'s heads."""
+    parallelism); default ``q``'s heads. ``pattern`` may be its :func:`pattern_key`, what
+    compiled modules pass (some torch versions cannot trace a pattern object)."""
     # operator.index, not int(): under torch.compile it specializes a symbolic length to the
     # constant the layout needs (with a guard), where int() would keep it symbolic.
     n, kv_len = operator.index(q.shape[2]), operator.index(k.shape[2])
@@ -325,8 +352,24 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern
         handle = _traced_layout_handle(pattern, n, num_heads, block_size, heads, kv_len)
         out, _ = _attention_op(q, k, v, handle, q.shape[-1] ** -0.5 if scale is None else scale)
         return out
-    layout = cached_layout(pattern, n, num_heads, block_size, heads, kv_len=kv_len)
+    layout = cached_layout(_as_pattern(pattern), n, num_heads, block_size, heads, kv_len=kv_len)
     return sparse_attention(q, k, v, layout, scale=scale)
+
+
+class PatternModule(torch.nn.Module):
+    """Base of the modules that attend with a fixed ``pattern``: setting it also records its
+    :func:`pattern_key`, which their compiled forward passes instead of the object."""
+
+    @property
+    def pattern(self) -> Pattern:
+        return self._pattern
+
+    @pattern.setter
+    def pattern(self, value: Pattern) -> None:
+        if not isinstance(value, Pattern):
+            raise ValueError(f"pattern must be a sparsetp Pattern, got {type(value).__name__}")
+        self._pattern = value
+        self._pattern_key = pattern_key(value)
 
 
 def _autocast(q, k, v):
@@ -342,7 +385,7 @@ def _autocast(q, k, v):
                  else t for t in (q, k, v))
 
 
-class SparseAttention(torch.nn.Module):
+class SparseAttention(PatternModule):
     """Block-sparse attention with a fixed pattern; layouts cached per (seq_len, num_heads,
     kv_len) (``kv_len`` from k, which may also have fewer heads: GQA).
 
@@ -378,7 +421,7 @@ class SparseAttention(torch.nn.Module):
         if return_lse:
             lay = self.layout(q.shape[2], q.shape[1], k.shape[2])
             return sparse_attention(q, k, v, lay, scale=self.scale, return_lse=True)
-        return pattern_attention(q, k, v, self.pattern, self.block_size, scale=self.scale)
+        return pattern_attention(q, k, v, self._pattern_key, self.block_size, scale=self.scale)
 
     def extra_repr(self) -> str:
         return f"pattern={self.pattern!r}, block_size={self.block_size}, scale={self.scale}"

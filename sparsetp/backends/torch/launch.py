@@ -57,11 +57,27 @@ def metadata(layout: BlockLayout, q: torch.Tensor, kind: str) -> dict:
     key = str(q.device)
     if key not in per_layout:
         q_group, k_group = schedule.head_groups(layout)
-        per_layout[key] = {
-            **{name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C")).to(q.device)
-               for name, arr in layout.metadata().items()},
-            "q_head_group": q_group, "k_head_group": k_group}
+        per_layout[key] = {**_device_arrays(layout.metadata(), q.device),
+                           "q_head_group": q_group, "k_head_group": k_group}
     return per_layout[key]
+
+
+def _device_arrays(arrays: dict, device: torch.device) -> dict:
+    """int32 copies of numpy ``arrays`` on ``device``. On CUDA they are allocated on a helper
+    thread: CUDA-graph trees (torch.compile's reduce-overhead mode) route every allocation of
+    the calling thread into their graph's pool, where a tensor that outlives the graph is an
+    error; the metadata are cached for the layout's lifetime, so they must live outside it."""
+    def build():
+        out = {name: torch.from_numpy(np.array(arr, dtype=np.int32, order="C")).to(device)
+               for name, arr in arrays.items()}
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # ready for any stream
+        return out
+
+    if device.type != "cuda":
+        return build()
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(build).result()
 
 
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -89,14 +105,16 @@ def _launch(call: abi.KernelCall, outputs, kind: str):
 
 
 class _Description:
-    """A cached launch description: the call as built (with the first caller's tensors), its
+    """A cached launch description: the call as built (per-call tensors left out: ``None``), its
     arguments after the per-call tensors, its constexpr values in signature order, and the
     compiled kernels Triton returned for it, by the alignment of the per-call tensors."""
 
     __slots__ = ("call", "n_tensors", "tail", "constexpr_values", "compiled", "meta")
 
     def __init__(self, call: abi.KernelCall, n_tensors: int, meta):
-        self.call = call
+        # The per-call tensors are dropped: a cached description must not keep the first
+        # caller's tensors alive (under CUDA graphs they belong to a graph's memory pool).
+        self.call = dataclasses.replace(call, args=(None,) * n_tensors + call.args[n_tensors:])
         self.n_tensors = n_tensors
         self.tail = call.args[n_tensors:]
         names = call.kernel.arg_names[len(call.args) + len(call.outputs):]

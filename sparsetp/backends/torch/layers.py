@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsetp.backends.torch.attention import cached_layout, pattern_attention
+from sparsetp.backends.torch.attention import PatternModule, cached_layout, pattern_attention
 from sparsetp.backends.torch.comm import (
     SEQ_DIM,
     _all_gather_seq_start,
@@ -477,7 +477,7 @@ class ParallelMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
-class ParallelSparseAttention(nn.Module):
+class ParallelSparseAttention(PatternModule):
     """Block-sparse multi-head self-attention with heads split contiguously over ``group``.
 
     ``qkv`` is column-parallel with the canonical group-major interleaved columns
@@ -547,7 +547,7 @@ class ParallelSparseAttention(nn.Module):
         qkv_local = qkv_local.view(b, n, self.local_kv_heads, g + 2, hd)
         q = qkv_local[:, :, :, :g].reshape(b, n, self.local_heads, hd).transpose(1, 2).contiguous()
         k, v = (qkv_local[:, :, :, t].transpose(1, 2).contiguous() for t in (g, g + 1))
-        o = pattern_attention(q, k, v, self.pattern, self.block_size, scale=hd ** -0.5,
+        o = pattern_attention(q, k, v, self._pattern_key, self.block_size, scale=hd ** -0.5,
                               num_heads=self.num_heads, heads=self._heads())
         o_local = o.transpose(1, 2).reshape(b, n, self.local_heads * self.head_dim)
         return self.out(o_local)
