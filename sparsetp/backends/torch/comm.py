@@ -321,21 +321,29 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
 
 def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward."""
+    if group_size(group) == 1:
+        return x  # no Function on one rank: plain autograd, and plain tracing under compile
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward."""
+    if group_size(group) == 1:
+        return x  # no Function on one rank: plain autograd, and plain tracing under compile
     return _ReduceFromRegion.apply(x, group)
 
 
 def gather_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
+    if group_size(group) == 1:
+        return x  # no Function on one rank: plain autograd, and plain tracing under compile
     return _GatherFromRegion.apply(x, group)
 
 
 def scatter_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
+    if group_size(group) == 1:
+        return x  # no Function on one rank: plain autograd, and plain tracing under compile
     return _ScatterToRegion.apply(x, group)
 
 

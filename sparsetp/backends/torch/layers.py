@@ -441,6 +441,8 @@ class RowParallelLinear(_ParallelLinear):
             # "sequence-parallel" parameters in its training loop).
             return y_shard + copy_to_region(self.bias, self.group)
         x_local = x if self.input_is_parallel else scatter_to_region(x, self.group)
+        if self.world_size == 1:  # nothing to reduce: autograd's own linear backward
+            return _matmul_bias(x_local, self.weight, self.bias)
         return _RowLinear.apply(x_local, self.weight, self.bias, self.group, self.rank == 0)
 
 
