@@ -21,6 +21,7 @@ from absl.testing import absltest, parameterized
 from dist_utils import backend_for, run_distributed
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
 
+from sparsetp.backends.torch import comm
 from sparsetp.backends.torch.attention import SparseAttention, sparse_attention
 from sparsetp.core import HybridConfig, init_params, make_layout
 from sparsetp.core import patterns as P
@@ -173,7 +174,14 @@ del _CompileTestBase  # a base only: its tests run in the device classes above
 
 
 # ----------------------------------------------------------------------------- TP=2
-def _compiled_block_rank(rank, world, sequence_parallel):
+def _compiled_block_rank(rank, world, sequence_parallel, outside_graph):
+    """Compiled vs eager TP block on this rank. ``outside_graph``: the Functions run outside
+    the graph, as on torch < 2.13 (``comm.TRACES_FUNCTIONS``): compiled without fullgraph."""
+    from sparsetp.backends.torch import comm, layers  # noqa: PLC0415
+
+    if outside_graph:
+        gated = torch.compiler.disable(comm.apply_function)
+        comm.apply_function = layers.apply_function = gated
     cfg = HybridConfig(d_model=64, num_heads=2, d_ff=128, pattern=_PATTERN, block_size=32)
     device = torch.get_default_device()
     block = HybridBlock.from_params(cfg, init_params(cfg, seed=0),
@@ -184,7 +192,7 @@ def _compiled_block_rank(rank, world, sequence_parallel):
     if sequence_parallel:
         x, g = (t.chunk(world, 1)[rank].contiguous() for t in (x, g))
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(block, fullgraph=True, backend=counter)
+    compiled = torch.compile(block, fullgraph=not outside_graph, backend=counter)
     got = _block_fwd_bwd(compiled, x, g)
     want = _block_fwd_bwd(block, x, g)
     return (counter.frame_count,
@@ -195,9 +203,21 @@ class DistributedCompileTest(parameterized.TestCase):
 
     @parameterized.parameters(False, True)
     def test_tp2_block_is_one_graph_and_bitwise_eager(self, sequence_parallel):
-        for frames, equal in run_distributed(_compiled_block_rank, 2, sequence_parallel,
+        if not comm.TRACES_FUNCTIONS:
+            self.skipTest(f"torch {torch.__version__} runs the TP Functions outside the graph "
+                          "(comm.TRACES_FUNCTIONS); test_tp2_functions_outside_the_graph covers it")
+        for frames, equal in run_distributed(_compiled_block_rank, 2, sequence_parallel, False,
                                              backend=backend_for(2), timeout=600):
             self.assertEqual(frames, 1)
+            self.assertTrue(all(equal), equal)
+
+    @parameterized.parameters(False, True)
+    def test_tp2_functions_outside_the_graph(self, sequence_parallel):
+        """The torch < 2.13 path (forced here on any version): graph breaks around the TP
+        Functions, eager numbers."""
+        for frames, equal in run_distributed(_compiled_block_rank, 2, sequence_parallel, True,
+                                             backend=backend_for(2), timeout=600):
+            self.assertGreater(frames, 1)
             self.assertTrue(all(equal), equal)
 
 

@@ -230,6 +230,22 @@ def split_seq(x: torch.Tensor, dim: int = SEQ_DIM, group=None, name: str = "x") 
     return x.narrow(d, group_rank(group) * t, t).contiguous()
 
 
+# torch.compile before torch 2.13 (2.11 measured) traces the tensor-parallel autograd Functions
+# into graphs whose gradients are wrong at TP > 1; there each Function runs outside the graph
+# (a graph break, eager numbers) instead. torch 2.13 traces them exactly (tests/
+# torch_compile_test.py, bitwise equal to eager).
+TRACES_FUNCTIONS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def apply_function(fn, *args):
+    """``fn.apply(*args)`` for the tensor-parallel autograd Functions (see above)."""
+    return fn.apply(*args)
+
+
+if not TRACES_FUNCTIONS:
+    apply_function = torch.compiler.disable(apply_function)
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -323,28 +339,28 @@ def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward."""
     if group_size(group) == 1:
         return x  # no Function on one rank: plain autograd, and plain tracing under compile
-    return _CopyToRegion.apply(x, group)
+    return apply_function(_CopyToRegion, x, group)
 
 
 def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward."""
     if group_size(group) == 1:
         return x  # no Function on one rank: plain autograd, and plain tracing under compile
-    return _ReduceFromRegion.apply(x, group)
+    return apply_function(_ReduceFromRegion, x, group)
 
 
 def gather_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
     if group_size(group) == 1:
         return x  # no Function on one rank: plain autograd, and plain tracing under compile
-    return _GatherFromRegion.apply(x, group)
+    return apply_function(_GatherFromRegion, x, group)
 
 
 def scatter_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
     if group_size(group) == 1:
         return x  # no Function on one rank: plain autograd, and plain tracing under compile
-    return _ScatterToRegion.apply(x, group)
+    return apply_function(_ScatterToRegion, x, group)
 
 
 def all_gather_to_region(x: torch.Tensor, group=None, *, dim: int = SEQ_DIM) -> torch.Tensor:
@@ -356,7 +372,7 @@ def all_gather_to_region(x: torch.Tensor, group=None, *, dim: int = SEQ_DIM) -> 
     >>> all_gather_to_region(torch.randn(2, 5, 8)).shape   # single process
     torch.Size([2, 5, 8])
     """
-    return _AllGatherToRegion.apply(x, dim, group)
+    return apply_function(_AllGatherToRegion, x, dim, group)
 
 
 def reduce_scatter_from_region(x: torch.Tensor, group=None, *,
@@ -365,7 +381,7 @@ def reduce_scatter_from_region(x: torch.Tensor, group=None, *,
     along ``dim``); backward all-gathers the gradient. The sequence-parallel
     :func:`reduce_from_region`: it closes a row-parallel region. ValueError unless the group
     size divides the sequence length."""
-    return _ReduceScatterFromRegion.apply(x, dim, group)
+    return apply_function(_ReduceScatterFromRegion, x, dim, group)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group=None, *,
@@ -376,7 +392,7 @@ def scatter_to_sequence_region(x: torch.Tensor, group=None, *,
     Under torch.distributed with 2 ranks: ``x [B, 128, d]`` -> ``[B, 64, d]`` holding tokens
     ``[64 r, 64 (r + 1))``.
     """
-    return _ScatterToSequenceRegion.apply(x, dim, group)
+    return apply_function(_ScatterToSequenceRegion, x, dim, group)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group=None, *,
@@ -384,4 +400,4 @@ def gather_from_sequence_region(x: torch.Tensor, group=None, *,
     """Sequence shards in, the full sequence (replicated) out; backward keeps this rank's
     tokens of the gradient, which is right when that gradient is the same on every rank (a loss
     computed identically everywhere), as for :func:`gather_from_region`."""
-    return _GatherFromSequenceRegion.apply(x, dim, group)
+    return apply_function(_GatherFromSequenceRegion, x, dim, group)

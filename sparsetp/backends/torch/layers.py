@@ -59,6 +59,7 @@ from sparsetp.backends.torch.comm import (
     all_gather_to_region,
     all_reduce_,
     all_reduce_async,
+    apply_function,
     copy_to_region,
     gather_from_region,
     group_rank,
@@ -386,13 +387,13 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             if self.overlap_comm and self.world_size > 1:
-                y_local = _ColumnLinearSequenceParallel.apply(x, self.weight, self.bias,
-                                                              self.group)
+                y_local = apply_function(_ColumnLinearSequenceParallel, x, self.weight,
+                                         self.bias, self.group)
             else:
                 y_local = _matmul_bias(all_gather_to_region(x, self.group), self.weight,
                                        self.bias)
         elif self.overlap_comm and self.world_size > 1:
-            y_local = _ColumnLinearAsyncGrad.apply(x, self.weight, self.bias, self.group)
+            y_local = apply_function(_ColumnLinearAsyncGrad, x, self.weight, self.bias, self.group)
         else:
             x_local = copy_to_region(x, self.group)
             y_local = _matmul_bias(x_local, self.weight, self.bias)
@@ -443,7 +444,8 @@ class RowParallelLinear(_ParallelLinear):
         x_local = x if self.input_is_parallel else scatter_to_region(x, self.group)
         if self.world_size == 1:  # nothing to reduce: autograd's own linear backward
             return _matmul_bias(x_local, self.weight, self.bias)
-        return _RowLinear.apply(x_local, self.weight, self.bias, self.group, self.rank == 0)
+        return apply_function(_RowLinear, x_local, self.weight, self.bias, self.group,
+                              self.rank == 0)
 
 
 class ParallelMLP(nn.Module):
