@@ -329,7 +329,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         out, lse = _attention_op(q, k, v, layout.handle, scale)
     else:
         scale = _check_inputs(q, k, v, layout, scale)
-        out, lse = _SparseAttentionFn.apply(q, k, v, layout, scale)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _SparseAttentionFn.apply(q, k, v, layout, scale)
+        else:  # nothing to differentiate: the autograd Function's own host cost is saved
+            out, lse = _forward(q, k, v, layout, scale)
     return (out, lse) if return_lse else out
 
 
