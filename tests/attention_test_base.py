@@ -325,8 +325,8 @@ class AttentionTestBase(parameterized.TestCase):
     def test_poisoned_outputs(self):
         """Outputs pre-filled with NaN: every element must be written (ragged N, sparse rows)."""
         if not self.poisons_outputs:
-            self.skipTest("this backend cannot pre-fill its outputs on this device; its CPU "
-                          "class runs the test")
+            self.skipTest("this backend cannot pre-fill its outputs on this path; its "
+                          "interpreter class runs the test")
         for name in ("causal", "bigbird", "masked_rows"):
             with self.subTest(pattern=name):
                 layout, q, k, v, d_out = self._case(name, 75, 32, 2, 2, 16, "float32", seed=5)
