@@ -2,9 +2,9 @@
 
 Every numeric hook runs under ``jax.jit`` (layout metadata as operands), on CPU arrays (the
 native path, ``sparsetp.backends.jax.cpu``; and in a flag subclass with ``SPARSETP_INTERPRET=1``,
-Triton's interpreter through ``buffer_callback``) always and on GPU arrays (the compiled kernels through
-jax-triton) where ``jax.devices("gpu")`` has a device; the GPU class skips with "needs a CUDA
-GPU" elsewhere and adds the GPU-only cases (``attention_test_base.CompiledAttentionTestBase``).
+Triton's interpreter through ``buffer_callback``) always and on GPU arrays (the compiled kernels
+through jax-triton) where ``jax.devices("gpu")`` has a device; the GPU class skips with "needs a
+CUDA GPU" elsewhere and adds the GPU-only cases (``attention_test_base.CompiledAttentionTestBase``).
 Arrays are placed explicitly (``jax.device_put`` and ``jax.default_device``), so on a GPU
 machine the CPU classes really run on CPU. The JAX-only tests (CPU) cover ``shard_map`` with
 heads split over 2 and 4 host devices (both ways of giving each shard its heads' metadata), the
