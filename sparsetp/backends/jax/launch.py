@@ -11,8 +11,8 @@ computation (:mod:`sparsetp._runtime` states the rule for both frontends):
   to the host, wraps them as CPU torch tensors (``torch.from_numpy``) and runs the kernel in
   Triton's interpreter (:mod:`sparsetp.kernels.interpreter`). **For correctness, not speed.**
   Interpreted launches are serialised with one process-wide lock (XLA calls back from one
-  thread per CPU device). Outputs are pre-filled with NaN (floats) or ``-2**31`` (ints), so an element the kernel fails
-  to write shows up in tests instead of reading as stale memory.
+  thread per CPU device). Outputs are pre-filled with NaN (floats) or ``-2**31`` (ints), so an
+  element the kernel fails to write shows up in tests instead of reading as stale memory.
 
 :func:`launch` takes a builder ``kind -> KernelCall`` and, in a process whose JAX has a GPU
 backend, stages both paths with ``jax.lax.platform_dependent``: XLA lowers only the branch of
