@@ -15,13 +15,16 @@ so pytest does not collect the base itself) and implements the hooks below on nu
 * ``call_raw(q, k, v, layout, **kwargs)``: call the op on numpy arrays converted to the
   backend's arrays *keeping their numpy dtype* (float16, float32, int32, ...), for the
   bad-input tests. Errors must be ``ValueError`` naming the offending argument.
-* ``device_kind``: the kernel device kind the backend's launches run (``"cuda"``: compiled
-  kernels, ``"interpreter"``: Triton's interpreter; :mod:`sparsetp._runtime` states the rule).
+* ``device_kind``: how the backend runs (``"cuda"``: compiled kernels, ``"interpreter"``: the
+  kernels in Triton's interpreter, ``"cpu"``: the native CPU path, no Triton;
+  :mod:`sparsetp._runtime` states the rule).
 * ``poisons_outputs``: False where the backend cannot pre-fill its outputs (JAX on a GPU:
   jax-triton allocates them); the poisoned-output test then runs on the CPU class only.
 
-Devices: every backend runs this base on CPU arrays (the interpreter) always, and on GPU arrays
-(compiled kernels) in a subclass that skips with "needs a CUDA GPU" where there is none. GPU
+Devices: every backend runs this base on CPU arrays twice, on the native CPU path (the default)
+and with ``SPARSETP_INTERPRET=1`` (a subclass flag: the Triton kernel sources in the
+interpreter), and on GPU arrays (compiled kernels) in a subclass that skips with "needs a CUDA
+GPU" where there is none. GPU
 subclasses derive from :class:`CompiledAttentionTestBase`, which adds the GPU-only cases
 (every example pattern at N=1024 in bfloat16 and float16, head dims 64 and 128).
 
@@ -31,9 +34,9 @@ file it is given, this one included); every other subclass is collected.
 Every numeric test compares against the float64 oracle :mod:`sparsetp.core.reference` with the
 tolerance table of :mod:`testing_utils` (rtol = atol / 10, gradients at 2 * atol).
 
-CI cost (CPU classes): the interpreter costs ~10-30 ms per computed tile per pass on 2 cores,
-so the matrix is sparse: every example pattern at one small ragged shape, and dtypes / block
-sizes / head dims on a few patterns each.
+CI cost (CPU classes): the interpreter costs ~10-30 ms per computed tile per pass on 2 cores
+(the native path a few seconds for the whole base), so the matrix is sparse: every example
+pattern at one small ragged shape, and dtypes / block sizes / head dims on a few patterns each.
 """
 
 from __future__ import annotations
@@ -322,8 +325,8 @@ class AttentionTestBase(parameterized.TestCase):
     def test_poisoned_outputs(self):
         """Outputs pre-filled with NaN: every element must be written (ragged N, sparse rows)."""
         if not self.poisons_outputs:
-            self.skipTest("this backend cannot pre-fill its outputs on this device; its CPU "
-                          "class runs the test")
+            self.skipTest("this backend cannot pre-fill its outputs on this path; its "
+                          "interpreter class runs the test")
         for name in ("causal", "bigbird", "masked_rows"):
             with self.subTest(pattern=name):
                 layout, q, k, v, d_out = self._case(name, 75, 32, 2, 2, 16, "float32", seed=5)
@@ -355,8 +358,9 @@ class AttentionTestBase(parameterized.TestCase):
                 poison = (self.poison_outputs() if self.poisons_outputs
                           else contextlib.nullcontext())
                 with options.launch_options(kernel_tile=64), poison:
-                    self.assertEqual(
-                        schedule.kernel_layout(layout, self.device_kind).block_size, 64)
+                    if self.device_kind != "cpu":  # the native CPU path runs the layout as is
+                        self.assertEqual(
+                            schedule.kernel_layout(layout, self.device_kind).block_size, 64)
                     tag = f"{name} bs={bs} kernel tile 64"
                     self._check_forward(layout, q, k, v, None, "float32", tag)
                     self._check_backward(layout, q, k, v, None, "float32", d_out, tag)

@@ -1,9 +1,10 @@
 """JAX frontend of block-sparse attention: the shared AttentionTestBase plus JAX-only tests.
 
-Every numeric hook runs under ``jax.jit`` (layout metadata as operands), on CPU arrays (Triton's
-interpreter through ``buffer_callback``) always and on GPU arrays (the compiled kernels through
-jax-triton) where ``jax.devices("gpu")`` has a device; the GPU class skips with "needs a CUDA
-GPU" elsewhere and adds the GPU-only cases (``attention_test_base.CompiledAttentionTestBase``).
+Every numeric hook runs under ``jax.jit`` (layout metadata as operands), on CPU arrays (the
+native path, ``sparsetp.backends.jax.cpu``; and in a flag subclass with ``SPARSETP_INTERPRET=1``,
+Triton's interpreter through ``buffer_callback``) always and on GPU arrays (the compiled kernels
+through jax-triton) where ``jax.devices("gpu")`` has a device; the GPU class skips with "needs a
+CUDA GPU" elsewhere and adds the GPU-only cases (``attention_test_base.CompiledAttentionTestBase``).
 Arrays are placed explicitly (``jax.device_put`` and ``jax.default_device``), so on a GPU
 machine the CPU classes really run on CPU. The JAX-only tests (CPU) cover ``shard_map`` with
 heads split over 2 and 4 host devices (both ways of giving each shard its heads' metadata), the
@@ -33,6 +34,7 @@ import testing_utils as tu  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from sparsetp import _runtime  # noqa: E402
 from sparsetp.backends.jax import attention as jattn  # noqa: E402
 from sparsetp.backends.jax import launch as jlaunch  # noqa: E402
 from sparsetp.backends.jax.block import make_mesh  # noqa: E402
@@ -61,8 +63,9 @@ def _np(a) -> np.ndarray:
 
 
 def _jitted(scale, return_lse=True):
-    # Launch options are read at trace time, so they key the jit cache too.
-    return _jitted_for(scale, return_lse, options.current().key())
+    # Launch options and the CPU path (native or interpreter) are read at trace time, so they
+    # key the jit cache too.
+    return _jitted_for(scale, return_lse, (options.current().key(), _runtime.device_kind("cpu")))
 
 
 @functools.cache
@@ -85,7 +88,9 @@ class _JaxHooks:
 
     @property
     def device_kind(self) -> str:
-        return "cuda" if self.platform == "gpu" and jlaunch.gpu_path() else "interpreter"
+        if self.platform == "gpu" and jlaunch.gpu_path():
+            return "cuda"
+        return _runtime.device_kind("cpu")
 
     @property
     def poisons_outputs(self) -> bool:
@@ -148,9 +153,25 @@ class _JaxHooks:
 
 
 class JaxCpuAttentionTest(_JaxHooks, base.AttentionTestBase):
-    """CPU arrays: the kernels in Triton's interpreter."""
+    """CPU arrays: the native path (plain XLA; its outputs are XLA's, so not poisoned)."""
 
     platform = "cpu"
+
+    def test_runs_native(self):
+        self.assertEqual(self.device_kind, "cpu")
+
+
+class JaxInterpreterAttentionTest(_JaxHooks, base.AttentionTestBase):
+    """CPU arrays under SPARSETP_INTERPRET=1: the kernels in Triton's interpreter."""
+
+    platform = "cpu"
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}))
+
+    def test_runs_interpreted(self):
+        self.assertEqual(self.device_kind, "interpreter")
 
 
 @unittest.skipUnless(GPUS, NEEDS_GPU)
@@ -238,7 +259,8 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
     def test_sub_tiles_and_work_order(self):
         """A non-default sub-tile config and the heads-fastest longest-first grid through the
         JAX launch (the same launch description as torch's), under jit, vs the oracle; the
-        layout's work orders travel as LayoutArrays leaves."""
+        layout's work orders travel as LayoutArrays leaves. Kernel options: in the interpreter."""
+        self.enter_context(mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}))
         layout, q, k, v, d_out = _per_head_case(n=100, bs=32, b=1, h=2, seed=7)
         lay = jattn.layout_arrays(layout)
         np.testing.assert_array_equal(np.asarray(lay.q_order), layout.q_order)

@@ -1,5 +1,6 @@
-"""sparsetp._runtime: where the kernels run (CUDA data compiled, CPU data in the interpreter),
-the SPARSETP_INTERPRET override, and no import-order requirement any more."""
+"""sparsetp._runtime: where the kernels run (CUDA data compiled, CPU data on the native CPU path,
+the interpreter when forced), the SPARSETP_INTERPRET override, and no import-order requirement
+any more."""
 
 import os
 import subprocess
@@ -53,10 +54,10 @@ class ForceInterpreterTest(parameterized.TestCase):
 
 class DeviceKindTest(absltest.TestCase):
 
-    def test_cpu_is_always_the_interpreter(self):
-        for value in ("0", "1"):
+    def test_cpu_is_native_unless_the_interpreter_is_forced(self):
+        for value, kind in (("0", "cpu"), ("1", "interpreter")):
             with mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": value}):
-                self.assertEqual(_runtime.device_kind("cpu"), "interpreter")
+                self.assertEqual(_runtime.device_kind("cpu"), kind)
 
     def test_cuda_is_the_interpreter_when_forced(self):
         with mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}):
@@ -73,8 +74,8 @@ class DeviceKindTest(absltest.TestCase):
     def test_cuda_compiled_in_a_plain_process_interpreted_under_triton_interpret(self):
         """A process started without TRITON_INTERPRET creates the kernels compiled: CUDA data
         runs them compiled (no GPU needed to decide). With TRITON_INTERPRET=1 at start every
-        kernel is created interpreted, so CUDA data runs in the interpreter too. Neither
-        process sets TRITON_INTERPRET itself."""
+        kernel is created interpreted, so CUDA data runs in the interpreter too; CPU data runs
+        the native path either way (no Triton). Neither process sets TRITON_INTERPRET itself."""
         code = """
             import os
             from sparsetp import _runtime
@@ -83,10 +84,10 @@ class DeviceKindTest(absltest.TestCase):
             """
         plain = _python(code)
         self.assertEqual(plain.returncode, 0, plain.stderr[-3000:])
-        self.assertEqual(plain.stdout.split(), ["interpreter", "cuda", "unset"])
+        self.assertEqual(plain.stdout.split(), ["cpu", "cuda", "unset"])
         forced = _python(code, TRITON_INTERPRET="1")
         self.assertEqual(forced.returncode, 0, forced.stderr[-3000:])
-        self.assertEqual(forced.stdout.split(), ["interpreter", "interpreter", "1"])
+        self.assertEqual(forced.stdout.split(), ["cpu", "interpreter", "1"])
 
     def test_imports_no_framework(self):
         """_runtime imports neither torch, jax nor triton; deciding for CPU data needs none."""

@@ -1,7 +1,8 @@
 """Torch frontend of block-sparse attention: the shared AttentionTestBase plus torch-only tests.
 
-Every device-dependent class runs twice: on CPU tensors (Triton's interpreter) always, and on
-CUDA tensors (the compiled kernels) where ``torch.cuda.is_available()``; the CUDA classes skip
+Every device-dependent class runs on CPU tensors (the native CPU path, and the kernel-facing
+classes also with ``SPARSETP_INTERPRET=1``: the Triton kernels in the interpreter) always, and
+on CUDA tensors (the compiled kernels) where ``torch.cuda.is_available()``; the CUDA classes skip
 with "needs a CUDA GPU" elsewhere, and add the GPU-only cases
 (``attention_test_base.CompiledAttentionTestBase``). Both run in one process
 (:mod:`sparsetp._runtime`). The framework-neutral launch layer is tested in
@@ -10,6 +11,7 @@ with "needs a CUDA GPU" elsewhere, and add the GPU-only cases
 
 from __future__ import annotations
 
+import os
 import unittest
 from unittest import mock
 
@@ -83,10 +85,31 @@ class _TorchHooks:
                                       layout, **kwargs)
 
 
+class Interpreted:
+    """Mixin: the test runs with ``SPARSETP_INTERPRET=1`` (CPU tensors run the Triton kernel
+    sources in the interpreter instead of the native CPU path)."""
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}))
+
+
 class TorchCpuAttentionTest(_TorchHooks, base.AttentionTestBase):
-    """CPU tensors: the kernels in Triton's interpreter."""
+    """CPU tensors: the native CPU path (sparsetp.backends.torch.cpu)."""
 
     device = "cpu"
+
+    def test_runs_native(self):
+        self.assertEqual(self.device_kind, "cpu")
+
+
+class TorchInterpreterAttentionTest(Interpreted, _TorchHooks, base.AttentionTestBase):
+    """CPU tensors under SPARSETP_INTERPRET=1: the kernels in Triton's interpreter."""
+
+    device = "cpu"
+
+    def test_runs_interpreted(self):
+        self.assertEqual(self.device_kind, "interpreter")
 
 
 @unittest.skipUnless(CUDA, NEEDS_CUDA)
@@ -199,7 +222,8 @@ class _PerDevice:
             layout's head groups (schedule.head_groups) beside them."""
             layout = make_layout(P.causal(), 64, 1, 32)
             q = torch.empty((1, 1, 64, 16), device=self.device)
-            kind = tlaunch.device_kind(q)
+            # Metadata feed kernel launches; CPU tensors launch them in the interpreter.
+            kind = {"cpu": "interpreter"}.get(tlaunch.device_kind(q), tlaunch.device_kind(q))
             a = tlaunch.metadata(layout, q, kind)
             b = tlaunch.metadata(layout, q, kind)
             self.assertIs(a["q_index"], b["q_index"])
@@ -210,16 +234,19 @@ class _PerDevice:
             self.assertEqual((a["q_head_group"], a["k_head_group"]), schedule.head_groups(ran))
             self.assertEqual(set(a), {*layout.metadata(), "q_head_group", "k_head_group"})
             if self.device != "cpu":  # the CPU tensors of the same layout are another entry
-                c = tlaunch.metadata(layout, q.cpu(), tlaunch.device_kind(q.cpu()))
+                c = tlaunch.metadata(layout, q.cpu(), "interpreter")
                 self.assertIsNot(c["q_index"], a["q_index"])
                 self.assertEqual(c["q_index"].device.type, "cpu")
 
         def test_device_kind_follows_the_tensor(self):
-            """CPU tensors run in the interpreter; CUDA tensors compiled (unless the process
-            forces the interpreter); other devices are refused, naming the device."""
+            """CPU tensors run the native path (the interpreter when forced); CUDA tensors
+            compiled (unless the process forces the interpreter); other devices are refused,
+            naming the device."""
             kind = tlaunch.device_kind(torch.empty(0, device=self.device))
             if self.device == "cpu":
-                self.assertEqual(kind, "interpreter")
+                self.assertEqual(kind, "cpu")
+                with mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}):
+                    self.assertEqual(tlaunch.device_kind(torch.empty(0)), "interpreter")
             else:
                 self.assertEqual(kind, _runtime.device_kind("cuda"))
             with self.assertRaisesRegex(ValueError, r"q is on device meta"):
@@ -348,7 +375,9 @@ class TorchCudaAttentionExtrasTest(_PerDevice.ExtrasTest):
     device = "cuda"
 
 
-class TorchCpuLaunchConfigTest(_PerDevice.LaunchConfigTest):
+class TorchInterpreterLaunchConfigTest(Interpreted, _PerDevice.LaunchConfigTest):
+    """Kernel launch options only concern the kernels: on CPU tensors, in the interpreter."""
+
     device = "cpu"
 
 

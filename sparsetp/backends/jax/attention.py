@@ -5,8 +5,10 @@
 (GQA/MQA when ``H_kv < H``; ``N_kv`` keys, the layout's ``kv_len``) and a layout, and returns the
 attention output ``[B, H, N, D]``. The forward launches ``_attn_fwd_kernel``; the backward (a
 ``custom_vjp`` rule, since jax-triton does not differentiate) launches the preprocess, dQ and
-dK/dV kernels. Launches go through :func:`sparsetp.backends.jax.launch.launch`
-(``jax_triton`` on GPU, ``buffer_callback`` + Triton's interpreter on CPU, per platform).
+dK/dV kernels. Launches go through :func:`sparsetp.backends.jax.launch.per_platform`: on GPU
+``jax_triton``; on CPU the native path :mod:`sparsetp.backends.jax.cpu` (plain ``jax.numpy``, so
+``jit``, ``grad`` and ``vmap`` work as for any XLA code), or with ``SPARSETP_INTERPRET=1`` the
+kernels in Triton's interpreter through ``buffer_callback``.
 
 Layouts reach the kernels as array *operands*, never as trace constants: :class:`LayoutArrays`
 is a pytree whose leaves are the int32 metadata arrays of a
@@ -43,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsetp.backends.jax import cpu as _cpu
 from sparsetp.backends.jax import launch as _launch
 from sparsetp.core.layout import BlockLayout
 from sparsetp.kernels import abi as _abi
@@ -82,6 +85,9 @@ class LayoutArrays:
     k_head_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
     # Number of keys; 0 means seq_len (self-attention).
     kv_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+    # Most tiles any query-major list holds (BlockLayout.widest_row), a static bound the native
+    # CPU path pads its rows to instead of the ELL width (padded to 16); 0: unknown, ELL width.
+    widest_row: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     def __post_init__(self):
         if not self.kv_len:
@@ -138,7 +144,7 @@ class LayoutArrays:
 
 jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
                                  meta_fields=["seq_len", "q_head_group", "k_head_group",
-                                              "kv_len"])
+                                              "kv_len", "widest_row"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
@@ -163,7 +169,7 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
     q_group, k_group = _schedule.head_groups(layout)
     return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
-                        kv_len=layout.kv_len)
+                        kv_len=layout.kv_len, widest_row=layout.widest_row)
 
 
 def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
@@ -189,10 +195,16 @@ def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
     return lay, scale
 
 
-def _fwd(q, k, v, meta, scale):
+def _fwd(q, k, v, meta, scale, widest):
     dtype = jnp.dtype(q.dtype).name
-    return _launch.launch(lambda kind: _abi.fwd_call(q, k, v, meta, scale=scale, dtype=dtype,
-                                                     device_kind=kind), q, k, v)
+
+    def run(kind):
+        if kind == "cpu":
+            return _cpu.forward(q, k, v, meta, scale, widest=widest)
+        return _launch.run_call(_abi.fwd_call(q, k, v, meta, scale=scale, dtype=dtype,
+                                              device_kind=kind), kind)
+
+    return _launch.per_platform(run, q, k, v)
 
 
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLike, *,
@@ -225,7 +237,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     """
     lay, scale = _check_inputs(q, k, v, layout, scale)
     out, lse = _attention(q, k, v, lay.metadata(), scale=scale,
-                          head_groups=(lay.q_head_group, lay.k_head_group))
+                          head_groups=(lay.q_head_group, lay.k_head_group),
+                          widest=lay.widest_row)
     return (out, lse) if return_lse else out
 
 
@@ -234,33 +247,45 @@ def _with_order(meta, head_groups):
     return {**meta, "q_head_group": head_groups[0], "k_head_group": head_groups[1]}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "head_groups"))
-def _attention(q, k, v, meta, scale, head_groups):  # scale, head_groups: by name (static)
-    return _fwd(q, k, v, _with_order(meta, head_groups), scale)
+@functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "head_groups", "widest"))
+def _attention(q, k, v, meta, scale, head_groups, widest):  # by name (static)
+    return _fwd(q, k, v, _with_order(meta, head_groups), scale, widest)
 
 
-def _attention_fwd_rule(q, k, v, meta, scale, head_groups):
-    out, lse = _fwd(q, k, v, _with_order(meta, head_groups), scale)
+def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest):
+    out, lse = _fwd(q, k, v, _with_order(meta, head_groups), scale, widest)
     return (out, lse), (q, k, v, out, lse, meta)
 
 
-def _attention_bwd_rule(scale, head_groups, residuals, cotangents):
-    q, k, v, out, lse, meta_arrays = residuals
-    meta = _with_order(meta_arrays, head_groups)
-    d_out, d_lse = cotangents
-    d_out = d_out.astype(q.dtype)
+def _kernel_backward(q, k, v, out, lse, d_out, d_lse, meta, scale, kind):
+    """The preprocess, dQ and dK/dV kernels on the path ``kind``."""
     dtype = jnp.dtype(q.dtype).name
-    (delta,) = _launch.launch(lambda kind: _abi.bwd_preprocess_call(
+    (delta,) = _launch.run_call(_abi.bwd_preprocess_call(
         out, d_out, block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind),
-        out, d_out)
+        kind)
     # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as Delta - d_lse
     # (as in the torch frontend). Rows with no key (lse = -inf) have P = 0: mask them so no
     # inf - inf NaN reaches the kernels. When only ``out`` is used, d_lse is zeros.
     delta = delta - jnp.where(jnp.isfinite(lse), d_lse.astype(delta.dtype), 0.0)
-    (dq,) = _launch.launch(lambda kind: _abi.bwd_dq_call(
-        q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), q, d_out)
-    dk, dv = _launch.launch(lambda kind: _abi.bwd_dkdv_call(
-        q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), q, d_out)
+    (dq,) = _launch.run_call(_abi.bwd_dq_call(
+        q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), kind)
+    dk, dv = _launch.run_call(_abi.bwd_dkdv_call(
+        q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), kind)
+    return dq, dk, dv
+
+
+def _attention_bwd_rule(scale, head_groups, widest, residuals, cotangents):
+    q, k, v, out, lse, meta_arrays = residuals
+    meta = _with_order(meta_arrays, head_groups)
+    d_out, d_lse = cotangents
+    d_out = d_out.astype(q.dtype)
+
+    def run(kind):
+        if kind == "cpu":  # the native backward on CPU (recomputes P from the LSE)
+            return _cpu.backward(q, k, v, out, lse, d_out, d_lse, meta, scale, widest=widest)
+        return _kernel_backward(q, k, v, out, lse, d_out, d_lse, meta, scale, kind)
+
+    dq, dk, dv = _launch.per_platform(run, q, d_out)
     # Integer metadata has no cotangent (JAX's float0 zeros).
     d_meta = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), meta_arrays)
     return dq, dk, dv, d_meta

@@ -5,12 +5,14 @@ computation (:mod:`sparsetp._runtime` states the rule for both frontends):
 
 * **GPU**: ``jax_triton.triton_call``, an XLA custom call, so it works under ``jit`` and inside
   ``shard_map`` (not over plain jit-sharded arrays: jax-triton has no sharding rule).
-* **CPU**: ``buffer_callback`` hands the operands to the host, wraps them as CPU torch tensors
-  (``torch.from_numpy``) and runs the kernel in Triton's interpreter
-  (:mod:`sparsetp.kernels.interpreter`). **For correctness, not speed.** Interpreted launches
-  are serialised with one process-wide lock (XLA calls back from one thread per CPU device).
-  Outputs are pre-filled with NaN (floats) or ``-2**31`` (ints), so an element the kernel fails
-  to write shows up in tests instead of reading as stale memory.
+* **CPU**: attention itself runs the native path (:mod:`sparsetp.backends.jax.cpu`, plain XLA;
+  :func:`per_platform` picks it). A *kernel* launched on CPU data (``SPARSETP_INTERPRET=1``, or
+  :func:`launch` called directly) goes through ``buffer_callback``, which hands the operands
+  to the host, wraps them as CPU torch tensors (``torch.from_numpy``) and runs the kernel in
+  Triton's interpreter (:mod:`sparsetp.kernels.interpreter`). **For correctness, not speed.**
+  Interpreted launches are serialised with one process-wide lock (XLA calls back from one
+  thread per CPU device). Outputs are pre-filled with NaN (floats) or ``-2**31`` (ints), so an
+  element the kernel fails to write shows up in tests instead of reading as stale memory.
 
 :func:`launch` takes a builder ``kind -> KernelCall`` and, in a process whose JAX has a GPU
 backend, stages both paths with ``jax.lax.platform_dependent``: XLA lowers only the branch of
@@ -39,7 +41,8 @@ from sparsetp import _runtime
 from sparsetp.backends.jax import compat
 from sparsetp.kernels import abi, interpreter
 
-__all__ = ["launch", "call_kernel", "gpu_path", "layout_device_kind"]
+__all__ = ["launch", "per_platform", "run_call", "call_kernel", "gpu_path",
+           "layout_device_kind"]
 
 _INT_POISON = -(2**31)
 _GPU_BACKEND: bool | None = None
@@ -82,33 +85,52 @@ def _default_platform() -> str:
     return jax.default_backend() if device is None else getattr(device, "platform", device)
 
 
-def launch(build: Callable[[str], abi.KernelCall], *operands: jax.Array,
-           name: str = "") -> tuple[jax.Array, ...]:
-    """Outputs of the call ``build(kind)`` describes, ``kind`` being the path's device kind.
-    ``operands`` are arrays the call reads: outside ``jit`` their devices pick the path.
+def per_platform(run: Callable[[str], Sequence[jax.Array]], *operands: jax.Array,
+                 ) -> tuple[jax.Array, ...]:
+    """Outputs of ``run(kind)`` for the path the computation takes: ``kind`` is ``"cuda"``
+    on a GPU and :func:`sparsetp._runtime.device_kind` of ``"cpu"`` on CPU (``"cpu"``, the
+    native path, or ``"interpreter"`` under ``SPARSETP_INTERPRET=1``). Outside ``jit`` the
+    ``operands``' devices pick it; under ``jit`` ``jax.lax.platform_dependent`` does."""
+    cpu_kind = _runtime.device_kind("cpu")
 
-    >>> outs = launch(lambda kind: abi.fwd_call(q, k, v, meta, scale=s, dtype="float32",
-    ...                                         device_kind=kind), q)      # doctest: +SKIP
-    """
     def on(kind):
-        def branch(*_):
-            call = build(kind)
-            return call_kernel(call.kernel, call.args, device_kind=kind,
-                               out_shapes=[jax.ShapeDtypeStruct(o.shape, jax.numpy.dtype(o.dtype))
-                                           for o in call.outputs],
-                               grid=call.grid, constexprs=call.constexprs,
-                               num_warps=call.num_warps, num_stages=call.num_stages,
-                               name=name or f"sparsetp_attn_{call.name}")
-        return branch
+        return lambda *_: tuple(run(kind))
 
     if not gpu_path():
-        return on("interpreter")()
+        return on(cpu_kind)()
     if operands and not any(isinstance(o, jax.core.Tracer) for o in operands):
         # Eager: platform_dependent would pick the default backend's branch, whatever the
         # operands' devices; they say where this runs.
         platforms = {_platform(o) for o in operands}
-        return on("interpreter" if platforms == {"cpu"} else "cuda")()
-    return tuple(jax.lax.platform_dependent(*operands, cpu=on("interpreter"), default=on("cuda")))
+        return on(cpu_kind if platforms == {"cpu"} else "cuda")()
+    return tuple(jax.lax.platform_dependent(*operands, cpu=on(cpu_kind), default=on("cuda")))
+
+
+def run_call(call: abi.KernelCall, kind: str, name: str = "") -> tuple[jax.Array, ...]:
+    """Launch ``call`` on the path ``kind`` (``"cuda"`` or ``"interpreter"``)."""
+    return call_kernel(call.kernel, call.args, device_kind=kind,
+                       out_shapes=[jax.ShapeDtypeStruct(o.shape, jax.numpy.dtype(o.dtype))
+                                   for o in call.outputs],
+                       grid=call.grid, constexprs=call.constexprs,
+                       num_warps=call.num_warps, num_stages=call.num_stages,
+                       name=name or f"sparsetp_attn_{call.name}")
+
+
+def launch(build: Callable[[str], abi.KernelCall], *operands: jax.Array,
+           name: str = "") -> tuple[jax.Array, ...]:
+    """Outputs of the kernel call ``build(kind)`` describes, ``kind`` being the path's kernel
+    device kind (:func:`per_platform`; a kernel has no native CPU path, so CPU data runs it in
+    the interpreter). ``operands`` are arrays the call reads: outside ``jit`` their devices
+    pick the path.
+
+    >>> outs = launch(lambda kind: abi.fwd_call(q, k, v, meta, scale=s, dtype="float32",
+    ...                                         device_kind=kind), q)      # doctest: +SKIP
+    """
+    def run(kind):
+        kind = "interpreter" if kind == "cpu" else kind
+        return run_call(build(kind), kind, name)
+
+    return per_platform(run, *operands)
 
 
 def _is_scalar(a) -> bool:

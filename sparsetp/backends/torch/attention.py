@@ -1,8 +1,10 @@
 """PyTorch frontend of block-sparse attention, plus two plain-PyTorch baselines.
 
 * :func:`sparse_attention` - the Triton kernels behind one ``torch.autograd.Function``: compiled
-  on CUDA tensors, Triton's interpreter on CPU tensors, in one process (:mod:`sparsetp._runtime`;
-  the launcher is :mod:`sparsetp.backends.torch.launch`).
+  on CUDA tensors, the native CPU path (:mod:`sparsetp.backends.torch.cpu`, same layout
+  metadata, same numbers) on CPU tensors, in one process (:mod:`sparsetp._runtime`; the
+  launcher is :mod:`sparsetp.backends.torch.launch`; ``SPARSETP_INTERPRET=1`` runs the kernels
+  in Triton's interpreter instead).
 * :class:`SparseAttention` - an ``nn.Module`` holding a pattern and caching its layouts.
 * :func:`naive_sparse_attention` - gather the listed tiles, softmax, scatter; autograd does the
   backward. The benchmark baseline for "block-sparse in plain PyTorch".
@@ -32,6 +34,7 @@ import weakref
 import numpy as np
 import torch
 
+from sparsetp.backends.torch import cpu as _cpu
 from sparsetp.backends.torch import launch as _launch
 from sparsetp.core.layout import (
     SUPPORTED_BLOCK_SIZES,
@@ -76,6 +79,8 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _forward(q, k, v, layout, scale):
     kind = _launch.device_kind(q)
+    if kind == "cpu":
+        return _cpu.forward(q, k, v, layout, scale, new_output=_launch.new_output)
     dtype = abi.check_dtype(q.dtype)
     b, h, n, d = q.shape
     out = _launch.new_output(q.shape, q.dtype, q.device)
@@ -91,6 +96,9 @@ def _forward(q, k, v, layout, scale):
 
 def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
     kind = _launch.device_kind(q)
+    if kind == "cpu":
+        return _cpu.backward(q, k, v, out, lse, d_out, d_lse, layout, scale,
+                             new_output=_launch.new_output)
     dtype = abi.check_dtype(q.dtype)
     b, h, n, d = q.shape
     meta = _launch.metadata(layout, q, kind)

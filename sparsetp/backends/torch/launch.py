@@ -3,7 +3,9 @@
 * :func:`metadata`: a layout's int32 metadata as device tensors, cached per (layout, device).
 * :func:`describe` + :func:`run`: a launch description from :mod:`sparsetp.kernels.abi`, cached
   per shapes/strides/dtypes/options, then launched: compiled on CUDA, or in Triton's interpreter
-  (:mod:`sparsetp.kernels.interpreter`) for CPU tensors; the rule is in :mod:`sparsetp._runtime`.
+  (:mod:`sparsetp.kernels.interpreter`) for CPU tensors under ``SPARSETP_INTERPRET=1`` (else CPU
+  tensors take the native path, :mod:`sparsetp.backends.torch.cpu`); the rule is in
+  :mod:`sparsetp._runtime`.
 * :func:`compile_together`: the backward's kernels compiled in threads on their first use.
 * :func:`new_output`: every output buffer comes from here (tests patch it to pre-fill NaN).
 
@@ -41,7 +43,8 @@ DIRECT_LAUNCH_TRITON = ((3, 6), (3, 10))
 
 
 def device_kind(t: torch.Tensor) -> str:
-    """``"cuda"`` or ``"interpreter"`` for tensors on ``t``'s device (:mod:`sparsetp._runtime`)."""
+    """``"cuda"``, ``"cpu"`` (the native path, :mod:`sparsetp.backends.torch.cpu`; no launch
+    here) or ``"interpreter"`` for tensors on ``t``'s device (:mod:`sparsetp._runtime`)."""
     if t.device.type not in _runtime.PLATFORMS:
         raise ValueError(f"q is on device {t.device}; sparsetp runs on CPU and CUDA tensors")
     return _runtime.device_kind(t.device.type)

@@ -1,0 +1,170 @@
+"""Native CPU path of block-sparse attention for JAX: plain ``jax.numpy`` (no callback, no Triton).
+
+The algorithm of :mod:`sparsetp.backends.torch.cpu` on the metadata *arrays* of a
+:class:`~sparsetp.backends.jax.attention.LayoutArrays` (which may be tracers: nothing here reads
+their values on the host), so ``jit``, ``vmap`` and ``shard_map`` see ordinary XLA operations.
+:mod:`sparsetp.backends.jax.attention` calls it for CPU platforms by default and from its
+``custom_vjp`` backward; ``SPARSETP_INTERPRET=1`` runs the Triton kernels in the interpreter
+instead (:mod:`sparsetp._runtime`).
+
+Semantics (the kernels'): query tile ``I`` of head ``h`` attends to the listed key tiles of kv
+head ``h // (H / H_kv)``, partial ones under their bitmask row, full ones unmasked except keys
+past ``N_kv``; float32 accumulation (float64 for float64 inputs); natural-log LSE; rows with no
+key give 0, LSE ``-inf`` and zero gradients. The backward recomputes P from the LSE and
+scatter-adds dK/dV over the gathered tiles (XLA's CPU scatter is sequential: deterministic).
+
+Shapes are static, so each row is padded to ``widest`` listed tiles (the layout's widest row,
+:attr:`LayoutArrays.widest_row`; the ELL width when unknown) and the query tiles are processed in
+static chunks of at most :data:`CHUNK_ELEMENTS` per temporary: memory grows with the computed
+blocks of a chunk, never with ``N x N``.
+
+Example::
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from sparsetp.core import patterns as P, make_layout
+    >>> lay = make_layout(P.causal(), seq_len=100, num_heads=2, block_size=32)
+    >>> meta = {n: jnp.asarray(a) for n, a in lay.metadata().items()}
+    >>> q = k = v = jnp.asarray(np.random.randn(1, 2, 100, 16), jnp.float32)
+    >>> out, lse = forward(q, k, v, meta, 0.25, widest=lay.widest_row)
+    >>> out.shape, lse.dtype
+    ((1, 2, 100, 16), dtype('float32'))
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["forward", "backward", "CHUNK_ELEMENTS"]
+
+# Elements of the largest per-chunk temporary (as in the torch path: 16 MiB of fp32).
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _compute_dtype(dtype):
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _tables(meta, n_k: int, widest: int):
+    """(key tiles [H, NT, W], blocked-element table gathered per entry, ids [H, NT, W])."""
+    index, masks = meta["q_index"], meta["masks"]
+    w = min(widest, index.shape[-1]) if widest else index.shape[-1]
+    index, mask_id = index[..., :w], meta["q_mask_id"][..., :w]
+    count, partial = meta["q_count"][..., None], meta["q_partial"][..., None]
+    bs = masks.shape[1]
+    kt = -(-n_k // bs)
+    ragged = n_k - (kt - 1) * bs  # valid keys in the last key tile
+    c = jnp.arange(bs)
+    bits = (jnp.right_shift(masks[:, :, c // 32], c % 32) & 1).astype(bool)  # [U, bs, bs]
+    n_masks = masks.shape[0]
+    # Non-partial entries get an extra row: full, full but ragged (keys past N_kv are zero
+    # padding), or empty (ELL padding past q_count).
+    extra = jnp.stack([jnp.ones((bs, bs), bool),
+                       jnp.broadcast_to(c < ragged, (bs, bs)),
+                       jnp.zeros((bs, bs), bool)])
+    blocked = ~jnp.concatenate([bits, extra])
+    e = jnp.arange(w)
+    full_id = jnp.where((index == kt - 1) & (ragged < bs), n_masks + 1, n_masks)
+    ids = jnp.where(e < partial, mask_id, jnp.where(e < count, full_id, n_masks + 2))
+    return index, blocked, ids
+
+
+def _tiles(t, n_tiles: int, bs: int, dtype):
+    b, h, n, d = t.shape
+    t = jnp.pad(t.astype(dtype), ((0, 0), (0, 0), (0, n_tiles * bs - n), (0, 0)))
+    return t.reshape(b, h, n_tiles, bs, d)
+
+
+def _plan(b, h, nt, bs, d, w):
+    per_tile = b * h * w * bs * max(bs, d)
+    ct = max(1, CHUNK_ELEMENTS // per_tile)
+    return [(t0, min(t0 + ct, nt)) for t0 in range(0, nt, ct)]
+
+
+def _chunk(tables, kt, vt, kv_head, q_c, t0, t1, scale):
+    """Gathered K/V tiles [B, H, ct, W*bs, D] and the masked, scaled scores [B, H, ct, bs, W*bs]."""
+    index, blocked, ids = tables
+    b, h, ct, bs, d = q_c.shape
+    idx = index[:, t0:t1]
+    w = idx.shape[-1]
+    k_g = kt[:, kv_head, idx].reshape(b, h, ct, w * bs, d)
+    v_g = vt[:, kv_head, idx].reshape(b, h, ct, w * bs, d)
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.matmul(q_c, k_g.swapaxes(-1, -2), precision=hi) * scale
+    mask = blocked[ids[:, t0:t1]].transpose(0, 1, 3, 2, 4).reshape(h, ct, bs, w * bs)
+    return idx, k_g, v_g, jnp.where(mask, -jnp.inf, s)
+
+
+def forward(q, k, v, meta, scale: float, *, widest: int = 0):
+    """``(out [B, H, N, D] in q's dtype, lse [B, H, N] float32/float64)`` for the layout
+    metadata ``meta`` (the arrays of ``LayoutArrays.metadata()``); ``widest``: a static bound on
+    the listed tiles per row (0: the ELL width)."""
+    b, h, n, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    tables = _tables(meta, n_k, widest)
+    bs, w = tables[1].shape[-1], tables[0].shape[-1]
+    nt, kt_n = -(-n // bs), -(-n_k // bs)
+    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
+    kv_head = (jnp.arange(h) // (h // h_kv))[:, None, None]
+    outs, lses = [], []
+    for t0, t1 in _plan(b, h, nt, bs, d, w):
+        _, _, v_g, s = _chunk(tables, kt, vt, kv_head, qt[:, :, t0:t1], t0, t1, scale)
+        m = s.max(-1, keepdims=True)
+        # A row with no allowed key has max -inf: shift by 0 instead, so exp gives 0s (not
+        # NaN), the output 0 and log(0) = -inf the LSE.
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m)
+        denom = p.sum(-1, keepdims=True)
+        o = jnp.matmul(p, v_g, precision=jax.lax.Precision.HIGHEST)
+        outs.append(o / jnp.where(denom > 0, denom, 1.0))
+        lses.append((m + jnp.log(denom))[..., 0])
+    out = jnp.concatenate(outs, axis=2).reshape(b, h, nt * bs, d)[:, :, :n]
+    lse = jnp.concatenate(lses, axis=2).reshape(b, h, nt * bs)[:, :, :n]
+    return out.astype(q.dtype), lse
+
+
+def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int = 0):
+    """``(dq, dk, dv)`` in the inputs' dtypes for the cotangents ``d_out`` and ``d_lse`` (or
+    None) of :func:`forward`'s results."""
+    b, h, n, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    tables = _tables(meta, n_k, widest)
+    bs, w = tables[1].shape[-1], tables[0].shape[-1]
+    nt, kt_n = -(-n // bs), -(-n_k // bs)
+    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
+    dot = _tiles(d_out, nt, bs, cdt)
+    lse = lse.astype(cdt)
+    finite = jnp.isfinite(lse)
+    # Delta_i = sum_d dO_id O_id; an LSE cotangent enters dS = P * (dP - Delta) as Delta - d_lse
+    # (zero on rows with no key, whose d_lse may meet an inf).
+    delta = (d_out.astype(cdt) * out.astype(cdt)).sum(-1)
+    if d_lse is not None:
+        delta = delta - jnp.where(finite, d_lse.astype(cdt), 0.0)
+    # LSE +inf on rows with no key makes every exp(s - lse) 0 (-inf would give NaN).
+    lse_t = _tiles(jnp.where(finite, lse, jnp.inf)[..., None], nt, bs, cdt)
+    delta_t = _tiles(delta[..., None], nt, bs, cdt)
+    kv_head = (jnp.arange(h) // (h // h_kv))[:, None, None]
+    hi = jax.lax.Precision.HIGHEST
+    dk_t = jnp.zeros((b, h_kv * kt_n, bs, d), cdt)
+    dv_t = jnp.zeros((b, h_kv * kt_n, bs, d), cdt)
+    dqs = []
+    for t0, t1 in _plan(b, h, nt, bs, d, w):
+        q_c, do_c = qt[:, :, t0:t1], dot[:, :, t0:t1]
+        idx, k_g, v_g, s = _chunk(tables, kt, vt, kv_head, q_c, t0, t1, scale)
+        ct = t1 - t0
+        p = jnp.exp(s - lse_t[:, :, t0:t1])                              # [B, H, ct, bs, W*bs]
+        dv_g = jnp.matmul(p.swapaxes(-1, -2), do_c, precision=hi)         # [B, H, ct, W*bs, D]
+        dp = jnp.matmul(do_c, v_g.swapaxes(-1, -2), precision=hi)
+        ds = p * (dp - delta_t[:, :, t0:t1])
+        dqs.append(jnp.matmul(ds, k_g, precision=hi) * scale)
+        dk_g = jnp.matmul(ds.swapaxes(-1, -2), q_c, precision=hi) * scale
+        # Entries past a row's count have P = 0: they add exact zeros to key tile 0.
+        dest = (kv_head * kt_n + idx).reshape(-1)
+        dk_t = dk_t.at[:, dest].add(dk_g.reshape(b, h * ct * w, bs, d))
+        dv_t = dv_t.at[:, dest].add(dv_g.reshape(b, h * ct * w, bs, d))
+    dq = jnp.concatenate(dqs, axis=2).reshape(b, h, nt * bs, d)[:, :, :n]
+    dk = dk_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]
+    dv = dv_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

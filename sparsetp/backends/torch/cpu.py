@@ -1,0 +1,235 @@
+"""Native CPU path of block-sparse attention for torch tensors (no Triton).
+
+CPU tensors run here by default (:mod:`sparsetp._runtime`, device kind ``"cpu"``);
+``SPARSETP_INTERPRET=1`` sends them to the Triton kernels in the interpreter instead. The
+numbers follow the kernels' contract on the *same* layout metadata, read as it is (no
+``schedule.kernel_layout`` conversion):
+
+* Query tile ``I`` of head ``h`` attends to the key tiles ``q_index[h, I, :q_count[h, I]]`` of kv
+  head ``h // (H / H_kv)``; the first ``q_partial[h, I]`` of them under the bitmask row
+  ``masks[q_mask_id[h, I, e]]`` (token exact), the others unmasked except for keys past
+  ``N_kv`` in a ragged last tile.
+* Scores, softmax and products accumulate in float32 for float16/bfloat16/float32 inputs, in
+  float64 for float64; the LSE is the natural log-sum-exp of the scaled scores (float32, or
+  float64), as the kernels return it. A row with no allowed key gives output 0, LSE ``-inf``
+  and zero gradients.
+* Backward recomputes the probabilities from the saved LSE (FlashAttention style); dQ is
+  written per query tile, dK/dV are scatter-added (``index_add_``, sequential on CPU, so
+  deterministic) over the gathered tiles and hence summed over each GQA group.
+
+How: the query tiles are cut into chunks; a chunk gathers, for every head, the key/value tiles
+its rows list (``q_index`` padded to the chunk's widest row, padding masked), and does a batched
+matmul, a softmax over the whole gathered row and a second matmul. A chunk holds whole rows, so
+no online softmax is needed; its size is bounded (:data:`CHUNK_ELEMENTS`), so extra memory grows
+with the computed blocks of a chunk, never with ``N x N``.
+
+Example::
+
+    >>> import torch
+    >>> from sparsetp.core import patterns as P, make_layout
+    >>> lay = make_layout(P.causal(), seq_len=100, num_heads=2, block_size=32)
+    >>> q, k, v = (torch.randn(1, 2, 100, 16) for _ in range(3))
+    >>> out, lse = forward(q, k, v, lay, 0.25)
+    >>> out.shape, lse.dtype
+    (torch.Size([1, 2, 100, 16]), torch.float32)
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from sparsetp.core.layout import BlockLayout
+
+__all__ = ["forward", "backward", "CHUNK_ELEMENTS"]
+
+# Elements of the largest per-chunk temporary (scores [B, H, tiles, bs, W*bs], or the gathered
+# K/V tiles when D > bs): 2**22 fp32 = 16 MiB, small enough to stay cache-friendly and to
+# bound memory, large enough that per-chunk Python overhead is noise.
+CHUNK_ELEMENTS = 1 << 22
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Tables:
+    """Per layout: the listed key tiles and, per entry, a row of an extended mask table."""
+
+    def __init__(self, layout: BlockLayout):
+        bs, n_k = layout.block_size, layout.kv_len
+        w = layout.widest_row  # the ELL rows are padded to a multiple of 16: skip the padding
+        count, partial = layout.q_count, layout.q_partial
+        index = layout.q_index[..., :w].astype(np.int64)
+        mask_id = layout.q_mask_id[..., :w]
+        kt = -(-n_k // bs)
+        ragged = n_k - (kt - 1) * bs  # valid keys in the last key tile
+        words = np.ascontiguousarray(layout.masks.astype("<i4")).view(np.uint8)
+        bits = np.unpackbits(words, axis=-1, bitorder="little")[..., :bs].astype(bool)
+        n_masks = bits.shape[0]
+        # Entries that are not partial get one of three extra rows: full, full but ragged (keys
+        # past N_kv are zero padding and must not count), or empty (ELL padding).
+        full = np.ones((1, bs, bs), bool)
+        full_ragged = np.broadcast_to(np.arange(bs) < ragged, (1, bs, bs))
+        table = np.concatenate([bits, full, full_ragged, np.zeros((1, bs, bs), bool)])
+        e = np.arange(w)
+        listed = e < count[..., None]
+        full_id = np.where((index == kt - 1) & (ragged < bs), n_masks + 1, n_masks)
+        ids = np.where(e < partial[..., None], mask_id,
+                       np.where(listed, full_id, n_masks + 2)).astype(np.int64)
+        self.index = torch.from_numpy(np.ascontiguousarray(index))
+        self.ids_np = ids
+        self.ids = torch.from_numpy(np.ascontiguousarray(ids))
+        # blocked[u, r, c]: query r of the tile may NOT see key c (what masked_fill_ wants).
+        self.blocked = torch.from_numpy(~table)
+        self.full_id = n_masks
+        self.widest = count.max(axis=0)  # [NT]: the widest row of each query tile, any head
+        self.plans: dict = {}
+
+    def plan(self, batch: int, head_dim: int) -> list[tuple[int, int, int]]:
+        """Chunks ``(t0, t1, w)``: query tiles ``[t0, t1)`` padded to ``w`` listed tiles, each at
+        most :data:`CHUNK_ELEMENTS` per temporary (a single tile row may exceed it)."""
+        key = (batch, head_dim, CHUNK_ELEMENTS)
+        if key not in self.plans:
+            h, nt, _ = self.ids_np.shape
+            bs = self.blocked.shape[-1]
+            per_tile = batch * h * bs * max(bs, head_dim)
+            chunks, t0 = [], 0
+            while t0 < nt:
+                t1, w = t0 + 1, int(self.widest[t0])
+                while t1 < nt and per_tile * (t1 + 1 - t0) * max(w, int(self.widest[t1])) \
+                        <= CHUNK_ELEMENTS:
+                    w = max(w, int(self.widest[t1]))
+                    t1 += 1
+                chunks.append((t0, t1, w))
+                t0 = t1
+            self.plans[key] = chunks
+        return self.plans[key]
+
+
+def _tables(layout: BlockLayout) -> _Tables:
+    tables = _TABLES.get(layout)
+    if tables is None:
+        tables = _TABLES[layout] = _Tables(layout)
+    return tables
+
+
+def _tiles(t: torch.Tensor, n_tiles: int, bs: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, H, L, D]`` -> ``[B, H, n_tiles, bs, D]`` in ``dtype``, zero padded."""
+    b, h, n, d = t.shape
+    t = torch.nn.functional.pad(t.to(dtype), (0, 0, 0, n_tiles * bs - n))
+    return t.reshape(b, h, n_tiles, bs, d)
+
+
+class _Chunk:
+    """One chunk's gathered tiles and masked, scaled scores."""
+
+    def __init__(self, tables: _Tables, kt, vt, kv_head, q_c, t0, t1, w, scale):
+        b, h, ct, bs, d = q_c.shape
+        index = tables.index[:, t0:t1, :w]
+        self.index = index
+        self.k = kt[:, kv_head, index].reshape(b, h, ct, w * bs, d)  # [B, H, ct, W*bs, D]
+        self.v = vt[:, kv_head, index].reshape(b, h, ct, w * bs, d)
+        s = torch.matmul(q_c, self.k.transpose(-1, -2))  # [B, H, ct, bs, W*bs]
+        s.mul_(scale)
+        ids = tables.ids_np[:, t0:t1, :w]
+        if not (ids == tables.full_id).all():  # all-full chunks need no element mask
+            blocked = tables.blocked[tables.ids[:, t0:t1, :w]]  # [H, ct, W, bs, bs]
+            s.masked_fill_(blocked.permute(0, 1, 3, 2, 4).reshape(h, ct, bs, w * bs),
+                           float("-inf"))
+        self.s = s
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
+            scale: float, *, new_output=_empty) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, H, N, D] in q's dtype, lse [B, H, N] float32/float64)``; see the module
+    docstring. ``new_output(shape, dtype, device)`` allocates the two results (every element is
+    written)."""
+    b, h, n, d = q.shape
+    h_kv = k.shape[1]
+    bs = layout.block_size
+    cdt = _compute_dtype(q.dtype)
+    tables = _tables(layout)
+    nt, kt_n = -(-n // bs), -(-k.shape[2] // bs)
+    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
+    kv_head = (torch.arange(h) // (h // h_kv))[:, None, None]
+    out = new_output((b, h, n, d), q.dtype, q.device)
+    lse = new_output((b, h, n), cdt, q.device)
+    for t0, t1, w in tables.plan(b, d):
+        r0, r1 = t0 * bs, min(t1 * bs, n)
+        if w == 0:  # no key anywhere in these rows
+            out[:, :, r0:r1].zero_()
+            lse[:, :, r0:r1].fill_(float("-inf"))
+            continue
+        c = _Chunk(tables, kt, vt, kv_head, qt[:, :, t0:t1], t0, t1, w, scale)
+        m = c.s.amax(-1, keepdim=True)
+        # A row with no allowed key has max -inf: shift it by 0 instead, so exp gives 0s
+        # (not NaN), the sum 0, the output 0 and log(0) = -inf the LSE.
+        m = torch.where(torch.isfinite(m), m, 0.0)
+        p = c.s.sub_(m).exp_()
+        denom = p.sum(-1, keepdim=True)
+        o = torch.matmul(p, c.v).div_(torch.where(denom > 0, denom, 1.0))
+        rows = r1 - r0
+        out[:, :, r0:r1] = o.reshape(b, h, -1, d)[:, :, :rows]
+        lse[:, :, r0:r1] = (m + denom.log()).reshape(b, h, -1)[:, :, :rows]
+    return out, lse
+
+
+def backward(q, k, v, out, lse, d_out, d_lse, layout: BlockLayout, scale: float, *,
+             new_output=_empty) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` in the inputs' dtypes for the cotangents ``d_out`` (and ``d_lse``, or
+    None) of :func:`forward`'s results."""
+    b, h, n, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    bs = layout.block_size
+    cdt = _compute_dtype(q.dtype)
+    tables = _tables(layout)
+    nt, kt_n = -(-n // bs), -(-n_k // bs)
+    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
+    dot = _tiles(d_out, nt, bs, cdt)
+    lse = lse.to(cdt)
+    # Delta_i = sum_d dO_id O_id (the kernels' preprocess); an LSE cotangent enters
+    # dS = P * (dP - Delta) as Delta - d_lse (d lse_i / d s_ij = p_ij), zero on rows with no key.
+    delta = (d_out.to(cdt) * out.to(cdt)).sum(-1)
+    if d_lse is not None:
+        delta = delta - torch.where(torch.isfinite(lse), d_lse.to(cdt), 0.0)
+    # Rows with no key have LSE -inf; +inf there makes every exp(s - lse) 0 (their scores are
+    # -inf or finite), where -inf would give exp(-inf + inf) = NaN.
+    lse_t = _tiles(torch.where(torch.isfinite(lse), lse, float("inf"))[..., None], nt, bs, cdt)
+    delta_t = _tiles(delta[..., None], nt, bs, cdt)
+    kv_head = (torch.arange(h) // (h // h_kv))[:, None, None]
+    dq = new_output(q.shape, q.dtype, q.device)
+    dk_t = torch.zeros(b, h_kv * kt_n, bs, d, dtype=cdt)
+    dv_t = torch.zeros(b, h_kv * kt_n, bs, d, dtype=cdt)
+    for t0, t1, w in tables.plan(b, d):
+        r0, r1 = t0 * bs, min(t1 * bs, n)
+        if w == 0:
+            dq[:, :, r0:r1].zero_()
+            continue
+        q_c, do_c = qt[:, :, t0:t1], dot[:, :, t0:t1]
+        c = _Chunk(tables, kt, vt, kv_head, q_c, t0, t1, w, scale)
+        ct = t1 - t0
+        p = c.s.sub_(lse_t[:, :, t0:t1]).exp_()                        # [B, H, ct, bs, W*bs]
+        dv_g = torch.matmul(p.transpose(-1, -2), do_c)                 # [B, H, ct, W*bs, D]
+        dp = torch.matmul(do_c, c.v.transpose(-1, -2))
+        ds = p.mul_(dp.sub_(delta_t[:, :, t0:t1]))                     # dS (in p's buffer)
+        dq_c = torch.matmul(ds, c.k).mul_(scale)                       # [B, H, ct, bs, D]
+        dk_g = torch.matmul(ds.transpose(-1, -2), q_c).mul_(scale)     # [B, H, ct, W*bs, D]
+        dq[:, :, r0:r1] = dq_c.reshape(b, h, -1, d)[:, :, :r1 - r0]
+        # Entries of a row past its count have P = 0, so they add exact zeros to tile 0.
+        dest = (kv_head * kt_n + c.index).reshape(-1)                  # [H*ct*W] key tiles
+        dk_t.index_add_(1, dest, dk_g.reshape(b, h * ct * w, bs, d))
+        dv_t.index_add_(1, dest, dv_g.reshape(b, h * ct * w, bs, d))
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
+    dk.copy_(dk_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k])
+    dv.copy_(dv_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k])
+    return dq, dk, dv

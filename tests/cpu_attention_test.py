@@ -1,0 +1,148 @@
+"""The native CPU paths (sparsetp.backends.{torch,jax}.cpu) against the Triton kernels in the
+interpreter and the float64 oracle, plus what only the native paths have: chunking, jax.vmap,
+jax.jit(jax.grad(...)). The shared base runs the native paths on every case
+(``TorchCpuAttentionTest``, ``JaxCpuAttentionTest``); this file checks native == interpreter
+(within float32 tolerance) == oracle on a few features at small sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from jax_test_utils import ensure_cpu_devices  # noqa: E402
+
+ensure_cpu_devices()
+
+from unittest import mock  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import testing_utils as tu  # noqa: E402
+import torch  # noqa: E402
+from absl.testing import absltest, parameterized  # noqa: E402
+
+from sparsetp.backends.jax import attention as jattn  # noqa: E402
+from sparsetp.backends.jax import cpu as jcpu  # noqa: E402
+from sparsetp.backends.torch import attention as tattn  # noqa: E402
+from sparsetp.backends.torch import cpu as tcpu  # noqa: E402
+from sparsetp.core import make_layout, reference  # noqa: E402
+from sparsetp.core.examples import example_pattern  # noqa: E402
+
+# (pattern, N_q, N_kv, block, H, H_kv): causal, bigbird, a per-head mix, GQA, kv_len != seq_len
+# both ways, fully masked rows; every N ragged.
+CASES = (
+    ("causal", 70, 70, 16, 2, 2),
+    ("bigbird", 100, 100, 32, 2, 2),
+    ("per_head_mix", 90, 90, 32, 3, 3),
+    ("causal", 50, 50, 16, 4, 2),
+    ("causal", 30, 75, 16, 2, 1),
+    ("causal", 75, 30, 16, 2, 2),
+    ("masked_rows", 60, 60, 16, 2, 2),
+)
+D = 16
+
+
+def _case(name, n, n_kv, bs, h, h_kv, seed=0):
+    layout = make_layout(example_pattern(name, max(n, n_kv), bs), n, h, bs, kv_len=n_kv)
+    q, d_out = tu.random_inputs(seed, (1, h, n, D), "float32", count=2)
+    k, v = tu.random_inputs(seed + 1, (1, h_kv, n_kv, D), "float32", count=2)
+    return layout, q, k, v, d_out
+
+
+def _torch_run(layout, q, k, v, d_out):
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_(True) for x in (q, k, v))
+    out, lse = tattn.sparse_attention(tq, tk, tv, layout, return_lse=True)
+    out.backward(torch.from_numpy(d_out))
+    return [t.detach().numpy() for t in (out, lse, tq.grad, tk.grad, tv.grad)]
+
+
+def _jax_run(layout, q, k, v, d_out):
+    lay = jattn.layout_arrays(layout)
+    (out, lse), vjp = jax.vjp(lambda q, k, v: jattn.sparse_attention(q, k, v, lay,
+                                                                     return_lse=True), q, k, v)
+    grads = vjp((jnp.asarray(d_out), jnp.zeros(lse.shape, lse.dtype)))
+    return [np.asarray(a) for a in (out, lse, *grads)]
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+class NativeMatchesInterpreterTest(parameterized.TestCase):
+
+    @parameterized.named_parameters((f"{c[0]}_nq{c[1]}_nk{c[2]}_h{c[4]}_hkv{c[5]}", c)
+                                    for c in CASES)
+    def test_native_equals_interpreter_equals_oracle(self, case):
+        layout, q, k, v, d_out = _case(*case)
+        ref = [*reference.attention(q, k, v, layout),
+               *reference.attention_grad(q, k, v, layout, d_out)]
+        native_torch = _torch_run(layout, q, k, v, d_out)
+        native_jax = _jax_run(layout, q, k, v, d_out)
+        with mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}):
+            interp = _torch_run(layout, q, k, v, d_out)
+        group = case[4] // case[5]
+        for i, name in enumerate(NAMES):
+            grad = i >= 2
+            reduced = group if name in ("dk", "dv") else 1
+            for tag, got in (("torch native", native_torch), ("jax native", native_jax)):
+                tu.assert_close(got[i], ref[i], "float32", grad=grad, reduced=reduced,
+                                what=f"{tag} {name}")
+                tu.assert_close(got[i], interp[i], "float32", grad=grad, reduced=reduced,
+                                what=f"{tag} vs interpreter {name}")
+            tu.assert_close(interp[i], ref[i], "float32", grad=grad, reduced=reduced,
+                            what=f"interpreter {name}")
+        # Fully masked rows: 0, -inf, zero gradients, on both native paths.
+        dead = ~layout.dense_mask().any(-1)[None]
+        for got in (native_torch, native_jax):
+            self.assertTrue((got[0][dead] == 0).all() and np.isneginf(got[1][dead]).all())
+            self.assertTrue((got[2][dead] == 0).all())
+            for a in got:
+                self.assertFalse(np.isnan(a).any())
+
+    def test_chunked_equals_unchunked(self):
+        """Chunks of one query tile (a tiny CHUNK_ELEMENTS) give the same numbers, bitwise per
+        row on torch (each row is computed whole in one chunk either way)."""
+        layout, q, k, v, d_out = _case("per_head_mix", 90, 90, 16, 3, 3)
+        whole_t, whole_j = _torch_run(layout, q, k, v, d_out), _jax_run(layout, q, k, v, d_out)
+        with mock.patch.object(tcpu, "CHUNK_ELEMENTS", 1), \
+                mock.patch.object(jcpu, "CHUNK_ELEMENTS", 1):
+            self.assertLen(tcpu._tables(layout).plan(1, D), layout.num_blocks)
+            chunked_t = _torch_run(layout, q, k, v, d_out)
+            chunked_j = _jax_run(layout, q, k, v, d_out)
+        for name, a, b in zip(NAMES, whole_t, chunked_t, strict=True):
+            tu.assert_close(b, a, "float32", grad=name[0] == "d", what=f"torch {name}")
+        for name, a, b in zip(NAMES, whole_j, chunked_j, strict=True):
+            tu.assert_close(b, a, "float32", grad=name[0] == "d", what=f"jax {name}")
+
+
+class JaxNativeTransformsTest(absltest.TestCase):
+
+    def test_vmap_over_a_leading_axis(self):
+        layout, q, k, v, _ = _case("bigbird", 100, 100, 32, 2, 2)
+        qs = np.stack([q, q * 0.5, -q])  # [3, 1, H, N, D]
+        lay = jattn.layout_arrays(layout)
+        out = jax.vmap(lambda q: jattn.sparse_attention(q, k, v, lay))(qs)
+        for i in range(3):
+            tu.assert_close(np.asarray(out[i]), reference.attention(qs[i], k, v, layout)[0],
+                            "float32", what=f"vmap out {i}")
+
+    def test_jit_of_grad(self):
+        layout, q, k, v, d_out = _case("causal", 50, 50, 16, 4, 2)
+        lay = jattn.layout_arrays(layout)
+
+        def loss(q, k, v, lay):
+            return jnp.vdot(jattn.sparse_attention(q, k, v, lay), d_out)
+
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, lay)
+        for name, g, r in zip(("dq", "dk", "dv"), grads,
+                              reference.attention_grad(q, k, v, layout, d_out), strict=True):
+            tu.assert_close(np.asarray(g), r, "float32", grad=True, reduced=2, what=name)
+        # Plain XLA on CPU: no host callback in the jitted program.
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, lay).as_text()
+        self.assertNotIn("callback", text)
+
+
+if __name__ == "__main__":
+    absltest.main()
