@@ -52,7 +52,7 @@ class CpuPresetTest(parameterized.TestCase):
             self.assertIn(key, s)
         self.assertEqual(s["schema_version"], A.SCHEMA_VERSION)
         self.assertEqual((s["preset"], s["device_kind"]), ("cpu", "cpu"))
-        self.assertTrue(s["interpreter"])
+        self.assertFalse(s["interpreter"])  # CPU data: the native path, not the interpreter
         self.assertIn("torch", s["versions"])
         # A CPU run names the CPU as its device, on a GPU machine too.
         self.assertTrue(s["versions"]["device"].startswith("cpu ("), s["versions"]["device"])
@@ -171,7 +171,7 @@ class CpuPresetTest(parameterized.TestCase):
     def test_markdown_renders_the_results(self):
         md = A.render_markdown(self.saved, plots=self.saved.get("plots", []))
         self.assertIn("## Attention", md)
-        self.assertIn("CPU / Triton-interpreter", md)
+        self.assertIn("**CPU numbers.**", md)
         self.assertIn(self.saved["command"], md)
         rows = [ln for ln in md.splitlines()
                 if ln.startswith("| seq_sweep |") or ln.startswith("| sparsity |")]

@@ -251,15 +251,17 @@ class ForcedInterpreterTest(absltest.TestCase):
 class OneProcessTest(absltest.TestCase):
 
     def test_torch_cpu_and_jax_cpu_share_the_interpreter(self):
-        """Torch CPU tensors and JAX CPU arrays in one process: both run the same kernel
-        objects through interpreter.launch, agree bitwise in the forward (same kernels, same
-        arguments) and match the oracle."""
+        """Torch CPU tensors and JAX CPU arrays in one process under SPARSETP_INTERPRET=1 (CPU
+        data otherwise takes the native path): both run the same kernel objects through
+        interpreter.launch, agree bitwise in the forward (same kernels, same arguments) and
+        match the oracle."""
         import jax  # noqa: PLC0415  (the JAX half only)
         import jax.numpy as jnp  # noqa: PLC0415
 
         from sparsetp.backends.jax import attention as jattn  # noqa: PLC0415
 
         layout, q, k, v, d_out = _attention_case(name="per_head_mix", n=100, seed=3)
+        self.enter_context(mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}))
         with mock.patch.object(interpreter, "launch", wraps=interpreter.launch) as spy:
             t_res = _torch_attention(layout, q, k, v, d_out)
             torch_kernels = [c.args[0] for c in spy.call_args_list]

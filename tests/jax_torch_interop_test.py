@@ -1,8 +1,9 @@
 """One process, both frameworks: after JAX has launched the kernels, torch still launches them
 correctly, and the two frontends give the same numbers (the same kernel objects run both).
 
-Both paths, each on explicit devices: CPU (torch CPU tensors and JAX CPU arrays: the kernels in
-Triton's interpreter, where the two frontends agree bitwise) always, and CUDA (compiled kernels:
+Both paths, each on explicit devices: CPU (torch CPU tensors and JAX CPU arrays under
+``SPARSETP_INTERPRET=1``: the kernels in Triton's interpreter, where the two frontends agree
+bitwise; without it CPU data takes each framework's native path) always, and CUDA (compiled kernels:
 torch on ``cuda``, JAX on its first GPU, both held to the oracle's tolerance and to each other's)
 when torch and JAX both see a GPU; the CUDA case is skipped, saying so, without one.
 
@@ -83,6 +84,8 @@ class InteropTest(parameterized.TestCase):
     @parameterized.parameters("cpu", "cuda")
     def test_torch_after_jax_same_numbers(self, platform):
         torch_dev, jax_dev = _devices(platform)
+        if platform == "cpu":
+            self.enter_context(mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}))
         layout, q, k, v, d_out = _case()
         cache_dir = os.environ.get("TRITON_CACHE_DIR")
         jax_res = _jax_run(layout, q, k, v, d_out, jax_dev)

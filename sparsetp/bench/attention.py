@@ -4,7 +4,7 @@ Implementations (``--impls``; each (case, implementation) pair is one job, run i
 ``try``: a failure is recorded in the JSON, never dropped, and the run goes on):
 
 ==================  ===========================================================================
-``sparsetp``        ``sparsetp.torch.sparse_attention`` (Triton; the interpreter on CPU)
+``sparsetp``        ``sparsetp.torch.sparse_attention`` (Triton on CUDA; the native CPU path)
 ``sparsetp_jax``    ``sparsetp.jax.sparse_attention`` under ``jax.jit`` (forward) and
                     ``jax.jit(jax.vjp)`` (forward + backward); jax-triton on GPU
 ``flex``            ``torch.compile(flex_attention)`` with a BlockMask built from OUR layout's
@@ -38,7 +38,7 @@ this implementation is faster).
 Presets: ``targets`` (the performance targets, ~150 s on one H200 with compiles), ``sweep``
 (speed-up over dense vs N, time vs sparsity), ``cpu`` (tiny sizes; what CI runs). Devices
 (:func:`resolve_device`): with ``--device=auto`` the ``cpu`` preset runs on CPU tensors and CPU
-JAX arrays (Triton's interpreter) on any machine, the GPU presets on the GPU when there is one;
+JAX arrays (the native CPU path) on any machine, the GPU presets on the GPU when there is one;
 every record says which (``device_kind``, ``versions.device``, ``jax_device``). Examples::
 
     python -m sparsetp.bench attention --preset=targets --out_dir=/tmp/bench
@@ -232,7 +232,7 @@ def resolve_device(preset: str, device: str, has_cuda: bool) -> tuple[str, str]:
     """``(preset, device)`` from the ``--preset`` and ``--device`` flags on a machine with or
     without a CUDA GPU (torch's view).
 
-    ``--device=auto``: the ``cpu`` preset runs on CPU (CPU tensors, Triton's interpreter: what
+    ``--device=auto``: the ``cpu`` preset runs on CPU (CPU tensors, the native CPU path: what
     CI runs, on a GPU machine too); every other preset on the GPU if there is one, else on CPU.
     ``--preset=auto``: ``targets`` on CUDA, ``cpu`` on CPU. An explicit ``--device`` wins
     (``--preset=cpu --device=cuda`` runs the tiny cases on the GPU); ``--device=cuda`` without a
@@ -582,15 +582,18 @@ def _torch_pair(fn, sets):
 def _prep_sparsetp(cfg, case, layout, bp, rec):
     from sparsetp.torch import sparse_attention  # noqa: PLC0415
 
-    if cfg.device == "cpu" and layout.nnz_blocks * case["B"] > cfg.max_interp_tiles:
+    if (_kernels_kind(cfg) == "interpreter"
+            and layout.nnz_blocks * case["B"] > cfg.max_interp_tiles):
         raise Skip(f"interpreter: {layout.nnz_blocks * case['B']} tiles > max_interp_tiles="
                    f"{cfg.max_interp_tiles}")
     from sparsetp.kernels import schedule  # noqa: PLC0415
 
     # The tile the kernels run at (the layout's block, or the same pattern re-laid at another
-    # block by schedule.kernel_layout's cost model on CUDA).
-    rec["kernel_block"] = schedule.kernel_layout(
-        layout, _kernels_kind(cfg), head_dim=case["D"], dtype=case["dtype"]).block_size
+    # block by schedule.kernel_layout's cost model on CUDA); the native CPU path runs the
+    # layout's own tiles.
+    kind = _kernels_kind(cfg)
+    rec["kernel_block"] = layout.block_size if kind == "cpu" else schedule.kernel_layout(
+        layout, kind, head_dim=case["D"], dtype=case["dtype"]).block_size
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
     f, fb, g = _torch_pair(lambda q, k, v: sparse_attention(q, k, v, layout), sets)
     return Prepared(f, fb, g)
@@ -812,7 +815,8 @@ def _prep_sparsetp_jax(cfg, case, layout, bp, rec):
 
     from sparsetp.jax import layout_arrays, sparse_attention  # noqa: PLC0415
 
-    if cfg.device == "cpu" and layout.nnz_blocks * case["B"] > cfg.max_interp_tiles:
+    if (_kernels_kind(cfg) == "interpreter"
+            and layout.nnz_blocks * case["B"] > cfg.max_interp_tiles):
         raise Skip(f"interpreter: {layout.nnz_blocks * case['B']} tiles > max_interp_tiles")
     want = "gpu" if cfg.device == "cuda" else "cpu"
     try:  # the run's platform, whatever JAX's default backend is (CPU runs on a GPU machine)
@@ -1091,8 +1095,8 @@ def _merge_rounds(records: list, rounds: dict) -> list:
 
 
 def _kernels_kind(cfg: BenchConfig) -> str:
-    """How this run's kernels execute: "cuda" (compiled) or "interpreter" (CPU tensors, or
-    SPARSETP_INTERPRET=1 on a GPU)."""
+    """How this run's attention executes: "cuda" (compiled kernels), "cpu" (the native CPU
+    path) or "interpreter" (SPARSETP_INTERPRET=1: the kernels in Triton's interpreter)."""
     return _runtime.device_kind("cuda" if cfg.device == "cuda" else "cpu")
 
 
@@ -1438,10 +1442,10 @@ def render_markdown(results: dict | Sequence[dict], plots: Sequence[str] = (),
     lines = ["## Attention", ""]
     cpu = any(r.get("device_kind") != "cuda" for r in results)
     if cpu:
-        lines += ["> **CPU / Triton-interpreter numbers.** These come from a CPU run (CPU "
-                  "tensors): the Triton kernels run in Triton's interpreter, so the times "
-                  "say nothing about GPU performance. They show what the tool records; the GPU "
-                  "run replaces them.", ""]
+        lines += ["> **CPU numbers.** These come from a CPU run (CPU tensors: the native "
+                  "CPU path, or the Triton kernels in Triton's interpreter under "
+                  "SPARSETP_INTERPRET=1), so the times say nothing about GPU performance. They "
+                  "show what the tool records; the GPU run replaces them.", ""]
     for res in results:
         v = res.get("versions", {})
         lines += [f"**Run**: preset `{res.get('preset')}` on {v.get('device', '?')}; torch "

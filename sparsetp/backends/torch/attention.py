@@ -80,7 +80,10 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 def _forward(q, k, v, layout, scale):
     kind = _launch.device_kind(q)
     if kind == "cpu":
-        return _cpu.forward(q, k, v, layout, scale, new_output=_launch.new_output)
+        # The native path picks its own precision (fp32 accumulation); an enclosing autocast
+        # would recast its matmuls (and differently in eager and compiled graphs).
+        with torch.autocast("cpu", enabled=False):
+            return _cpu.forward(q, k, v, layout, scale, new_output=_launch.new_output)
     dtype = abi.check_dtype(q.dtype)
     b, h, n, d = q.shape
     out = _launch.new_output(q.shape, q.dtype, q.device)
@@ -97,8 +100,9 @@ def _forward(q, k, v, layout, scale):
 def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
     kind = _launch.device_kind(q)
     if kind == "cpu":
-        return _cpu.backward(q, k, v, out, lse, d_out, d_lse, layout, scale,
-                             new_output=_launch.new_output)
+        with torch.autocast("cpu", enabled=False):  # as in _forward
+            return _cpu.backward(q, k, v, out, lse, d_out, d_lse, layout, scale,
+                                 new_output=_launch.new_output)
     dtype = abi.check_dtype(q.dtype)
     b, h, n, d = q.shape
     meta = _launch.metadata(layout, q, kind)
