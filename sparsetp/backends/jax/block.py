@@ -152,6 +152,19 @@ def _check_params(params: Mapping[str, Any], config: HybridConfig):
                          f"{sorted(set(shapes) - set(params))}, unexpected "
                          f"{sorted(set(params) - set(shapes))}")
     for name, shape in shapes.items():
+        a = params[name]
+        # Arrays only: a string or a list would otherwise fail later as an AttributeError or a
+        # silent conversion. numpy/JAX dtypes must be floating (the block casts them to
+        # config.dtype); other array types (torch) are checked by their shape only.
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"params[{name!r}] must be an array (numpy or JAX), got "
+                             f"{type(a).__name__}")
+        try:
+            dt = np.dtype(a.dtype)
+        except TypeError:
+            dt = None
+        if dt is not None and not np.issubdtype(dt, np.floating) and dt.name != "bfloat16":
+            raise ValueError(f"params[{name!r}] must be a floating-point array, got dtype {dt}")
         if tuple(params[name].shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(params[name].shape)}")
 
