@@ -82,8 +82,8 @@ from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
 
-__all__ = ["BlockLayout", "make_layout", "check_tables", "block_kinds", "work_order", "layout_from_handle",
-           "SUPPORTED_BLOCK_SIZES"]
+__all__ = ["BlockLayout", "make_layout", "check_tables", "block_kinds", "work_order",
+           "layout_from_handle", "SUPPORTED_BLOCK_SIZES"]
 
 # Every layout gets a process-unique string handle, so a frontend can name it inside a traced
 # graph: torch.compile passes strings through as constants (an int could turn symbolic).

@@ -74,10 +74,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
-
-import math
 
 import numpy as np
 
@@ -100,7 +99,8 @@ from sparsetp.kernels.tiles import (
 __all__ = [
     "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES", "DEVICE_KINDS",
     "KERNEL_NAMES", "OutputSpec", "KernelCall", "kernel", "check_head_dim", "check_dtype",
-    "check_attention_shapes", "check_scale", "scale_args", "stats_dtype", "dot_precision", "dot_upcast",
+    "check_attention_shapes", "check_scale", "scale_args", "stats_dtype", "dot_precision",
+    "dot_upcast",
     "mask_words", "aligned", "contiguous_strides", "head_dim_padded", "fwd_call",
     "bwd_preprocess_call", "bwd_dq_call", "bwd_dkdv_call",
 ]
