@@ -104,10 +104,12 @@ def _failed(name: str, group, err: BaseException) -> CollectiveError:
         "init_process_group(timeout=datetime.timedelta(...)) (see BUILD.md)")
 
 
-def _named(name: str, group, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` (a torch.distributed collective); a RuntimeError from it is
-    re-raised as :class:`CollectiveError` naming ``name``. Compiled graphs trace the call as is
-    (their collectives fail inside the compiled code, where this wrapper is not)."""
+def _named(name: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a torch.distributed collective, ``group=`` among the kwargs); a
+    RuntimeError from it is re-raised as :class:`CollectiveError` naming ``name``. Compiled
+    graphs trace the call as is (their collectives fail inside the compiled code, where this
+    wrapper is not)."""
+    group = kwargs.get("group")
     if torch.compiler.is_compiling():
         return fn(*args, **kwargs)
     try:
@@ -134,7 +136,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous().clone()  # never reduce into a tensor autograd (or the caller) still holds
-    _named("all_reduce", group, dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
+    _named("all_reduce", dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
@@ -144,7 +146,7 @@ def all_reduce_(x: torch.Tensor, group=None) -> torch.Tensor:
     if group_size(group) > 1:
         if not x.is_contiguous():
             raise ValueError("all_reduce_ needs a contiguous tensor")
-        _named("all_reduce", group, dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
+        _named("all_reduce", dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
@@ -159,7 +161,7 @@ def all_reduce_async(x: torch.Tensor, group=None):
     if not _can_overlap():
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
         return None
-    return _named("all_reduce (async)", group, dist.all_reduce, x, op=dist.ReduceOp.SUM,
+    return _named("all_reduce (async)", dist.all_reduce, x, op=dist.ReduceOp.SUM,
                   group=group, async_op=True)
 
 
@@ -170,7 +172,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
-    _named("all_gather", group, dist.all_gather, parts, x, group=group)
+    _named("all_gather", dist.all_gather, parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
 
@@ -221,7 +223,7 @@ def _all_gather_seq_start(x: torch.Tensor, group, async_op: bool):
     buf = torch.empty((group_size(group), *x.shape), dtype=x.dtype, device=x.device)
     # The collective wants the output as the inputs concatenated along dim 0 (gloo checks the
     # shape): the same memory as ``buf``, viewed [world * x.shape[0], ...].
-    handle = _named("all_gather_single", group,
+    handle = _named("all_gather_single",
                     _collective("all_gather_single", "all_gather_into_tensor"),
                     buf.flatten(0, 1), x, group=group, async_op=async_op)
     return buf, (handle if async_op else None)
@@ -254,7 +256,7 @@ def _reduce_scatter_seq(x: torch.Tensor, dim: int, group, async_op: bool, name: 
     # (reshape, not Tensor.unflatten: torch.compile cannot trace the latter's super() call)
     x_rank_major = x.reshape(*x.shape[:d], world, t, *x.shape[d + 1:]).movedim(d, 0).contiguous()
     out = torch.empty(x_rank_major.shape[1:], dtype=x.dtype, device=x.device)
-    handle = _named("reduce_scatter_single", group,
+    handle = _named("reduce_scatter_single",
                     _collective("reduce_scatter_single", "reduce_scatter_tensor"),
                     out, x_rank_major.flatten(0, 1), op=dist.ReduceOp.SUM, group=group,
                     async_op=async_op)

@@ -487,6 +487,9 @@ class ParallelMLP(nn.Module):
                  overlap_comm: bool = True, sequence_parallel: bool = False):
         super().__init__()
         seed = check_seed(seed, allow_none=True)  # before seed + 1
+        for name, v in (("d_model", d_model), ("d_ff", d_ff)):  # named as the caller knows them
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         kw = dict(group=group, dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         self.fc1 = ColumnParallelLinear(d_model, d_ff, bias, gather_output=False,
                                         seed=None if seed is None else seed,
