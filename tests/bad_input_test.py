@@ -46,6 +46,7 @@ import sparsetp.jax as sj  # noqa: E402
 import sparsetp.torch as st  # noqa: E402
 from sparsetp.core import HybridConfig, init_params, make_layout, reference  # noqa: E402
 from sparsetp.core import patterns as P  # noqa: E402
+from sparsetp.demo import DemoArgs  # noqa: E402
 
 try:  # pytest puts tests/ on sys.path (no package); a package layout reaches it as tests.*
     import dist_utils
@@ -157,6 +158,8 @@ CORE_CASES = [
      r"block_size must be an int"),
     ("make_layout_pattern", lambda: make_layout("causal", N, 1, BS), ValueError,
      r"pattern must be a sparsetp Pattern, got str"),
+    ("demo_pg_timeout", lambda: DemoArgs(pg_timeout_s=0), ValueError,
+     r"pg_timeout_s must be a finite number of seconds > 0, got 0"),
     ("layout_replaced_seq_len", lambda: dataclasses.replace(_layout(32), seq_len=64),
      ValueError, r"layout is inconsistent: it says seq_len=64, .*block_size=16"),
     ("layout_replaced_block_size", lambda: dataclasses.replace(_layout(32), block_size=32),
