@@ -264,6 +264,10 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
     Differentiable w.r.t. ``params`` and ``x``; works under ``jit`` (``config``, ``mesh``,
     ``axis_name``, ``sequence_parallel`` static).
 
+    Raises ValueError naming the argument for a non-HybridConfig ``config``, a missing,
+    extra, mis-shaped or non-array parameter (``params['ln1.weight'] must be an array``), a
+    non-floating numpy/JAX parameter, or an ``x`` of the wrong shape.
+
     >>> y = hybrid_block(params, x, cfg, mesh=mesh, sequence_parallel=True)  # doctest: +SKIP
     """
     if not isinstance(config, HybridConfig):
