@@ -40,6 +40,9 @@ def _define_flags() -> None:
     flags.DEFINE_integer("seed", 0, "Seed of the parameters, the pattern and the data.")
     flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"],
                       "Where to run (auto: tp GPUs if there are that many, else CPU).")
+    flags.DEFINE_float("pg_timeout_s", 300.0, "torch process-group timeout in seconds: a rank "
+                       "that waits this long in a collective raises instead of hanging.",
+                       lower_bound=0.001)
 
 
 def run_demo(args) -> int:
@@ -62,7 +65,7 @@ def _run(argv) -> None:
         backend=FLAGS.backend, tp=FLAGS.tp, steps=FLAGS.steps, batch=FLAGS.batch,
         seq_len=FLAGS.seq_len, d_model=FLAGS.d_model, num_heads=FLAGS.num_heads,
         d_ff=FLAGS.d_ff, block_size=FLAGS.block_size, dtype=FLAGS.dtype, seed=FLAGS.seed,
-        device=FLAGS.device)
+        device=FLAGS.device, pg_timeout_s=FLAGS.pg_timeout_s)
     sys.exit(run_demo(args))
 
 

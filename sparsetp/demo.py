@@ -79,6 +79,7 @@ class DemoArgs:
 
     ``tp=None``: ``WORLD_SIZE`` under torchrun, else one per GPU, or 4 on CPU.
     ``device``: "auto" (GPUs when there are ``tp`` of them, else CPU), "cpu" or "cuda".
+    ``pg_timeout_s``: the torch process group's timeout (``--pg_timeout_s``, default 300 s).
     """
 
     backend: str = "torch"
@@ -93,6 +94,9 @@ class DemoArgs:
     dtype: str | None = None
     seed: int = 0
     device: str = "auto"
+    # torch's process-group timeout (seconds): a rank stalled this long in a collective makes
+    # the others raise (comm.CollectiveError naming the collective) instead of hanging the job.
+    pg_timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.backend not in ("torch", "jax"):
@@ -101,6 +105,10 @@ class DemoArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if (isinstance(self.pg_timeout_s, bool) or not isinstance(self.pg_timeout_s, (int, float))
+                or not 0 < self.pg_timeout_s < float("inf")):
+            raise ValueError(f"pg_timeout_s must be a finite number of seconds > 0, got "
+                             f"{self.pg_timeout_s!r}")
         for name in ("tp", "steps", "batch", "seq_len", "d_model", "num_heads", "d_ff"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -319,7 +327,7 @@ def _torch_worker(rank: int, args: DemoArgs, placement: Placement, port: int | N
     backend = "nccl" if placement.on_gpu else "gloo"
     init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=args.tp,
-                            timeout=datetime.timedelta(seconds=600),
+                            timeout=datetime.timedelta(seconds=args.pg_timeout_s),
                             **({"device_id": device} if placement.on_gpu else {}))
     try:
         cfg = args.config()

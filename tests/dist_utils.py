@@ -19,7 +19,10 @@ It never hangs and never leaks processes:
 * a rank that raises sends its traceback; the harness kills the other ranks at once (they may
   be blocked in a collective waiting for it) and raises :class:`RankFailedError` with it;
 * a rank that dies without a word (segfault, abort, os._exit) fails the run with its exit code;
-* the whole run has a wall-clock ``timeout`` (:class:`RankTimeoutError`);
+* the whole run has a wall-clock ``timeout`` (:class:`RankTimeoutError`), and each rank's
+  process group a ``pg_timeout`` (default: ``timeout``), after which a collective some rank
+  never joins raises in the ranks that did (``comm.CollectiveError`` from the library's
+  collectives), rather than blocking until the harness kills them;
 * processes are terminated (then killed) in a ``finally``.
 
 A rank that succeeded passes a barrier before ``destroy_process_group``: without it gloo
@@ -92,7 +95,7 @@ def generator(seed: int):
     return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
 
 
-def _worker(rank, world_size, port, backend, timeout, fn, args, results):
+def _worker(rank, world_size, port, backend, pg_timeout, fn, args, results):
     try:
         import torch
         import torch.distributed as dist
@@ -105,7 +108,7 @@ def _worker(rank, world_size, port, backend, timeout, fn, args, results):
             torch.set_default_device("cpu")
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout))
+            timeout=datetime.timedelta(seconds=pg_timeout))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
         dist.barrier()
@@ -116,11 +119,16 @@ def _worker(rank, world_size, port, backend, timeout, fn, args, results):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
-                    backend: str | None = None) -> list:
+                    backend: str | None = None, pg_timeout: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; per-rank results.
 
     ``backend=None`` takes :func:`backend_for` ``(world_size)``; "gloo" runs CPU ranks anywhere;
-    "nccl" needs ``world_size`` GPUs (ValueError otherwise, before any process starts)."""
+    "nccl" needs ``world_size`` GPUs (ValueError otherwise, before any process starts).
+    ``pg_timeout``: seconds, the ranks' ``init_process_group(timeout=...)`` (default
+    ``timeout``)."""
+    pg_timeout = timeout if pg_timeout is None else pg_timeout
+    if not pg_timeout > 0:
+        raise ValueError(f"pg_timeout must be > 0 seconds, got {pg_timeout!r}")
     backend = backend or backend_for(world_size)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -131,7 +139,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, name=f"rank{r}", daemon=True,
-                         args=(r, world_size, port, backend, timeout, fn, args, results))
+                         args=(r, world_size, port, backend, pg_timeout, fn, args, results))
              for r in range(world_size)]
     outputs: dict[int, object] = {}
     done: set[int] = set()

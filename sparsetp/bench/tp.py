@@ -70,6 +70,9 @@ flags.DEFINE_list("tp_stages", "comm,torch_mlp,torch_overlap,dtensor,ddp,pipelin
 flags.DEFINE_bool("tp_jax_variants", True, "Also time the JAX MLP with the latency-hiding "
                   "scheduler forced on and off (one extra subprocess each).")
 flags.DEFINE_integer("tp_iters", None, "Timed iterations per case (default: the preset's).")
+flags.DEFINE_float("tp_pg_timeout_s", None, "torch process-group timeout in seconds (a stalled "
+                   "rank makes the others raise rather than hang; default: half the budget, "
+                   "clamped to [30, 120]).", lower_bound=0.001)
 
 # Shapes: the MLP sees T = batch * seq_len tokens of width d_model.
 PRESETS = {
@@ -1174,7 +1177,8 @@ def main(argv=None) -> int:
     if torch_stages:
         # The JAX stages get the last ~40% of the budget (process start and compiles).
         jax_share = 0.4 * budget if "jax" in stages else 0.0
-        spec_t = dict(spec, port=_free_port(), pg_timeout_s=max(30.0, min(120.0, budget / 2)),
+        spec_t = dict(spec, port=_free_port(), pg_timeout_s=FLAGS.tp_pg_timeout_s
+                      or max(30.0, min(120.0, budget / 2)),
                       stage_reserve_s={name: 10.0 if device == "cuda" else 3.0
                                        for name in ("torch_block", "torch_sp")})
         try:

@@ -60,7 +60,7 @@ from sparsetp.core.patterns import Pattern
 
 __all__ = [
     "DTYPES", "HybridConfig", "PARAM_NAMES", "param_shapes", "init_params", "partition_dim",
-    "check_tp_size", "shard_param", "shard_params", "unshard_param",
+    "check_tp_size", "shard_param", "shard_params", "unshard_param", "check_seed",
 ]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -88,6 +88,30 @@ def _pos_int(name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return int(value)
+
+
+def check_seed(seed: Any, *, allow_none: bool = False, name: str = "seed") -> int | None:
+    """``seed`` as an int, or ValueError naming ``name``.
+
+    The one rule for seeds everywhere in sparsetp: a seed is a non-negative Python or numpy int
+    (what ``numpy.random.default_rng`` takes, so torch and JAX draw the same numbers).
+    ``None`` never means "fresh entropy": :func:`init_params` refuses it (a silently different
+    draw per call breaks reproducibility and the torch/JAX parity), and module constructors
+    (``allow_none=True``) take it as "do not initialise", for a caller that loads parameters
+    next (``HybridBlock.from_params``).
+
+    >>> check_seed(3), check_seed(None, allow_none=True)
+    (3, None)
+    """
+    if seed is None and allow_none:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        extra = (" (None is refused: pass an int for a reproducible draw)"
+                 if seed is None else "")
+        raise ValueError(f"{name} must be a non-negative int, got {seed!r}{extra}")
+    if seed < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {seed}")
+    return int(seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +210,14 @@ def init_params(config: HybridConfig, seed: int) -> dict[str, np.ndarray]:
     Weights ~ N(0, 1/fan_in); biases ~ N(0, 0.1^2); layer-norm weights ~ 1 + N(0, 0.1^2) and
     biases ~ N(0, 0.1^2), deliberately non-trivial so tests exercise every parameter. Draws go in
     ``PARAM_NAMES`` order, so the same seed gives the same arrays in every framework.
+
+    ``config`` must be a :class:`HybridConfig` and ``seed`` a non-negative int (``None`` is
+    refused, see :func:`check_seed`); anything else raises ValueError naming the argument.
     """
-    rng = np.random.default_rng(seed)
+    if not isinstance(config, HybridConfig):
+        raise ValueError(f"config must be a HybridConfig, got {type(config).__name__} "
+                         "(build one with HybridConfig(d_model=..., num_heads=..., ...))")
+    rng = np.random.default_rng(check_seed(seed))
     out = {}
     for name, shape in param_shapes(config).items():
         z = rng.standard_normal(shape)

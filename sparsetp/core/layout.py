@@ -82,8 +82,8 @@ from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
 
-__all__ = ["BlockLayout", "make_layout", "block_kinds", "work_order", "layout_from_handle",
-           "SUPPORTED_BLOCK_SIZES"]
+__all__ = ["BlockLayout", "make_layout", "check_tables", "block_kinds", "work_order",
+           "layout_from_handle", "SUPPORTED_BLOCK_SIZES"]
 
 # Every layout gets a process-unique string handle, so a frontend can name it inside a traced
 # graph: torch.compile passes strings through as constants (an int could turn symbolic).
@@ -147,6 +147,9 @@ class BlockLayout:
             v = getattr(self, f.name)
             if isinstance(v, np.ndarray):
                 v.setflags(write=False)
+        # A hand-built (or dataclasses.replace'd) layout whose fields disagree with its tables
+        # fails here, naming the geometry, not later in a kernel check naming a table.
+        check_tables(self)
 
     @property
     def num_blocks(self) -> int:
@@ -234,6 +237,44 @@ class BlockLayout:
         return (f"BlockLayout(pattern={self.pattern!r}, seq_len={self.seq_len}, {kv}"
                 f"num_heads={self.num_heads}, block_size={self.block_size}, "
                 f"density={self.density:.4f}, masks={self.masks.shape[0]})")
+
+
+def check_tables(layout) -> None:
+    """ValueError unless ``layout``'s tables have the shapes its geometry gives.
+
+    ``layout`` is a :class:`BlockLayout` or anything with ``seq_len``, ``kv_len``,
+    ``num_heads``, ``block_size`` and ``metadata()`` (the JAX frontend's ``LayoutArrays``):
+    the query-major tables must be ``[num_heads, ceil(seq_len / block_size), ...]``, the
+    key-major ones ``[num_heads, ceil(kv_len / block_size), ...]`` and the mask table
+    ``[U, block_size, words]``. The frontends call it on every layout they are given, so a
+    layout edited after :func:`make_layout` (another ``seq_len`` or ``block_size`` on old
+    tables) is refused by name rather than as a mismatched internal table.
+    """
+    bs, n, h = int(layout.block_size), int(layout.seq_len), int(layout.num_heads)
+    kv = int(getattr(layout, "kv_len", None) or n)
+    nbq, nbk = -(-n // bs), -(-kv // bs)
+    shapes = {name: tuple(int(x) for x in a.shape) for name, a in layout.metadata().items()}
+    block_mask = getattr(layout, "block_mask", None)
+    if block_mask is not None:
+        shapes["block_mask"] = tuple(int(x) for x in block_mask.shape)
+    want = {"q_count": (h, nbq), "q_partial": (h, nbq), "q_order": (h, nbq),
+            "k_count": (h, nbk), "k_partial": (h, nbk), "k_order": (h, nbk),
+            "block_mask": (h, nbq, nbk)}
+    bad = [f"{name} {shapes[name]}" for name, shape in want.items()
+           if name in shapes and shapes[name] != shape]
+    bad += [f"{name} {shapes[name]}" for name, rows in (
+        ("q_index", (h, nbq)), ("q_mask_id", (h, nbq)), ("k_index", (h, nbk)),
+        ("k_mask_id", (h, nbk))) if name in shapes and shapes[name][:2] != rows]
+    masks = shapes.get("masks")
+    if masks is not None and masks[1:] != (bs, _words(bs)):
+        bad.append(f"masks {masks}")
+    if bad:
+        raise ValueError(
+            f"layout is inconsistent: it says seq_len={n}, kv_len={kv}, num_heads={h}, "
+            f"block_size={bs} ({nbq} query tiles x {nbk} key tiles per head) but its tables "
+            f"are for another geometry: {', '.join(bad)}. Build a layout for each sequence "
+            "length and block size with make_layout (layout_arrays for JAX); do not edit the "
+            "fields of a built one")
 
 
 def layout_from_handle(handle: str) -> BlockLayout:

@@ -1089,14 +1089,24 @@ def documents(lengths: Sequence[int]) -> Pattern:
     >>> bool(p.token_mask(0, 4, 2, n=8)), bool(p.token_mask(0, 4, 3, n=8))
     (False, True)
     """
-    return Documents(tuple(lengths) if not isinstance(lengths, (str, bytes)) else lengths)
+    # Only iterables become tuples; anything else reaches Documents' own check, which names
+    # ``lengths`` (tuple(5) would raise Python's "'int' object is not iterable").
+    iterable = hasattr(lengths, "__iter__") and not isinstance(lengths, (str, bytes))
+    return Documents(tuple(lengths) if iterable else lengths)
 
 
 def per_head(patterns: Sequence[Pattern]) -> Pattern:
     """Head ``h`` uses ``patterns[h % len(patterns)]``.
 
     >>> p = per_head([causal(), local(64, 0)])
+
+    ``patterns`` must be a sequence (list or tuple) of patterns: a single pattern, or anything
+    not iterable, raises TypeError naming ``patterns``.
     """
+    if isinstance(patterns, (Pattern, str, bytes)) or not hasattr(patterns, "__iter__"):
+        hint = " (wrap a single pattern in a list)" if isinstance(patterns, Pattern) else ""
+        raise TypeError(f"patterns must be a sequence of Patterns, got "
+                        f"{type(patterns).__name__}{hint}")
     return PerHead(tuple(patterns))
 
 

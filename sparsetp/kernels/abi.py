@@ -74,11 +74,13 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from sparsetp.core.layout import check_tables
 from sparsetp.kernels import attention as _k
 from sparsetp.kernels import options as _options
 from sparsetp.kernels.schedule import grid, grid_group, list_grid
@@ -97,7 +99,8 @@ from sparsetp.kernels.tiles import (
 __all__ = [
     "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES", "DEVICE_KINDS",
     "KERNEL_NAMES", "OutputSpec", "KernelCall", "kernel", "check_head_dim", "check_dtype",
-    "check_attention_shapes", "scale_args", "stats_dtype", "dot_precision", "dot_upcast",
+    "check_attention_shapes", "check_scale", "scale_args", "stats_dtype", "dot_precision",
+    "dot_upcast",
     "mask_words", "aligned", "contiguous_strides", "head_dim_padded", "fwd_call",
     "bwd_preprocess_call", "bwd_dq_call", "bwd_dkdv_call",
 ]
@@ -145,7 +148,15 @@ def check_attention_shapes(q_shape, k_shape, v_shape, layout, scale) -> float:
     """The framework-neutral input checks both frontends share (one place, one wording):
     q/k/v shapes (q ``[B, H, N, D]``, k and v ``[B, H_kv, N_kv, D]``, ``H % H_kv == 0``), the
     layout's query and key lengths and head count, batch, scale and head dim. ``layout`` is
-    anything with ``seq_len``, ``num_heads`` and optionally ``kv_len`` (default ``seq_len``).
+    anything with ``seq_len``, ``num_heads`` and optionally ``kv_len`` (default ``seq_len``);
+    one that also has ``metadata()`` and ``block_size`` (``BlockLayout``, JAX ``LayoutArrays``)
+    must have tables of its own geometry (:func:`sparsetp.core.layout.check_tables`).
+
+    ``scale`` is None (``D ** -0.5``) or a real Python number whose float32 value is finite:
+    NaN, +-inf and values beyond float32's range are refused (they give NaN outputs). Zero and
+    negative scales are accepted: they are well-defined softmaxes (zero: the mean of the
+    allowed values; negative: the lowest scores weigh most), and the kernels scale the scores
+    before their running max, so both are computed exactly like positive ones.
     Returns the softmax scale."""
     q_shape = tuple(q_shape)
     if len(q_shape) != 4:
@@ -158,6 +169,8 @@ def check_attention_shapes(q_shape, k_shape, v_shape, layout, scale) -> float:
                              "one [B, H_kv, N_kv, D] shape with q's B and D")
     b, h, n, d = q_shape
     h_kv, n_kv = k_shape[1], k_shape[2]
+    if hasattr(layout, "metadata") and hasattr(layout, "block_size"):
+        check_tables(layout)
     if h_kv < 1 or h % h_kv:
         raise ValueError(f"k has {h_kv} heads (H_kv) but q has H={h}: H must be a multiple of "
                          "H_kv (grouped-query attention)")
@@ -171,10 +184,31 @@ def check_attention_shapes(q_shape, k_shape, v_shape, layout, scale) -> float:
         raise ValueError(f"layout is for num_heads={layout.num_heads} but q has H={h}")
     if b == 0:
         raise ValueError("q has batch size 0")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    check_scale(scale)
     check_head_dim(d, "q")
     return (d ** -0.5) if scale is None else float(scale)
+
+
+def check_scale(scale) -> None:
+    """ValueError naming ``scale`` unless it is None or a real Python number (int or float, not
+    bool) that is finite in float32 (the kernels take it as fp32 parts, :func:`scale_args`, so
+    1e39 would be inf there). Zero and negative scales are allowed (see
+    :func:`check_attention_shapes`).
+
+    >>> check_scale(float("nan"))
+    Traceback (most recent call last):
+    ...
+    ValueError: scale must be finite (in float32, as the kernels take it), got nan
+    """
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    with np.errstate(over="ignore"):
+        finite = math.isfinite(float(np.float32(scale)))
+    if not finite:
+        raise ValueError(f"scale must be finite (in float32, as the kernels take it), got "
+                         f"{scale!r}")
 
 
 def scale_args(scale: float) -> tuple[float, float]:

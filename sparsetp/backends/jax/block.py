@@ -152,6 +152,19 @@ def _check_params(params: Mapping[str, Any], config: HybridConfig):
                          f"{sorted(set(shapes) - set(params))}, unexpected "
                          f"{sorted(set(params) - set(shapes))}")
     for name, shape in shapes.items():
+        a = params[name]
+        # Arrays only: a string or a list would otherwise fail later as an AttributeError or a
+        # silent conversion. numpy/JAX dtypes must be floating (the block casts them to
+        # config.dtype); other array types (torch) are checked by their shape only.
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"params[{name!r}] must be an array (numpy or JAX), got "
+                             f"{type(a).__name__}")
+        try:
+            dt = np.dtype(a.dtype)
+        except TypeError:
+            dt = None
+        if dt is not None and not np.issubdtype(dt, np.floating) and dt.name != "bfloat16":
+            raise ValueError(f"params[{name!r}] must be a floating-point array, got dtype {dt}")
         if tuple(params[name].shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(params[name].shape)}")
 
@@ -250,6 +263,10 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
     ``sequence_parallel``, split along ``N`` over it: ``PartitionSpec(None, axis_name, None)``).
     Differentiable w.r.t. ``params`` and ``x``; works under ``jit`` (``config``, ``mesh``,
     ``axis_name``, ``sequence_parallel`` static).
+
+    Raises ValueError naming the argument for a non-HybridConfig ``config``, a missing,
+    extra, mis-shaped or non-array parameter (``params['ln1.weight'] must be an array``), a
+    non-floating numpy/JAX parameter, or an ``x`` of the wrong shape.
 
     >>> y = hybrid_block(params, x, cfg, mesh=mesh, sequence_parallel=True)  # doctest: +SKIP
     """

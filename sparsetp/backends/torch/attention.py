@@ -61,6 +61,11 @@ def _check_inputs(q, k, v, layout, scale):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not isinstance(layout, BlockLayout):
         raise ValueError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    if q.device.type == "meta":
+        # Meta tensors have no data for the kernels to read (torch.compile's fake tensors
+        # report their real device and take the registered fake implementation instead).
+        raise ValueError("q is on the meta device; sparse_attention needs tensors with data "
+                         "(cpu or cuda): materialise the module (e.g. to_empty + load) first")
     if q.dim() == 4 and not q.dtype.is_floating_point:
         raise ValueError(f"q must be a floating-point tensor, got dtype {q.dtype}")
     scale = abi.check_attention_shapes(q.shape, k.shape, v.shape, layout, scale)
@@ -306,8 +311,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
       layout: a :class:`BlockLayout` for ``seq_len=N``, ``num_heads=H`` and ``kv_len=N_kv``
         (``make_layout(..., kv_len=N_kv)`` when ``N_kv != N``: causal and local patterns are
         then aligned to the end of the keys).
-      scale: softmax scale, default ``D ** -0.5``.
+      scale: softmax scale, default ``D ** -0.5``: a real number, finite in float32 (NaN and
+        inf raise ValueError); zero and negative scales are allowed and exact.
       return_lse: also return the log-sum-exp ``[B, H, N]`` (float32; differentiable).
+
+    Bad inputs raise ValueError naming the argument (shapes, dtypes, devices, including the
+    meta device, a layout for another geometry or with tables edited after ``make_layout``).
 
     Returns ``out`` (``[B, H, N, D]``, q's dtype), or ``(out, lse)``. Rows with no allowed key
     give 0 and ``-inf``. Differentiable in q, k, v (deterministic backward, no atomics).
@@ -393,6 +402,8 @@ def _autocast(q, k, v):
     if not isinstance(q, torch.Tensor):
         return q, k, v
     device = q.device.type
+    if device == "meta":  # no autocast there; _check_inputs refuses it by name
+        return q, k, v
     if not torch.is_autocast_enabled(device) or q.dtype != torch.float32:
         return q, k, v
     dtype = torch.get_autocast_dtype(device)
@@ -416,9 +427,12 @@ class SparseAttention(PatternModule):
         super().__init__()
         if not isinstance(pattern, Pattern):
             raise ValueError(f"pattern must be a sparsetp Pattern, got {type(pattern).__name__}")
-        if block_size not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got "
+        # Type first: 64.0 == 64 would pass the membership test.
+        if (isinstance(block_size, bool) or not isinstance(block_size, int)
+                or block_size not in SUPPORTED_BLOCK_SIZES):
+            raise ValueError(f"block_size must be an int, one of {SUPPORTED_BLOCK_SIZES}, got "
                              f"{block_size!r}")
+        abi.check_scale(scale)  # at construction, not at the first call
         self.pattern = pattern
         self.block_size = block_size
         self.scale = scale

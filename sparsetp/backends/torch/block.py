@@ -30,9 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsetp.backends.torch.comm import all_gather_dim, copy_to_region, group_size
-from sparsetp.backends.torch.layers import ParallelMLP, ParallelSparseAttention, _as_tensor
+from sparsetp.backends.torch.layers import (
+    ParallelMLP,
+    ParallelSparseAttention,
+    _as_tensor,
+    _poison,
+)
 from sparsetp.core.config import (
     HybridConfig,
+    check_seed,
     check_tp_size,
     init_params,
     param_shapes,
@@ -53,14 +59,18 @@ class HybridBlock(nn.Module):
       group: process group (None: the default group if torch.distributed is initialised, else
         a single process).
       seed: parameters are ``init_params(config, seed)`` (the canonical draw, so every TP size
-        and the JAX frontend start from the same weights); None leaves them uninitialised.
+        and the JAX frontend start from the same weights), a non-negative int; None skips the
+        draw (for :meth:`load_params` next, as :meth:`from_params` does): every parameter is
+        NaN until loaded. (``init_params`` itself refuses None: ``core.config.check_seed``.)
       device: where the parameters live.
       overlap_comm: overlap each column-parallel layer's backward all-reduce with its
         weight-gradient GEMM (bitwise the same numbers; see ``layers.ColumnParallelLinear``).
       sequence_parallel: input and output are this rank's sequence shard (below).
 
     Raises ValueError when ``num_heads``, ``num_kv_heads`` or ``d_ff`` is not divisible by the
-    group size.
+    group size. Calling it with an ``x`` of another dtype than the parameters (outside
+    ``torch.autocast``) or on another device (the meta device included) raises ValueError
+    naming ``x``.
     Input ``x [B, N, d_model]`` (the same on every rank), output ``[B, N, d_model]``. With
     ``sequence_parallel``: input ``[B, N / tp, d_model]``, this rank's contiguous tokens of the
     ``N``-token sequence the attention sees, output the same tokens of the block's output. To
@@ -75,6 +85,7 @@ class HybridBlock(nn.Module):
         super().__init__()
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
+        seed = check_seed(seed, allow_none=True)
         self.config, self.group = config, group
         self.world_size = group_size(group)
         self.sequence_parallel = bool(sequence_parallel)
@@ -91,6 +102,8 @@ class HybridBlock(nn.Module):
         self.mlp = ParallelMLP(d, config.d_ff, config.bias, **kw)
         if seed is not None:
             self.load_params(init_params(config, seed))
+        else:
+            _poison(self)
 
     @classmethod
     def from_params(cls, config: HybridConfig, params: Mapping[str, object], group=None, *,
@@ -145,10 +158,25 @@ class HybridBlock(nn.Module):
             out[name] = p.cpu().numpy().copy()
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x) -> None:
+        """The block's input checks, in one place: a clear ValueError naming ``x`` instead of
+        torch's "mixed dtype (CPU)" or a device error from deep inside a layer."""
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(f"x must be [B, N, d_model={self.config.d_model}], got "
                              f"{tuple(x.shape)}")
+        p = self.ln1.weight
+        if x.device != p.device:
+            raise ValueError(f"x is on {x.device} but the block's parameters are on {p.device}; "
+                             f"move x there (x.to({str(p.device)!r})) or the block to x's device")
+        if x.dtype != p.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"x has dtype {x.dtype} but the block's parameters are {p.dtype} "
+                             f"(config.dtype={self.config.dtype!r}); cast x with "
+                             f"x.to({p.dtype})")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         y1 = x + self.attn(self._norm(self.ln1, x))
         return y1 + self.mlp(self._norm(self.ln2, y1))
 

@@ -40,6 +40,13 @@ cost, not in the numbers (each rank gets the same sum of the same values).
 ``group=None`` means the default process group when ``torch.distributed`` is initialised and a
 single process otherwise; on a group of size 1 every function is the identity (no collective).
 
+Failures: every collective here runs under the process group's timeout (``timeout=`` of
+``init_process_group`` / ``new_group``; BUILD.md). When one fails (a peer stalled past the
+timeout, died, or took another code path) it raises :class:`CollectiveError`, a RuntimeError
+whose message names the collective, the group size and this rank (gloo's own message is only
+"Timed out waiting 5000ms for recv operation"), chained to the backend's error. Under
+``torch.compile`` the traced functional collectives are left as they are.
+
 >>> import torch
 >>> x = torch.ones(2, 4, requires_grad=True)
 >>> copy_to_region(x).shape    # single process: identity
@@ -58,7 +65,7 @@ __all__ = [
     "scatter_to_region", "all_gather_dim", "all_reduce_", "all_reduce_async",
     "all_gather_to_region",
     "reduce_scatter_from_region", "scatter_to_sequence_region", "gather_from_sequence_region",
-    "all_gather_seq", "reduce_scatter_seq", "split_seq", "SEQ_DIM",
+    "all_gather_seq", "reduce_scatter_seq", "split_seq", "SEQ_DIM", "CollectiveError",
 ]
 
 SEQ_DIM = -2  # the sequence dim of ``[..., T, features]`` activations that SP splits
@@ -80,11 +87,56 @@ def group_rank(group=None) -> int:
     return dist.get_rank(group) if _active(group) else 0
 
 
+class CollectiveError(RuntimeError):
+    """A collective of this module failed: timed out waiting for a peer, or the peer died.
+
+    The message names the collective, the group size and this rank; ``__cause__`` is the
+    backend's own error (gloo's timeout message names neither the collective nor the group).
+    """
+
+
+def _failed(name: str, group, err: BaseException) -> CollectiveError:
+    world = group_size(group)
+    return CollectiveError(
+        f"{name} over a process group of {world} ranks failed on rank {group_rank(group)}: "
+        f"{err}. A rank that never reaches the same collective (stalled, crashed, or on another "
+        "code path) makes the others wait until the group's timeout; set it with "
+        "init_process_group(timeout=datetime.timedelta(...)) (see BUILD.md)")
+
+
+def _named(name: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a torch.distributed collective, ``group=`` among the kwargs); a
+    RuntimeError from it is re-raised as :class:`CollectiveError` naming ``name``. Compiled
+    graphs trace the call as is (their collectives fail inside the compiled code, where this
+    wrapper is not)."""
+    group = kwargs.get("group")
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    try:
+        work = fn(*args, **kwargs)
+    except RuntimeError as err:
+        raise _failed(name, group, err) from err
+    return None if work is None else _NamedWork(work, name, group)
+
+
+class _NamedWork:
+    """An async collective's handle whose ``wait()`` raises :class:`CollectiveError`."""
+
+    def __init__(self, work, name: str, group):
+        self._work, self._name, self._group = work, name, group
+
+    def wait(self):
+        try:
+            return self._work.wait()
+        except RuntimeError as err:
+            raise _failed(self._name, self._group, err) from err
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous().clone()  # never reduce into a tensor autograd (or the caller) still holds
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    _named("all_reduce", dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
@@ -94,7 +146,7 @@ def all_reduce_(x: torch.Tensor, group=None) -> torch.Tensor:
     if group_size(group) > 1:
         if not x.is_contiguous():
             raise ValueError("all_reduce_ needs a contiguous tensor")
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        _named("all_reduce", dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
@@ -109,7 +161,8 @@ def all_reduce_async(x: torch.Tensor, group=None):
     if not _can_overlap():
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
         return None
-    return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _named("all_reduce (async)", dist.all_reduce, x, op=dist.ReduceOp.SUM,
+                  group=group, async_op=True)
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
@@ -119,7 +172,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
+    _named("all_gather", dist.all_gather, parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
 
@@ -170,8 +223,9 @@ def _all_gather_seq_start(x: torch.Tensor, group, async_op: bool):
     buf = torch.empty((group_size(group), *x.shape), dtype=x.dtype, device=x.device)
     # The collective wants the output as the inputs concatenated along dim 0 (gloo checks the
     # shape): the same memory as ``buf``, viewed [world * x.shape[0], ...].
-    handle = _collective("all_gather_single", "all_gather_into_tensor")(
-        buf.flatten(0, 1), x, group=group, async_op=async_op)
+    handle = _named("all_gather_single",
+                    _collective("all_gather_single", "all_gather_into_tensor"),
+                    buf.flatten(0, 1), x, group=group, async_op=async_op)
     return buf, (handle if async_op else None)
 
 
@@ -202,8 +256,10 @@ def _reduce_scatter_seq(x: torch.Tensor, dim: int, group, async_op: bool, name: 
     # (reshape, not Tensor.unflatten: torch.compile cannot trace the latter's super() call)
     x_rank_major = x.reshape(*x.shape[:d], world, t, *x.shape[d + 1:]).movedim(d, 0).contiguous()
     out = torch.empty(x_rank_major.shape[1:], dtype=x.dtype, device=x.device)
-    handle = _collective("reduce_scatter_single", "reduce_scatter_tensor")(
-        out, x_rank_major.flatten(0, 1), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    handle = _named("reduce_scatter_single",
+                    _collective("reduce_scatter_single", "reduce_scatter_tensor"),
+                    out, x_rank_major.flatten(0, 1), op=dist.ReduceOp.SUM, group=group,
+                    async_op=async_op)
     return out, (handle if async_op else None)
 
 

@@ -67,10 +67,26 @@ from sparsetp.backends.torch.comm import (
     reduce_scatter_from_region,
     scatter_to_region,
 )
+from sparsetp.core.config import check_seed
 from sparsetp.core.layout import BlockLayout
 from sparsetp.core.patterns import Pattern
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention"]
+
+
+def _check_dtype(dtype) -> None:
+    """ValueError naming ``dtype`` unless it is None or a floating torch.dtype (parameters
+    need one to require gradients)."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+
+
+@torch.no_grad()
+def _poison(module: nn.Module) -> None:
+    """``seed=None``: parameters are NaN until loaded, so a forward before ``load_unsharded`` /
+    ``load_params`` gives NaN rather than plausible numbers from uninitialised memory."""
+    for p in module.parameters():
+        p.fill_(float("nan"))
 
 
 def _divide(name: str, value: int, world: int) -> int:
@@ -282,6 +298,8 @@ class _ParallelLinear(nn.Module):
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        seed = check_seed(seed, allow_none=True)
+        _check_dtype(dtype)
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.world_size, self.rank = group_size(group), group_rank(group)
         full = (in_features, out_features)
@@ -297,12 +315,15 @@ class _ParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         if seed is not None:
             self.reset_parameters(seed)
+        else:
+            _poison(self)
 
     def reset_parameters(self, seed: int = 0) -> None:
         """Draw the FULL weight ~ N(0, 1/in) and bias ~ N(0, 0.1^2) with
         ``numpy.random.default_rng(seed)`` and keep this rank's shard, so a layer built with the
-        same seed is the same function at every tensor-parallel size."""
-        rng = np.random.default_rng(seed)
+        same seed is the same function at every tensor-parallel size. ``seed``: a non-negative
+        int (``core.config.check_seed``)."""
+        rng = np.random.default_rng(check_seed(seed))
         w = rng.standard_normal((self.in_features, self.out_features)) / math.sqrt(
             self.in_features)
         b = 0.1 * rng.standard_normal(self.out_features) if self.bias is not None else None
@@ -355,8 +376,8 @@ class ColumnParallelLinear(_ParallelLinear):
         ``[..., out / tp]`` slice (to feed a :class:`RowParallelLinear`).
       group: process group (None: default group if initialised, else single process).
       dtype, device: of the parameters.
-      seed: :meth:`reset_parameters` seed; None leaves the parameters uninitialised (for a caller
-        that will :meth:`load_unsharded`).
+      seed: :meth:`reset_parameters` seed, a non-negative int; None skips the draw (for a caller
+        that will :meth:`load_unsharded`): the parameters are NaN until loaded.
       overlap_comm: overlap the backward all-reduce of the input gradient with the weight-gradient
         GEMM (:class:`_ColumnLinearAsyncGrad`); bitwise the same numbers as False. With
         ``sequence_parallel``, overlap the input re-gather and the gradient reduce-scatter
@@ -465,6 +486,10 @@ class ParallelMLP(nn.Module):
                  dtype: torch.dtype | None = None, device=None, seed: int | None = 0,
                  overlap_comm: bool = True, sequence_parallel: bool = False):
         super().__init__()
+        seed = check_seed(seed, allow_none=True)  # before seed + 1
+        for name, v in (("d_model", d_model), ("d_ff", d_ff)):  # named as the caller knows them
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         kw = dict(group=group, dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         self.fc1 = ColumnParallelLinear(d_model, d_ff, bias, gather_output=False,
                                         seed=None if seed is None else seed,
@@ -512,6 +537,10 @@ class ParallelSparseAttention(PatternModule):
         super().__init__()
         if not isinstance(pattern, Pattern):
             raise ValueError(f"pattern must be a sparsetp Pattern, got {pattern!r}")
+        seed = check_seed(seed, allow_none=True)  # before seed + 1
+        for name, v in (("d_model", d_model), ("num_heads", num_heads)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if num_heads < 1 or d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be a positive multiple of "
                              f"num_heads={num_heads}")
