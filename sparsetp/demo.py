@@ -16,12 +16,12 @@ them from here; ``sparsetp.__main__`` dispatches ``--backend`` (this module impo
 Device rule (:func:`choose_device`, both backends; ``--device auto``, the default): with at least
 ``tp`` GPUs visible to the framework, ``tp`` GPUs (torch: one NCCL process per GPU; JAX: a mesh of
 ``tp`` GPUs) and compiled Triton kernels; otherwise ``tp`` CPU workers (torch: ``tp`` gloo
-processes; JAX: ``tp`` CPU host devices) and Triton's interpreter, so ``--tp 4`` on a machine
+processes; JAX: ``tp`` CPU host devices) and the native CPU path, so ``--tp 4`` on a machine
 with one GPU runs on CPU, and says so. ``--tp`` unset: one per GPU if there is a GPU, else 4 on
 CPU. ``--device cuda`` insists on ``tp`` GPUs (an error with fewer); ``--device cpu`` always runs
 on CPU. The table's ``device`` and ``kernels`` rows say what ran and why.
 
-Defaults fit a 2-core CPU (the Triton interpreter): B=1, N=256, d=64, 4 heads, d_ff=256,
+Defaults fit a 2-core CPU: B=1, N=256, d=64, 4 heads, d_ff=256,
 32-token blocks, float32. On GPUs: B=1, N=1024, d=512, 8 heads, d_ff=2048, 64-token blocks (the
 float64 oracle of the whole block, dense O(N^2) numpy, stays a few seconds per step at that size;
 at N=2048 it is ~4x that).
@@ -180,12 +180,15 @@ def choose_device(requested: str, tp: int | None, n_gpus: int, framework: str) -
 
 
 def kernels_path(device: str) -> str:
-    """How the Triton kernels run on ``device`` ("cuda" or "cpu"): :mod:`sparsetp._runtime`'s
+    """How the attention runs on ``device`` ("cuda" or "cpu"): :mod:`sparsetp._runtime`'s
     rule, ``SPARSETP_INTERPRET`` included."""
-    if _runtime.device_kind(device) == "cuda":
+    kind = _runtime.device_kind(device)
+    if kind == "cuda":
         return "compiled Triton kernels on CUDA"
-    where = "CPU" if device == "cpu" else "CUDA tensors (SPARSETP_INTERPRET=1)"
-    return f"Triton's interpreter on {where} (correctness, not speed)"
+    if kind == "cpu":
+        return "the native CPU path (no Triton)"
+    where = "CPU" if device == "cpu" else "CUDA tensors"
+    return f"Triton's interpreter on {where} (SPARSETP_INTERPRET=1: correctness, not speed)"
 
 
 def validate(cfg: HybridConfig, tp: int) -> None:

@@ -97,7 +97,9 @@ class DemoTest(absltest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "--device cuda but torch sees 0 GPUs"):
             rule("cuda", None, 0, "torch")
         self.assertEqual(demo.kernels_path("cuda"), "compiled Triton kernels on CUDA")
-        self.assertIn("Triton's interpreter on CPU", demo.kernels_path("cpu"))
+        self.assertEqual(demo.kernels_path("cpu"), "the native CPU path (no Triton)")
+        with mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}):
+            self.assertIn("Triton's interpreter on CPU", demo.kernels_path("cpu"))
 
     def test_one_gpu_machine_runs_tp4_on_cpu(self):
         """With one (mocked) GPU, `--tp 4` spawns 4 CPU ranks and says so before spawning; with
