@@ -161,16 +161,20 @@ class SideBySideTest(absltest.TestCase):
 
     def test_triton_interpret_process_runs_attention(self):
         """TRITON_INTERPRET=1 before import: every kernel is created interpreted, and
-        sparse_attention on CPU tensors is right (fwd and bwd vs the oracle)."""
+        sparse_attention on CPU tensors run through those kernels (SPARSETP_INTERPRET=1: CPU
+        data otherwise takes the native path) is right (fwd and bwd vs the oracle)."""
         proc = _python(
             "from sparsetp.kernels import abi, interpreter\n"
             "import interpreter_test as t\n"
             "assert all(interpreter.is_interpreted(abi.kernel(n)) for n in abi.KERNEL_NAMES)\n"
             "layout, q, k, v, d_out = t._attention_case()\n"
-            "t.check_attention(layout, q, k, v, d_out, *t._torch_attention(layout, q, k, v,\n"
-            "                                                            d_out))\n"
+            "from unittest import mock\n"
+            "with mock.patch.object(interpreter, 'launch', wraps=interpreter.launch) as spy:\n"
+            "    res = t._torch_attention(layout, q, k, v, d_out)\n"
+            "assert spy.call_count == 4, spy.call_count  # fwd, preprocess, dq, dk/dv\n"
+            "t.check_attention(layout, q, k, v, d_out, *res)\n"
             "print('ok')\n",
-            TRITON_INTERPRET="1")
+            TRITON_INTERPRET="1", SPARSETP_INTERPRET="1")
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         self.assertEqual(proc.stdout.strip(), "ok")
 

@@ -316,6 +316,8 @@ class KernelLayoutTest(absltest.TestCase):
         with options.launch_options(kernel_tile=128):
             self.assertEqual(schedule.kernel_layout(window, "interpreter").block_size, 128)
             self.assertEqual(schedule.kernel_layout(window, "cuda").block_size, 128)
+            # The native CPU path runs no kernel tile: the layout itself, whatever the option.
+            self.assertIs(schedule.kernel_layout(window, "cpu"), window)
         # Random 32-token blocks: a 128 tile would compute ~16x the listed elements.
         rand = make_layout(P.random_blocks(2, 32, seed=0), 4096, 2, 32)
         self.assertIs(schedule.kernel_layout(rand, "cuda"), rand)

@@ -244,7 +244,7 @@ def jax_attention(q, k, v, d_out, layout, dtype, dev):
 def torch_layout_arrays(layout, head_dim, dtype, dev):
     """The metadata the torch frontend launches for q [*, *, *, head_dim] of ``dtype``."""
     q = torch.empty((1, 1, 1, head_dim), dtype=_TORCH_DT[dtype], device=_torch_device(dev))
-    kind = _kernel_kind(torch_launch.device_kind(q))
+    kind = torch_launch.device_kind(q)
     return {n: t if isinstance(t, int) else t.cpu().numpy()  # ints: the head order
             for n, t in torch_launch.metadata(layout, q, kind).items()}
 
@@ -257,13 +257,8 @@ def jax_layout_arrays(layout, head_dim, dtype, dev):
 
 def kernel_layout(layout, head_dim, dtype, dev):
     """The layout both frontends must launch on ``dev`` (schedule.kernel_layout's policy)."""
-    kind = _kernel_kind(_runtime.device_kind("cuda" if dev == "gpu" else "cpu"))
+    kind = _runtime.device_kind("cuda" if dev == "gpu" else "cpu")
     return schedule.kernel_layout(layout, kind, head_dim=head_dim, dtype=dtype)
-
-
-def _kernel_kind(kind):
-    # The native CPU path runs the layout's own tiles, as the interpreter does.
-    return "interpreter" if kind == "cpu" else kind
 
 
 def _torch_block_rank(rank, world, config, params, x, dy, device):

@@ -222,8 +222,7 @@ class _PerDevice:
             layout's head groups (schedule.head_groups) beside them."""
             layout = make_layout(P.causal(), 64, 1, 32)
             q = torch.empty((1, 1, 64, 16), device=self.device)
-            # Metadata feed kernel launches; CPU tensors launch them in the interpreter.
-            kind = {"cpu": "interpreter"}.get(tlaunch.device_kind(q), tlaunch.device_kind(q))
+            kind = tlaunch.device_kind(q)
             a = tlaunch.metadata(layout, q, kind)
             b = tlaunch.metadata(layout, q, kind)
             self.assertIs(a["q_index"], b["q_index"])

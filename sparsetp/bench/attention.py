@@ -589,11 +589,9 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
     from sparsetp.kernels import schedule  # noqa: PLC0415
 
     # The tile the kernels run at (the layout's block, or the same pattern re-laid at another
-    # block by schedule.kernel_layout's cost model on CUDA); the native CPU path runs the
-    # layout's own tiles.
-    kind = _kernels_kind(cfg)
-    rec["kernel_block"] = layout.block_size if kind == "cpu" else schedule.kernel_layout(
-        layout, kind, head_dim=case["D"], dtype=case["dtype"]).block_size
+    # block by schedule.kernel_layout's cost model on CUDA).
+    rec["kernel_block"] = schedule.kernel_layout(
+        layout, _kernels_kind(cfg), head_dim=case["D"], dtype=case["dtype"]).block_size
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
     f, fb, g = _torch_pair(lambda q, k, v: sparse_attention(q, k, v, layout), sets)
     return Prepared(f, fb, g)

@@ -186,7 +186,8 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
     ``head_dim`` 64 or 128 and bfloat16/float16 (where tile 64 was measured), 64; for
     ``head_dim`` above 128, the layout's block if at most 64, else 64 (larger tiles do not fit,
     see :func:`sparsetp.kernels.tiles.tile_config`); in the
-    interpreter the layout itself, so CPU tests run the kernels at every block. A layout
+    interpreter the layout itself, so CPU tests run the kernels at every block; for
+    ``device_kind="cpu"`` (the native CPU path, no kernels) always the layout itself. A layout
     without a pattern (built by hand) is launched as it is. Both frontends call this with the
     same arguments, so torch and JAX launch the same tiles. The other layouts are built once
     per layout (cached while it lives). A pattern whose chosen block has not run in this
@@ -197,8 +198,11 @@ def kernel_layout(layout, device_kind: str, *, head_dim: int | None = None,
     >>> kernel_layout(lay, "cuda").block_size, kernel_layout(lay, "interpreter").block_size
     (64, 32)
     """
+    if device_kind == "cpu":  # the native CPU path (sparsetp._runtime) runs layouts as they are
+        return layout
     if device_kind not in DEVICE_KINDS:
-        raise ValueError(f"device_kind must be one of {DEVICE_KINDS}, got {device_kind!r}")
+        raise ValueError(f"device_kind must be one of {DEVICE_KINDS} or 'cpu', got "
+                         f"{device_kind!r}")
     mode = _options.current().kernel_tile
     if (mode == "layout" or (mode == "auto" and device_kind != "cuda")
             or getattr(layout, "pattern", None) is None):

@@ -81,6 +81,20 @@ def _plan(b, h, nt, bs, d, w):
     return [(t0, min(t0 + ct, nt)) for t0 in range(0, nt, ct)]
 
 
+def _operands(q, k, v, meta, widest: int):
+    """What forward and backward share: the tables, the compute dtype, the block size and the
+    row width, the query and key tile counts, q/k/v as zero-padded tiles in that dtype, and
+    each query head's kv head ``[H, 1, 1]`` (GQA)."""
+    h, h_kv, n_k = q.shape[1], k.shape[1], k.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    tables = _tables(meta, n_k, widest)
+    bs, w = tables[1].shape[-1], tables[0].shape[-1]
+    nt, kt_n = -(-q.shape[2] // bs), -(-n_k // bs)
+    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
+    kv_head = (jnp.arange(h) // (h // h_kv))[:, None, None]
+    return tables, cdt, bs, w, nt, kt_n, qt, kt, vt, kv_head
+
+
 def _chunk(tables, kt, vt, kv_head, q_c, t0, t1, scale):
     """Gathered K/V tiles [B, H, ct, W*bs, D] and the masked, scaled scores [B, H, ct, bs, W*bs]."""
     index, blocked, ids = tables
@@ -105,13 +119,7 @@ def forward(q, k, v, meta, scale: float, *, widest: int = 0):
     metadata ``meta`` (the arrays of ``LayoutArrays.metadata()``); ``widest``: a static bound on
     the listed tiles per row (0: the ELL width)."""
     b, h, n, d = q.shape
-    h_kv, n_k = k.shape[1], k.shape[2]
-    cdt = _compute_dtype(q.dtype)
-    tables = _tables(meta, n_k, widest)
-    bs, w = tables[1].shape[-1], tables[0].shape[-1]
-    nt, kt_n = -(-n // bs), -(-n_k // bs)
-    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
-    kv_head = (jnp.arange(h) // (h // h_kv))[:, None, None]
+    tables, cdt, bs, w, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, meta, widest)
     outs, lses = [], []
     for t0, t1 in _plan(b, h, nt, bs, d, w):
         _, _, v_g, s = _chunk(tables, kt, vt, kv_head, qt[:, :, t0:t1], t0, t1, scale)
@@ -134,11 +142,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int
     None) of :func:`forward`'s results."""
     b, h, n, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    cdt = _compute_dtype(q.dtype)
-    tables = _tables(meta, n_k, widest)
-    bs, w = tables[1].shape[-1], tables[0].shape[-1]
-    nt, kt_n = -(-n // bs), -(-n_k // bs)
-    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
+    tables, cdt, bs, w, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, meta, widest)
     dot = _tiles(d_out, nt, bs, cdt)
     lse = lse.astype(cdt)
     finite = jnp.isfinite(lse)
@@ -150,7 +154,6 @@ def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int
     # LSE +inf on rows with no key makes every exp(s - lse) 0 (-inf would give NaN).
     lse_t = _tiles(jnp.where(finite, lse, jnp.inf)[..., None], nt, bs, cdt)
     delta_t = _tiles(delta[..., None], nt, bs, cdt)
-    kv_head = (jnp.arange(h) // (h // h_kv))[:, None, None]
     hi = jax.lax.Precision.HIGHEST
     dk_t = jnp.zeros((b, h_kv * kt_n, bs, d), cdt)
     dv_t = jnp.zeros((b, h_kv * kt_n, bs, d), cdt)

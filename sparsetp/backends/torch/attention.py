@@ -343,18 +343,23 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     >>> sparse_attention(q, k, v, lay).shape
     torch.Size([1, 8, 16, 32])
     """
-    q, k, v = _autocast(q, k, v)
     if torch.compiler.is_compiling():
-        if scale is None:
-            scale = q.shape[-1] ** -0.5
-        out, lse = _attention_op(q, k, v, layout.handle, scale)
+        out, lse = _traced_attention(q, k, v, layout.handle, scale)
     else:
+        q, k, v = _autocast(q, k, v)
         scale = _check_inputs(q, k, v, layout, scale)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _SparseAttentionFn.apply(q, k, v, layout, scale)
         else:  # nothing to differentiate: the autograd Function's own host cost is saved
             out, lse = _forward(q, k, v, layout, scale)
     return (out, lse) if return_lse else out
+
+
+def _traced_attention(q, k, v, handle: str, scale: float | None):
+    """``(out, lse)`` under torch.compile: the registered operator on the layout named by
+    ``handle`` (its fake implementation runs :func:`_check_inputs` while tracing)."""
+    q, k, v = _autocast(q, k, v)
+    return _attention_op(q, k, v, handle, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -372,10 +377,8 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n, kv_len = operator.index(q.shape[2]), operator.index(k.shape[2])
     num_heads = operator.index(q.shape[1]) if num_heads is None else num_heads
     if torch.compiler.is_compiling():
-        q, k, v = _autocast(q, k, v)
         handle = _traced_layout_handle(pattern, n, num_heads, block_size, heads, kv_len)
-        out, _ = _attention_op(q, k, v, handle, q.shape[-1] ** -0.5 if scale is None else scale)
-        return out
+        return _traced_attention(q, k, v, handle, scale)[0]
     layout = cached_layout(_as_pattern(pattern), n, num_heads, block_size, heads, kv_len=kv_len)
     return sparse_attention(q, k, v, layout, scale=scale)
 

@@ -152,17 +152,16 @@ def all_reduce_(x: torch.Tensor, group=None) -> torch.Tensor:
 
 def all_reduce_async(x: torch.Tensor, group=None):
     """Start an in-place sum all-reduce of ``x`` (no autograd); returns the work handle to
-    ``wait()`` on, or None on a group of size 1. ``x`` must be contiguous and owned by the
-    caller: it is overwritten with the sum once the handle completes."""
+    ``wait()`` on, or None on a group of size 1 (or under torch.compile, where it blocks).
+    ``x`` must be contiguous and owned by the caller: it is overwritten with the sum once the
+    handle completes."""
     if group_size(group) == 1:
         return None
     if not x.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
-    if not _can_overlap():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
-        return None
+    # Blocking where overlap is off (_can_overlap): the reduction is then done, the handle None.
     return _named("all_reduce (async)", dist.all_reduce, x, op=dist.ReduceOp.SUM,
-                  group=group, async_op=True)
+                  group=group, async_op=_can_overlap())
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
@@ -302,6 +301,14 @@ if not TRACES_FUNCTIONS:
     apply_function = torch.compiler.disable(apply_function)
 
 
+def _region(fn, x: torch.Tensor, group, *args) -> torch.Tensor:
+    """``fn.apply(x, *args, group)`` for a region Function; on one rank every region is the
+    identity, so no Function is used (plain autograd, and plain tracing under compile)."""
+    if group_size(group) == 1:
+        return x
+    return apply_function(fn, x, *args, group)
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -393,30 +400,22 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
 
 def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward."""
-    if group_size(group) == 1:
-        return x  # no Function on one rank: plain autograd, and plain tracing under compile
-    return apply_function(_CopyToRegion, x, group)
+    return _region(_CopyToRegion, x, group)
 
 
 def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward."""
-    if group_size(group) == 1:
-        return x  # no Function on one rank: plain autograd, and plain tracing under compile
-    return apply_function(_ReduceFromRegion, x, group)
+    return _region(_ReduceFromRegion, x, group)
 
 
 def gather_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
-    if group_size(group) == 1:
-        return x  # no Function on one rank: plain autograd, and plain tracing under compile
-    return apply_function(_GatherFromRegion, x, group)
+    return _region(_GatherFromRegion, x, group)
 
 
 def scatter_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
-    if group_size(group) == 1:
-        return x  # no Function on one rank: plain autograd, and plain tracing under compile
-    return apply_function(_ScatterToRegion, x, group)
+    return _region(_ScatterToRegion, x, group)
 
 
 def all_gather_to_region(x: torch.Tensor, group=None, *, dim: int = SEQ_DIM) -> torch.Tensor:
@@ -428,7 +427,7 @@ def all_gather_to_region(x: torch.Tensor, group=None, *, dim: int = SEQ_DIM) -> 
     >>> all_gather_to_region(torch.randn(2, 5, 8)).shape   # single process
     torch.Size([2, 5, 8])
     """
-    return apply_function(_AllGatherToRegion, x, dim, group)
+    return _region(_AllGatherToRegion, x, group, dim)
 
 
 def reduce_scatter_from_region(x: torch.Tensor, group=None, *,
@@ -437,7 +436,7 @@ def reduce_scatter_from_region(x: torch.Tensor, group=None, *,
     along ``dim``); backward all-gathers the gradient. The sequence-parallel
     :func:`reduce_from_region`: it closes a row-parallel region. ValueError unless the group
     size divides the sequence length."""
-    return apply_function(_ReduceScatterFromRegion, x, dim, group)
+    return _region(_ReduceScatterFromRegion, x, group, dim)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group=None, *,
@@ -448,7 +447,7 @@ def scatter_to_sequence_region(x: torch.Tensor, group=None, *,
     Under torch.distributed with 2 ranks: ``x [B, 128, d]`` -> ``[B, 64, d]`` holding tokens
     ``[64 r, 64 (r + 1))``.
     """
-    return apply_function(_ScatterToSequenceRegion, x, dim, group)
+    return _region(_ScatterToSequenceRegion, x, group, dim)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group=None, *,
@@ -456,4 +455,4 @@ def gather_from_sequence_region(x: torch.Tensor, group=None, *,
     """Sequence shards in, the full sequence (replicated) out; backward keeps this rank's
     tokens of the gradient, which is right when that gradient is the same on every rank (a loss
     computed identically everywhere), as for :func:`gather_from_region`."""
-    return apply_function(_GatherFromSequenceRegion, x, dim, group)
+    return _region(_GatherFromSequenceRegion, x, group, dim)

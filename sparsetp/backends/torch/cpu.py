@@ -145,6 +145,18 @@ def _tiles(t: torch.Tensor, n_tiles: int, bs: int, dtype: torch.dtype) -> torch.
     return t.reshape(b, h, n_tiles, bs, d)
 
 
+def _operands(q, k, v, layout: BlockLayout):
+    """What forward and backward share: the layout's tables, the compute dtype, the query and
+    key tile counts, q/k/v as zero-padded tiles in that dtype, and each query head's kv head
+    ``[H, 1, 1]`` (GQA)."""
+    h, h_kv, bs = q.shape[1], k.shape[1], layout.block_size
+    cdt = _compute_dtype(q.dtype)
+    nt, kt_n = -(-q.shape[2] // bs), -(-k.shape[2] // bs)
+    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
+    kv_head = (torch.arange(h) // (h // h_kv))[:, None, None]
+    return _tables(layout), cdt, nt, kt_n, qt, kt, vt, kv_head
+
+
 def _gather_tiles(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``[B, H_kv, T, bs, D]`` -> ``[B, len(rows), bs, D]``: tiles ``rows`` of the flattened
     (kv head, tile) axis."""
@@ -179,13 +191,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayo
     docstring. ``new_output(shape, dtype, device)`` allocates the two results (every element is
     written)."""
     b, h, n, d = q.shape
-    h_kv = k.shape[1]
     bs = layout.block_size
-    cdt = _compute_dtype(q.dtype)
-    tables = _tables(layout)
-    nt, kt_n = -(-n // bs), -(-k.shape[2] // bs)
-    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
-    kv_head = (torch.arange(h) // (h // h_kv))[:, None, None]
+    tables, cdt, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, layout)
     out = new_output((b, h, n, d), q.dtype, q.device)
     lse = new_output((b, h, n), cdt, q.device)
     for t0, t1, w in tables.plan(b, d):
@@ -215,10 +222,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, layout: BlockLayout, scale: float,
     b, h, n, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     bs = layout.block_size
-    cdt = _compute_dtype(q.dtype)
-    tables = _tables(layout)
-    nt, kt_n = -(-n // bs), -(-n_k // bs)
-    qt, kt, vt = _tiles(q, nt, bs, cdt), _tiles(k, kt_n, bs, cdt), _tiles(v, kt_n, bs, cdt)
+    tables, cdt, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, layout)
     dot = _tiles(d_out, nt, bs, cdt)
     lse = lse.to(cdt)
     # Delta_i = sum_d dO_id O_id (the kernels' preprocess); an LSE cotangent enters
@@ -230,7 +234,6 @@ def backward(q, k, v, out, lse, d_out, d_lse, layout: BlockLayout, scale: float,
     # -inf or finite), where -inf would give exp(-inf + inf) = NaN.
     lse_t = _tiles(torch.where(torch.isfinite(lse), lse, float("inf"))[..., None], nt, bs, cdt)
     delta_t = _tiles(delta[..., None], nt, bs, cdt)
-    kv_head = (torch.arange(h) // (h // h_kv))[:, None, None]
     dq = new_output(q.shape, q.dtype, q.device)
     dk_t = torch.zeros(b, h_kv * kt_n, bs, d, dtype=cdt)
     dv_t = torch.zeros(b, h_kv * kt_n, bs, d, dtype=cdt)
