@@ -118,6 +118,12 @@ class NativeMatchesInterpreterTest(parameterized.TestCase):
 
 
 class JaxNativeTransformsTest(absltest.TestCase):
+    """On the CPU device whatever the default backend (a GPU machine's arrays would otherwise
+    take the kernel path, which jax_attention_test covers)."""
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(jax.default_device(jax.devices("cpu")[0]))
 
     def test_vmap_over_a_leading_axis(self):
         layout, q, k, v, _ = _case("bigbird", 100, 100, 32, 2, 2)

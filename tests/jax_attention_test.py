@@ -39,6 +39,7 @@ from sparsetp.backends.jax import attention as jattn  # noqa: E402
 from sparsetp.backends.jax import launch as jlaunch  # noqa: E402
 from sparsetp.backends.jax.block import make_mesh  # noqa: E402
 from sparsetp.core import make_layout, reference  # noqa: E402
+from sparsetp.core import patterns as patterns_  # noqa: E402
 from sparsetp.core import patterns as PT  # noqa: E402
 from sparsetp.core.examples import example_pattern  # noqa: E402
 from sparsetp.kernels import options  # noqa: E402
@@ -143,6 +144,40 @@ class _JaxHooks:
         with mock.patch.object(jlaunch, "_poisoned", spy):
             yield
         self.assertGreaterEqual(len(calls), 6)  # out, lse, delta, dq, dk, dv at least
+
+    def test_vmap_maps_queries_and_layouts(self):
+        """vmap over a leading axis: jax-triton has no batching rule, so the kernel paths fold the
+        mapped axis into B (layout shared) or loop (one layout per element); the gradient too."""
+        n, h, d = 128, 2, 32
+        layouts = [make_layout(patterns_.causal() & patterns_.local(w, 0), n, h, 64) for w in (90, 100)]
+        q, k, v, _ = tu.random_inputs(3, (1, h, n, d), "float32")
+        qs = np.stack([q, 0.5 * q, -q])
+        lay = jattn.layout_arrays(layouts[0])
+        out = jax.vmap(lambda q: jattn.sparse_attention(q, self._to(k, "float32"),
+                                                        self._to(v, "float32"), lay))(
+            self._to(qs, "float32"))
+        self._on_device(out)
+
+        def loss(q, k, lay):
+            return jnp.sum(jattn.sparse_attention(q, k, self._to(v, "float32"), lay) ** 2)
+
+        dq, dk = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None, None))(
+            self._to(qs, "float32"), self._to(k, "float32"), lay)
+        for i in range(3):
+            tu.assert_close(_np(out[i]), reference.attention(qs[i], k, v, layouts[0])[0],
+                            "float32", what=f"vmap out {i}")
+            ref_dq, ref_dk, _ = reference.attention_grad(
+                qs[i], k, v, layouts[0], 2 * reference.attention(qs[i], k, v, layouts[0])[0])
+            tu.assert_close(_np(dq[i]), ref_dq, "float32", grad=True, what=f"vmap dq {i}")
+            tu.assert_close(_np(dk[i]), ref_dk, "float32", grad=True, what=f"vmap dk {i}")
+        both = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]),
+                                      *[jattn.layout_arrays(x) for x in layouts])
+        out2 = jax.vmap(lambda q, lay: jattn.sparse_attention(
+            q, self._to(k, "float32"), self._to(v, "float32"), lay))(
+            self._to(qs[:2], "float32"), both)
+        for i in range(2):
+            tu.assert_close(_np(out2[i]), reference.attention(qs[i], k, v, layouts[i])[0],
+                            "float32", what=f"vmap over layouts, out {i}")
 
     def float64_context(self):
         return jax.enable_x64(True)

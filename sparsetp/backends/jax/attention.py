@@ -195,14 +195,47 @@ def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
     return lay, scale
 
 
+def _batch_folded(fn, *arrays):
+    """``fn(*arrays)`` for kernel launches whose arrays all lead with the batch axis ``B``, made
+    ``vmap``-able: jax-triton's call has no batching rule (and the interpreter callback none we
+    want), so a ``vmap`` folds its mapped axis into ``B`` (one launch, unmapped operands
+    broadcast), or, when the layout metadata (last argument) is mapped too, loops with
+    ``lax.map``. Outputs lead with ``B`` as well."""
+    fn_vmappable = jax.custom_batching.custom_vmap(fn)
+
+    @fn_vmappable.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        def mapped(a, batched):
+            return a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+
+        *data, meta = args
+        *data_batched, meta_batched = in_batched
+        if any(jax.tree_util.tree_leaves(meta_batched)):  # a layout per element: loop
+            data = [mapped(a, b) for a, b in zip(data, data_batched, strict=True)]
+            meta = jax.tree_util.tree_map(mapped, meta, meta_batched)
+            outs = jax.lax.map(lambda xs: fn(*xs[0], xs[1]), (data, meta))
+            return outs, tuple(True for _ in outs)
+        folded = [mapped(a, b).reshape(axis_size * a.shape[int(b)], *a.shape[1 + int(b):])
+                  for a, b in zip(data, data_batched, strict=True)]
+        outs = tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in fn(*folded, meta))
+        return outs, tuple(True for _ in outs)
+
+    return fn_vmappable(*arrays)
+
+
 def _fwd(q, k, v, meta, scale, widest):
     dtype = jnp.dtype(q.dtype).name
 
     def run(kind):
-        if kind == "cpu":
+        if kind == "cpu":  # plain XLA: vmap has its own rules
             return _cpu.forward(q, k, v, meta, scale, widest=widest)
-        return _launch.run_call(_abi.fwd_call(q, k, v, meta, scale=scale, dtype=dtype,
-                                              device_kind=kind), kind)
+
+        def kernel(q, k, v, meta_arrays):
+            return tuple(_launch.run_call(_abi.fwd_call(
+                q, k, v, {**meta, **meta_arrays}, scale=scale, dtype=dtype, device_kind=kind),
+                kind))
+
+        return _batch_folded(kernel, q, k, v, _arrays_only(meta))
 
     return _launch.per_platform(run, q, k, v)
 
@@ -240,6 +273,11 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
                           head_groups=(lay.q_head_group, lay.k_head_group),
                           widest=lay.widest_row)
     return (out, lse) if return_lse else out
+
+
+def _arrays_only(meta):
+    """The array entries of launch metadata (the static head order stays out of traced args)."""
+    return {n: a for n, a in meta.items() if n in _META}
 
 
 def _with_order(meta, head_groups):
@@ -283,7 +321,12 @@ def _attention_bwd_rule(scale, head_groups, widest, residuals, cotangents):
     def run(kind):
         if kind == "cpu":  # the native backward on CPU (recomputes P from the LSE)
             return _cpu.backward(q, k, v, out, lse, d_out, d_lse, meta, scale, widest=widest)
-        return _kernel_backward(q, k, v, out, lse, d_out, d_lse, meta, scale, kind)
+
+        def kernels(q, k, v, out, lse, d_out, d_lse, meta_arrays):
+            return _kernel_backward(q, k, v, out, lse, d_out, d_lse,
+                                    {**meta, **meta_arrays}, scale, kind)
+
+        return _batch_folded(kernels, q, k, v, out, lse, d_out, d_lse, _arrays_only(meta))
 
     dq, dk, dv = _launch.per_platform(run, q, d_out)
     # Integer metadata has no cotangent (JAX's float0 zeros).
