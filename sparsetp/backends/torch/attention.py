@@ -34,6 +34,7 @@ import weakref
 import numpy as np
 import torch
 
+from sparsetp import _runtime
 from sparsetp.backends.torch import cpu as _cpu
 from sparsetp.backends.torch import launch as _launch
 from sparsetp.core.layout import (
@@ -82,88 +83,147 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return getattr(torch, abi.stats_dtype(dtype))
 
 
+# ----------------------------------------------------------------------------- per-call plans
+# Host time decides small-N calls (the GPU finishes first), so everything a call needs that
+# depends only on the layout, q/k/v's shapes, strides, dtypes and devices, the scale and the
+# launch options is checked and built once per such key: a repeated call looks its plan up and
+# launches. Plans hang off the layout (weak keys), so a dropped layout frees them.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLANS_PER_LAYOUT = 64
+
+
+class _Plan:
+    """A checked call: the resolved ``scale``, the path ``kind``, and on the kernel paths the
+    layout's device metadata and the launch descriptions (forward; backward per ``d_out``
+    strides). Holds no reference to the layout (the cache's weak key) or to any tensor but the
+    metadata."""
+
+    __slots__ = ("scale", "kind", "meta", "fwd", "bwd")
+
+    def __init__(self, q, layout, scale: float):
+        self.scale, self.kind = scale, _launch.device_kind(q)
+        self.meta = None if self.kind == "cpu" else _launch.metadata(layout, q, self.kind)
+        self.fwd = None
+        self.bwd: dict = {}
+
+    def forward(self, q, k, v, layout):
+        kind, scale = self.kind, self.scale
+        if kind == "cpu":
+            # The native path picks its own precision (fp32 accumulation); an enclosing
+            # autocast would recast its matmuls (and differently in eager and compiled graphs).
+            with torch.autocast("cpu", enabled=False):
+                return _cpu.forward(q, k, v, layout, scale, new_output=_launch.new_output)
+        b, h, n, _ = q.shape
+        out = _launch.new_output(q.shape, q.dtype, q.device)
+        lse = _launch.new_output((b, h, n), _stats_dtype(q.dtype), q.device)
+        if self.fwd is None:
+            self.fwd = _launch.describe(
+                abi.fwd_call, (q, k, v), self.meta,
+                {"q": q.stride(), "k": k.stride(), "v": v.stride(), "out": out.stride(),
+                 "lse": lse.stride()},
+                scale=scale, dtype=abi.check_dtype(q.dtype), device_kind=kind)
+        _launch.run(self.fwd, (q, k, v), (out, lse), kind)
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, d_out, d_lse, layout):
+        kind, scale = self.kind, self.scale
+        if kind == "cpu":
+            with torch.autocast("cpu", enabled=False):  # as in forward
+                return _cpu.backward(q, k, v, out, lse, d_out, d_lse, layout, scale,
+                                     new_output=_launch.new_output)
+        b, h, n, _ = q.shape
+        delta = _launch.new_output((b, h, n), lse.dtype, q.device)
+        dq = _launch.new_output(q.shape, q.dtype, q.device)
+        dk = _launch.new_output(k.shape, k.dtype, k.device)
+        dv = _launch.new_output(v.shape, v.dtype, v.device)
+        key = (d_out.stride(), out.stride(), lse.stride())
+        descs = self.bwd.get(key)
+        if descs is None:
+            descs = self.bwd[key] = self._backward_descriptions(
+                q, k, v, out, lse, d_out, delta, dq, dk, dv)
+        pre, dq_desc, dkdv_desc = descs
+        _launch.run(pre, (out, d_out), (delta,), kind)
+        if d_lse is not None:
+            # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as
+            # Delta - d_lse. Rows with no key have P = 0, so their (possibly inf) entries are
+            # moot; mask them so no inf - inf NaN ever reaches the kernels.
+            delta = delta - torch.where(torch.isfinite(lse), d_lse.to(delta.dtype), 0.0)
+        ins = (q, k, v, d_out, lse, delta)
+        _launch.run(dq_desc, ins, (dq,), kind)
+        _launch.run(dkdv_desc, ins, (dk, dv), kind)
+        return dq, dk, dv
+
+    def _backward_descriptions(self, q, k, v, out, lse, d_out, delta, dq, dk, dv):
+        """The preprocess, dQ and dK/dV descriptions, their kernels compiled together (in
+        threads) on their first use."""
+        kind, meta = self.kind, self.meta
+        dtype = abi.check_dtype(q.dtype)
+        kw = dict(scale=self.scale, dtype=dtype, device_kind=kind)
+        strides = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
+                   "lse": lse.stride()}
+        ins = (q, k, v, d_out, lse, delta)
+        pre = _launch.describe(abi.bwd_preprocess_call, (out, d_out), None,
+                               {"out": out.stride(), "d_out": d_out.stride(),
+                                "delta": delta.stride()},
+                               block_size=int(meta["masks"].shape[1]), dtype=dtype,
+                               device_kind=kind)
+        dq_desc = _launch.describe(abi.bwd_dq_call, ins, meta, {**strides, "dq": dq.stride()},
+                                   **kw)
+        dkdv_desc = _launch.describe(abi.bwd_dkdv_call, ins, meta,
+                                     {**strides, "dk": dk.stride(), "dv": dv.stride()}, **kw)
+        if not (pre.compiled and dq_desc.compiled and dkdv_desc.compiled):
+            _launch.compile_together(((pre.with_tensors((out, d_out)), (delta,)),
+                                      (dq_desc.with_tensors(ins), (dq,)),
+                                      (dkdv_desc.with_tensors(ins), (dk, dv))), kind)
+        return pre, dq_desc, dkdv_desc
+
+
+def _plan(q, k, v, layout, scale) -> _Plan:
+    """The plan of this call, checked (:func:`_check_inputs`) and built on its key's first use.
+    The key holds everything the checks read, so a hit needs no check: bad inputs miss and
+    raise there."""
+    try:
+        key = (scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
+               k.device, v.shape, v.stride(), v.dtype, v.device, _options.current().key(),
+               _runtime.force_interpreter())
+        plans = _PLANS.get(layout)
+    except (AttributeError, TypeError):  # not tensors / not a layout: the checks name them
+        key = plans = None
+    plan = None if plans is None else plans.get(key)
+    if plan is None:
+        plan = _Plan(q, layout, _check_inputs(q, k, v, layout, scale))
+        if key is not None:
+            plans = _PLANS.setdefault(layout, {})
+            if len(plans) >= _PLANS_PER_LAYOUT:
+                plans.clear()
+            plans[key] = plan
+    return plan
+
+
 def _forward(q, k, v, layout, scale):
-    kind = _launch.device_kind(q)
-    if kind == "cpu":
-        # The native path picks its own precision (fp32 accumulation); an enclosing autocast
-        # would recast its matmuls (and differently in eager and compiled graphs).
-        with torch.autocast("cpu", enabled=False):
-            return _cpu.forward(q, k, v, layout, scale, new_output=_launch.new_output)
-    dtype = abi.check_dtype(q.dtype)
-    b, h, n, d = q.shape
-    out = _launch.new_output(q.shape, q.dtype, q.device)
-    lse = _launch.new_output((b, h, n), _stats_dtype(q.dtype), q.device)
-    meta = _launch.metadata(layout, q, kind)
-    desc = _launch.describe(abi.fwd_call, (q, k, v), meta,
-                            {"q": q.stride(), "k": k.stride(), "v": v.stride(),
-                             "out": out.stride(), "lse": lse.stride()},
-                            scale=scale, dtype=dtype, device_kind=kind)
-    _launch.run(desc, (q, k, v), (out, lse), kind)
-    return out, lse
+    """``(out, lse)``: checks, then the forward on q's path (the plan's)."""
+    return _plan(q, k, v, layout, scale).forward(q, k, v, layout)
 
 
 def _backward(q, k, v, out, lse, d_out, d_lse, layout, scale):
-    kind = _launch.device_kind(q)
-    if kind == "cpu":
-        with torch.autocast("cpu", enabled=False):  # as in _forward
-            return _cpu.backward(q, k, v, out, lse, d_out, d_lse, layout, scale,
-                                 new_output=_launch.new_output)
-    dtype = abi.check_dtype(q.dtype)
-    b, h, n, d = q.shape
-    meta = _launch.metadata(layout, q, kind)
-    delta = _launch.new_output((b, h, n), lse.dtype, q.device)
-    pre = _launch.describe(abi.bwd_preprocess_call, (out, d_out), None,
-                           {"out": out.stride(), "d_out": d_out.stride(),
-                            "delta": delta.stride()},
-                           block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind)
-    strides = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
-               "lse": lse.stride()}
-    dq = _launch.new_output(q.shape, q.dtype, q.device)
-    dk = _launch.new_output(k.shape, k.dtype, k.device)
-    dv = _launch.new_output(v.shape, v.dtype, v.device)
-    kw = dict(scale=scale, dtype=dtype, device_kind=kind)
-
-    def grad_descriptions(ins):
-        return ((_launch.describe(abi.bwd_dq_call, ins, meta, {**strides, "dq": dq.stride()},
-                                  **kw), (dq,)),
-                (_launch.describe(abi.bwd_dkdv_call, ins, meta,
-                                  {**strides, "dk": dk.stride(), "dv": dv.stride()}, **kw),
-                 (dk, dv)))
-
-    ins = (q, k, v, d_out, lse, delta)
-    grads = grad_descriptions(ins)
-    if not (pre.compiled and all(desc.compiled for desc, _ in grads)):
-        _launch.compile_together(((pre.with_tensors((out, d_out)), (delta,)),
-                                  *((desc.with_tensors(ins), outs) for desc, outs in grads)),
-                                 kind)
-    _launch.run(pre, (out, d_out), (delta,), kind)
-    if d_lse is not None:
-        # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as
-        # Delta - d_lse. Rows with no key have P = 0, so their (possibly inf) entries are moot;
-        # mask them so no inf - inf NaN ever reaches the kernels.
-        delta = delta - torch.where(torch.isfinite(lse), d_lse.to(delta.dtype), 0.0)
-        ins = (q, k, v, d_out, lse, delta)
-        grads = grad_descriptions(ins)
-    for desc, outs in grads:
-        _launch.run(desc, ins, outs, kind)
-    return dq, dk, dv
+    """``(dq, dk, dv)`` of the forward with these inputs (see :meth:`_Plan.backward`)."""
+    return _plan(q, k, v, layout, scale).backward(q, k, v, out, lse, d_out, d_lse, layout)
 
 
 class _SparseAttentionFn(torch.autograd.Function):
-    """Forward: (q, k, v, layout, scale) -> (out, lse). Backward: (dq, dk, dv, None, None).
+    """Forward: (q, k, v, layout, plan) -> (out, lse). Backward: (dq, dk, dv, None, None).
 
     The eager path: cheaper per call than the registered operator below, whose dispatch
     costs host time that matters at small N."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, scale):
-        out, lse = _forward(q, k, v, layout, scale)
+    def forward(ctx, q, k, v, layout, plan):
+        out, lse = plan.forward(q, k, v, layout)
         # An unused lse (return_lse=False) then reaches backward as None, not as a zeros tensor
         # that would cost three elementwise kernels per backward for nothing.
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout = layout
-        ctx.scale = scale
+        ctx.layout, ctx.plan = layout, plan
         ctx.options = _options.current()  # the backward launches as the forward did
         return out, lse
 
@@ -172,8 +232,11 @@ class _SparseAttentionFn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        with _options.using(ctx.options):
-            dq, dk, dv = _backward(q, k, v, out, lse, d_out, d_lse, ctx.layout, ctx.scale)
+        if ctx.options is _options.current():
+            dq, dk, dv = ctx.plan.backward(q, k, v, out, lse, d_out, d_lse, ctx.layout)
+        else:
+            with _options.using(ctx.options):
+                dq, dk, dv = ctx.plan.backward(q, k, v, out, lse, d_out, d_lse, ctx.layout)
         return dq, dk, dv, None, None
 
 
@@ -347,11 +410,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         out, lse = _traced_attention(q, k, v, layout.handle, scale)
     else:
         q, k, v = _autocast(q, k, v)
-        scale = _check_inputs(q, k, v, layout, scale)
+        plan = _plan(q, k, v, layout, scale)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _SparseAttentionFn.apply(q, k, v, layout, scale)
+            out, lse = _SparseAttentionFn.apply(q, k, v, layout, plan)
         else:  # nothing to differentiate: the autograd Function's own host cost is saved
-            out, lse = _forward(q, k, v, layout, scale)
+            out, lse = plan.forward(q, k, v, layout)
     return (out, lse) if return_lse else out
 
 
