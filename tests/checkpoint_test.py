@@ -240,6 +240,8 @@ class CoreCheckpointTest(parameterized.TestCase):
             C.load_checkpoint(3)
         with self.assertRaisesRegex(ValueError, "params must be a non-empty dict"):
             C.save_checkpoint(self.path, {})
+        with self.assertRaisesRegex(ValueError, "shapes must map names to shape tuples"):
+            C.load_checkpoint(self.path, {"ln1.weight": 64})
 
     def test_interrupted_save_keeps_the_old_file(self):
         cfg = _config()

@@ -457,7 +457,11 @@ def load_checkpoint(path, shapes: Mapping[str, tuple] | None = None, *, config: 
         if not isinstance(shapes, Mapping):
             raise ValueError(f"shapes must be a dict of name -> shape tuple, got "
                              f"{type(shapes).__name__}")
-        shapes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
+        try:
+            shapes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"shapes must map names to shape tuples of ints, got "
+                             f"{dict(shapes)!r}") from e
     if config is not None:
         config_to_json(config)  # a ValueError naming config before the file is touched
 
