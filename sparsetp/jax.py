@@ -12,6 +12,7 @@ process (:mod:`sparsetp._runtime`).
 (1, 2, 64, 32)
 """
 
+from sparsetp.backends.jax import checkpoint
 from sparsetp.backends.jax.attention import LayoutArrays, layout_arrays, sparse_attention
 from sparsetp.backends.jax.block import (
     export_params,
@@ -29,4 +30,5 @@ __all__ = [
     "column_parallel_linear", "row_parallel_linear", "parallel_mlp",
     "hybrid_block", "shard_params", "param_specs", "load_params", "export_params", "make_mesh",
     "HybridConfig", "init_params", "make_layout",
+    "checkpoint",  # checkpoint.save(params, path, cfg) / checkpoint.load(path, cfg, mesh=...)
 ]

@@ -8,6 +8,7 @@
 torch.Size([1, 2, 64, 32])
 """
 
+from sparsetp.backends.torch import checkpoint
 from sparsetp.backends.torch.attention import (
     SparseAttention,
     dense_attention,
@@ -40,4 +41,5 @@ __all__ = [
     "gather_from_sequence_region",
     "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention",
     "HybridBlock", "HybridConfig", "init_params", "make_layout",
+    "checkpoint",  # checkpoint.save(block, path) / checkpoint.load(block, path)
 ]

@@ -1,9 +1,16 @@
 """Framework-neutral spec layer: patterns, block layouts, configs, parameters, float64 oracle.
 
-Imports numpy and the standard library only (never torch or jax), so both frontends share it.
+Imports numpy and the standard library only (never torch or jax), so both frontends share it;
+:mod:`sparsetp.core.checkpoint` adds safetensors (a numpy-level file format).
 """
 
 from sparsetp.core import patterns
+from sparsetp.core.checkpoint import (
+    CheckpointInfo,
+    checkpoint_info,
+    load_checkpoint,
+    save_checkpoint,
+)
 from sparsetp.core.config import (
     DTYPES,
     PARAM_NAMES,
@@ -23,4 +30,5 @@ __all__ = [
     "patterns", "BlockLayout", "make_layout", "SUPPORTED_BLOCK_SIZES", "grid_tiling",
     "HybridConfig", "DTYPES", "PARAM_NAMES", "param_shapes", "init_params", "partition_dim",
     "check_tp_size", "shard_param", "shard_params", "unshard_param",
+    "save_checkpoint", "load_checkpoint", "checkpoint_info", "CheckpointInfo",
 ]
