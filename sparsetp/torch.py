@@ -31,6 +31,14 @@ from sparsetp.backends.torch.layers import (
     ParallelSparseAttention,
     RowParallelLinear,
 )
+from sparsetp.backends.torch.parallel import (
+    DistInfo,
+    check_parallel_sizes,
+    data_parallel,
+    init_distributed,
+    make_device_mesh,
+    shard_batch,
+)
 from sparsetp.core import HybridConfig, init_params, make_layout
 
 __all__ = [
@@ -40,4 +48,6 @@ __all__ = [
     "gather_from_sequence_region",
     "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention",
     "HybridBlock", "HybridConfig", "init_params", "make_layout",
+    "init_distributed", "DistInfo", "make_device_mesh", "data_parallel", "shard_batch",
+    "check_parallel_sizes",
 ]
