@@ -24,6 +24,9 @@ import datetime
 import multiprocessing
 import os
 import queue as queue_lib
+import re
+import subprocess
+import sys
 import time
 import traceback
 
@@ -303,6 +306,36 @@ class DeadRankTest(absltest.TestCase):
             self.assertLess(elapsed, EXIT_BOUND_S, f"rank {rank} took {elapsed:.1f} s")
             self.assertRegex(message, r"over a process group of 2 ranks failed on rank \d",
                              f"rank {rank}")
+
+
+# ---------------------------------------------------------------------------- the example
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                       "dp_tp.py")
+
+
+def _example(*cmd, flags=()):
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(EXAMPLE)),
+                                                        os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([*cmd, EXAMPLE, "--steps=2", "--seq_len=128", *flags], env=env,
+                         capture_output=True, text=True, timeout=240)
+    return out.returncode, out.stdout + out.stderr
+
+
+class ExampleTest(absltest.TestCase):
+    """examples/dp_tp.py under torchrun (4 CPU ranks, no code change) trains like one process."""
+
+    def test_torchrun_2x2_matches_one_process(self):
+        code, alone = _example(sys.executable)
+        self.assertEqual(code, 0, alone)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node=4"]
+        code, out = _example(*torchrun, flags=("--dp=2", "--tp=2", "--sequence_parallel"))
+        self.assertEqual(code, 0, out)
+        self.assertIn("dp=2 x tp=2 on 4 ranks (gloo, cpu)", out)
+        losses = [re.findall(r"step \d: loss ([0-9.]+)", o) for o in (alone, out)]
+        self.assertLen(losses[0], 2)
+        np.testing.assert_allclose(np.float64(losses[1]), np.float64(losses[0]), rtol=1e-4)
 
 
 if __name__ == "__main__":

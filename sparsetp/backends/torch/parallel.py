@@ -17,18 +17,21 @@ GPUs per node, and only the data-parallel gradient all-reduce crosses nodes::
 
 * The tensor-parallel parameters are plain tensors holding this rank's shard (the layers split
   them by hand, ``core.config.partition_dim``), not DTensors. FSDP2's ``fully_shard`` replaces
-  every parameter by a DTensor sharded over its mesh and composes with TP only when the TP
-  shards are DTensors themselves; on our plain shards it would re-shard them over ``dp`` and
-  break what reads or writes them outside forward (``load_params`` / ``export_params``, the
-  seed-None poison, the GPT's weight tying later). DDP leaves the module as it is: each ``dp``
-  rank keeps its TP shard whole and only the gradients are all-reduced.
-* One code path on gloo (CPU tests, 2.13) and NCCL (the GPU machine, torch 2.11): DDP's
-  ``process_group=`` API and its gradient bucketing have not changed between those releases,
-  while FSDP2 moved (``torch.distributed._composable.fsdp`` -> ``torch.distributed.fsdp``) and
-  still changes from release to release.
-* ``torch.compile``: DDP is supported by the compiler (DDPOptimizer splits the graph at the
-  gradient buckets so the all-reduces overlap backward); the TP autograd Functions keep their
-  own compile rule (``comm.TRACES_FUNCTIONS``).
+  every parameter by a DTensor sharded over its mesh, and composes with TP only when the TP
+  shards are DTensors themselves. On a HybridBlock over 2 gloo ranks (torch 2.13) forward and
+  backward run, but ``export_params`` fails (".numpy() is not supported for tensor
+  subclasses") and so does ``load_params`` ("aten.copy_.default got mixed torch.Tensor and
+  DTensor"): everything that reads or writes the canonical parameters outside forward, which
+  the GPT's checkpoints build on. DDP leaves the module as it is: each ``dp`` rank keeps its TP
+  shard whole and only the gradients are all-reduced.
+* One code path on gloo (CPU tests, torch 2.13) and NCCL (the GPU machine, torch 2.11): DDP's
+  ``process_group=`` API and gradient bucketing are the same in both releases; FSDP2 moved
+  (``torch.distributed._composable.fsdp`` -> ``torch.distributed.fsdp`` in 2.6) and still
+  changes between releases.
+* ``torch.compile``: the compiler supports DDP (``torch._dynamo.config.optimize_ddp`` splits the
+  graph at the gradient buckets so the all-reduces overlap backward); the TP autograd Functions
+  keep their own compile rule (``comm.TRACES_FUNCTIONS``). DDP x TP under compile is not
+  tested here.
 * The cost: every ``dp`` rank holds a full replica of its TP shard (parameters, gradients,
   optimizer state), i.e. ``1 / tp`` of the model. When that no longer fits, FSDP2 over ``dp``
   needs the TP parameters as DTensors first (a separate change).
