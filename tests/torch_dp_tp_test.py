@@ -229,7 +229,7 @@ class BadMeshOnRanksTest(absltest.TestCase):
 
 # --------------------------------------------------------------------------------- dead rank
 DEAD_RANK = 3
-FAULT_PG_TIMEOUT_S = 45.0  # longer than the 60 s bound allows to matter only if death went unseen
+FAULT_PG_TIMEOUT_S = 45.0  # the backstop: under the 60 s bound even if gloo missed the death
 EXIT_BOUND_S = 60.0
 
 
