@@ -18,8 +18,10 @@ from sparsetp.backends.jax.block import (
     export_params,
     hybrid_block,
     load_params,
+    make_2d_mesh,
     make_mesh,
     param_specs,
+    shard_batch,
     shard_params,
 )
 from sparsetp.backends.jax.layers import column_parallel_linear, parallel_mlp, row_parallel_linear
@@ -29,6 +31,7 @@ __all__ = [
     "sparse_attention", "LayoutArrays", "layout_arrays",
     "column_parallel_linear", "row_parallel_linear", "parallel_mlp",
     "hybrid_block", "shard_params", "param_specs", "load_params", "export_params", "make_mesh",
+    "make_2d_mesh", "shard_batch",
     "HybridConfig", "init_params", "make_layout",
     "checkpoint",  # checkpoint.save(params, path, cfg) / checkpoint.load(path, cfg, mesh=...)
 ]

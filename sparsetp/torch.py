@@ -32,6 +32,14 @@ from sparsetp.backends.torch.layers import (
     ParallelSparseAttention,
     RowParallelLinear,
 )
+from sparsetp.backends.torch.parallel import (
+    DistInfo,
+    check_parallel_sizes,
+    data_parallel,
+    init_distributed,
+    make_device_mesh,
+    shard_batch,
+)
 from sparsetp.core import HybridConfig, init_params, make_layout
 
 __all__ = [
@@ -42,4 +50,6 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention",
     "HybridBlock", "HybridConfig", "init_params", "make_layout",
     "checkpoint",  # checkpoint.save(block, path) / checkpoint.load(block, path)
+    "init_distributed", "DistInfo", "make_device_mesh", "data_parallel", "shard_batch",
+    "check_parallel_sizes",
 ]

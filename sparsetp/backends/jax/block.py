@@ -31,6 +31,17 @@ gradients (layer norms, row biases) are summed over the token shards by ``shard_
 (one small all-reduce each). The caller still passes and gets the global ``[B, N, d]`` arrays:
 the result equals the plain mode's.
 
+Data parallelism (``batch_axis=``, on a 2-D mesh from :func:`make_2d_mesh`): ``x`` and the result
+are split along the batch over a second mesh axis, the parameters replicated over it, so each
+data shard runs the tensor-parallel block above on its ``B / dp`` sequences. No gradient
+all-reduce is written by hand: inside ``shard_map`` a parameter that is replicated over the data
+axis but used on data-sharded activations is implicitly cast to varying over it, and that cast's
+transpose is a ``psum`` over the data axis, so ``jax.grad`` of a loss over the global batch gives
+every parameter its full gradient (the data-parallel all-reduce, placed by XLA). Any params
+pytree works the same way, inside or outside ``shard_map``: place the batch with
+:func:`shard_batch`, keep the parameters replicated over the data axis, and differentiate a loss
+over the global batch.
+
 Example::
 
     >>> from sparsetp.core import HybridConfig, init_params, patterns as P   # doctest: +SKIP
@@ -40,6 +51,10 @@ Example::
     >>> y = jax.jit(hybrid_block, static_argnames=("config", "mesh"))(params, x, cfg, mesh=mesh)
     >>> grads = jax.grad(lambda p, x: hybrid_block(p, x, cfg, mesh=mesh).sum())(params, x)
     >>> y_sp = hybrid_block(params, x, cfg, mesh=mesh, sequence_parallel=True)  # same values
+    >>> mesh2 = make_2d_mesh(dp=2, tp=2)          # axes ("data", "model"), 4 devices
+    >>> params2 = shard_params(init_params(cfg, seed=0), cfg, mesh2, "model")
+    >>> y_dp = hybrid_block(params2, shard_batch(x, mesh2), cfg, mesh=mesh2, axis_name="model",
+    ...                     batch_axis="data")     # same values, batch split over "data"
 """
 
 from __future__ import annotations
@@ -70,7 +85,7 @@ from sparsetp.core.config import (
 from sparsetp.core.layout import BlockLayout, make_layout
 
 __all__ = ["hybrid_block", "shard_params", "param_specs", "load_params", "export_params",
-           "make_mesh", "mesh_devices", "block_layout"]
+           "make_mesh", "make_2d_mesh", "shard_batch", "mesh_devices", "block_layout"]
 
 
 def mesh_devices(tp: int) -> list:
@@ -87,11 +102,22 @@ def mesh_devices(tp: int) -> list:
     >>> [d.platform for d in mesh_devices(2)]  # one GPU and 4 CPU host devices  # doctest: +SKIP
     ['cpu', 'cpu']
     """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    _check_size("tp", tp)
+    return _devices(tp, f"tp={tp}")
+
+
+def _check_size(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _devices(n: int, what: str) -> list:
+    """The first ``n`` devices by :func:`mesh_devices`' rule; ``what`` names the request in the
+    error."""
     default = jax.devices()
-    if tp <= len(default):
-        return list(default[:tp])
+    if n <= len(default):
+        return list(default[:n])
     platform = default[0].platform
     cpu = default
     if platform != "cpu":
@@ -99,13 +125,13 @@ def mesh_devices(tp: int) -> list:
             cpu = jax.devices("cpu")
         except RuntimeError:  # JAX_PLATFORMS without cpu: no CPU backend to fall back on
             cpu = []
-        if tp <= len(cpu):
-            return list(cpu[:tp])
+        if n <= len(cpu):
+            return list(cpu[:n])
     seen = (f"{len(default)} ({platform})" if platform == "cpu"
             else f"{len(default)} {platform} and {len(cpu)} cpu")
-    raise ValueError(f"tp={tp} needs {tp} devices; JAX sees {seen}. For {tp} CPU devices set "
-                     f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} or "
-                     f"jax.config.update('jax_num_cpu_devices', {tp}) before JAX starts.")
+    raise ValueError(f"{what} needs {n} devices; JAX sees {seen}. For {n} CPU devices set "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={n} or "
+                     f"jax.config.update('jax_num_cpu_devices', {n}) before JAX starts.")
 
 
 def make_mesh(tp: int, axis_name: str = "tp", devices=None) -> jax.sharding.Mesh:
@@ -124,6 +150,89 @@ def make_mesh(tp: int, axis_name: str = "tp", devices=None) -> jax.sharding.Mesh
     elif len(devices) != tp:
         raise ValueError(f"make_mesh(tp={tp}) got {len(devices)} devices")
     return compat.auto_mesh((tp,), (axis_name,), devices=devices)
+
+
+def make_2d_mesh(dp: int, tp: int, axis_names: tuple[str, str] = ("data", "model"),
+                 devices=None) -> jax.sharding.Mesh:
+    """A ``dp x tp`` mesh with Auto axes ``axis_names`` (data first, model innermost).
+
+    Data parallelism runs over ``axis_names[0]`` (pass it as ``hybrid_block(batch_axis=...)``,
+    the batch split over it), tensor parallelism over ``axis_names[1]`` (``axis_name=...``).
+    The model axis is the innermost: devices ``[i * tp, (i + 1) * tp)`` of the list form data
+    shard ``i``'s tensor-parallel group. ``devices=None`` takes :func:`mesh_devices`' rule for
+    ``dp * tp`` devices, ordered by (process, device id), so that under
+    ``jax.distributed.initialize`` each tensor-parallel group stays on one host (its fast
+    links) whenever ``tp`` divides the devices per host, and only the data-parallel gradient
+    all-reduce crosses hosts. Pass ``devices`` (``dp * tp`` of them, in that order) to choose.
+
+    >>> mesh = make_2d_mesh(2, 2)        # 4 devices: ('data': 2, 'model': 2)  # doctest: +SKIP
+    >>> y = hybrid_block(params, x, cfg, mesh=mesh, axis_name="model",
+    ...                  batch_axis="data")                                  # doctest: +SKIP
+    """
+    _check_size("dp", dp)
+    _check_size("tp", tp)
+    if (not isinstance(axis_names, (tuple, list)) or len(axis_names) != 2
+            or not all(isinstance(a, str) and a for a in axis_names)
+            or axis_names[0] == axis_names[1]):
+        raise ValueError(f"axis_names must be two distinct axis names (data, model), got "
+                         f"{axis_names!r}")
+    if devices is None:
+        devices = sorted(_devices(dp * tp, f"dp={dp} x tp={tp}"),
+                         key=lambda d: (d.process_index, d.id))
+    elif len(devices) != dp * tp:
+        raise ValueError(f"make_2d_mesh(dp={dp}, tp={tp}) needs {dp * tp} devices, got "
+                         f"{len(devices)}")
+    # jax.sharding.Mesh keeps the order given (jax.make_mesh may reorder for the topology).
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(dp, tp),
+                             tuple(axis_names), axis_types=auto)
+
+
+def shard_batch(batch, mesh: jax.sharding.Mesh, batch_axis: str = "data"):
+    """Place a global batch (a pytree of arrays, dim 0 the batch) on ``mesh``, split along dim 0
+    over ``batch_axis`` and replicated over the other axes.
+
+    Every process passes the same global arrays (numpy or JAX); each fills only the shards of
+    its own devices, so this works unchanged under ``jax.distributed.initialize`` (many
+    processes, one mesh). ValueError naming the leaf when ``mesh.shape[batch_axis]`` does not
+    divide its batch, or when the mesh has no ``batch_axis``.
+
+    >>> x = shard_batch(np.zeros((8, 128, 64), np.float32), make_2d_mesh(2, 2))  # doctest: +SKIP
+    """
+    dp = _batch_axis_size(mesh, batch_axis)
+    sharding = NamedSharding(mesh, P(batch_axis))
+
+    def put(path, a):
+        name = "batch" + jax.tree_util.keystr(path)
+        if not hasattr(a, "shape") or len(a.shape) < 1:
+            raise ValueError(f"{name} must be an array with a batch dim, got "
+                             f"{getattr(a, 'shape', type(a).__name__)}")
+        if a.shape[0] % dp:
+            raise ValueError(f"{name} has batch {a.shape[0]}, not divisible by mesh axis "
+                             f"{batch_axis!r} of size {dp} (the data-parallel size)")
+        return _place(a, sharding)
+
+    return jax.tree_util.tree_map_with_path(put, batch)
+
+
+def _place(a, sharding: NamedSharding) -> jax.Array:
+    """``a`` laid out as ``sharding``. A host array (or a JAX array this process holds whole)
+    goes through ``make_array_from_callback``: each process fills only its own devices' shards,
+    which is what a mesh spanning several processes needs (every process passes the same
+    values); an array spread over processes is resharded by ``device_put``."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return jax.device_put(a, sharding)
+    host = np.asarray(jax.device_get(a) if isinstance(a, jax.Array) else a)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _batch_axis_size(mesh, batch_axis) -> int:
+    if not isinstance(batch_axis, str):
+        raise ValueError(f"batch_axis must be a mesh axis name (str), got {batch_axis!r}")
+    if batch_axis not in mesh.shape:
+        raise ValueError(f"batch_axis={batch_axis!r} is not an axis of the mesh (axes "
+                         f"{tuple(mesh.shape)}); build one with make_2d_mesh(dp, tp)")
+    return mesh.shape[batch_axis]
 
 
 def _dtype(config: HybridConfig):
@@ -182,21 +291,31 @@ def load_params(params: Mapping[str, Any], config: HybridConfig) -> dict[str, ja
 def shard_params(params: Mapping[str, Any], config: HybridConfig, mesh: jax.sharding.Mesh,
                  axis_name: str = "tp") -> dict[str, jax.Array]:
     """Place canonical params on ``mesh``: each array split on its ``partition_dim`` over
-    ``axis_name`` (contiguously, like the torch ranks' shards) or replicated."""
+    ``axis_name`` (contiguously, like the torch ranks' shards) or replicated; replicated over
+    every other mesh axis (a data axis of :func:`make_2d_mesh`). Works on a mesh spanning
+    several processes when every process passes the same values."""
     _check_params(params, config)
     check_tp_size(config, mesh.shape[axis_name])
     specs = param_specs(config, axis_name)
-    return {n: jax.device_put(np.asarray(params[n]) if not isinstance(params[n], jax.Array)
-                              else params[n], NamedSharding(mesh, specs[n]))
-            for n in param_shapes(config)}
+    return {n: _place(params[n], NamedSharding(mesh, specs[n])) for n in param_shapes(config)}
 
 
 def export_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Canonical unsharded numpy arrays (gathers sharded arrays), bitwise, names unchanged.
 
     The arrays are fresh, writable copies (``jax.device_get`` hands out read-only views, which
-    ``torch.from_numpy`` warns about when the torch frontend loads them)."""
-    return {n: np.array(jax.device_get(a)) for n, a in params.items()}
+    ``torch.from_numpy`` warns about when the torch frontend loads them). Arrays spread over
+    several processes (``jax.distributed``) are all-gathered to every process: a collective
+    there, every process must call it."""
+    return {n: np.array(_gather_host(a)) for n, a in params.items()}
+
+
+def _gather_host(a):
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        from jax.experimental import multihost_utils  # noqa: PLC0415  (multi-process only)
+
+        return multihost_utils.process_allgather(a, tiled=True)
+    return jax.device_get(a)
 
 
 @functools.lru_cache(maxsize=64)
@@ -243,7 +362,7 @@ def _block_local(p: Mapping[str, jax.Array], x: jax.Array, lay: LayoutArrays,
 
 def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, *,
                  mesh: jax.sharding.Mesh | None = None, axis_name: str = "tp",
-                 sequence_parallel: bool = False) -> jax.Array:
+                 sequence_parallel: bool = False, batch_axis: str | None = None) -> jax.Array:
     """The hybrid block on ``x [B, N, d_model]``; see the module docstring.
 
     Args:
@@ -258,17 +377,31 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
       sequence_parallel: Megatron's sequence parallelism (see the module docstring): ``x`` and
         the result are split along ``N`` over ``axis_name`` (``N`` divisible by ``tp``). Needs a
         ``mesh``. Same result as without it, up to the order of the sums.
+      batch_axis: data parallelism: a second mesh axis (``"data"`` of :func:`make_2d_mesh`)
+        over which ``x`` and the result are split along ``B`` (divisible by its size) while the
+        parameters are replicated over it; each data shard runs the tensor-parallel block on
+        its ``B / dp`` sequences. ``jax.grad`` of a loss over the global batch then gives the
+        parameters the gradient summed over the data shards (the transpose of using a
+        replicated parameter on sharded data is a ``psum`` over ``batch_axis``): the
+        single-device gradient, with no separate all-reduce to write. Needs a ``mesh``;
+        combines with ``sequence_parallel``.
 
     Returns ``[B, N, d_model]`` in ``config.dtype`` (replicated over the mesh; with
-    ``sequence_parallel``, split along ``N`` over it: ``PartitionSpec(None, axis_name, None)``).
+    ``sequence_parallel``, split along ``N`` over it: ``PartitionSpec(None, axis_name, None)``;
+    with ``batch_axis``, split along ``B`` over that axis too).
     Differentiable w.r.t. ``params`` and ``x``; works under ``jit`` (``config``, ``mesh``,
-    ``axis_name``, ``sequence_parallel`` static).
+    ``axis_name``, ``sequence_parallel``, ``batch_axis`` static).
 
     Raises ValueError naming the argument for a non-HybridConfig ``config``, a missing,
     extra, mis-shaped or non-array parameter (``params['ln1.weight'] must be an array``), a
-    non-floating numpy/JAX parameter, or an ``x`` of the wrong shape.
+    non-floating numpy/JAX parameter, or an ``x`` of the wrong shape; a ``mesh`` without
+    ``axis_name`` or ``batch_axis``, a ``batch_axis`` equal to ``axis_name``, a batch ``B`` the
+    data axis does not divide, and heads / kv heads / ``d_ff`` the model axis does not divide.
 
     >>> y = hybrid_block(params, x, cfg, mesh=mesh, sequence_parallel=True)  # doctest: +SKIP
+    >>> mesh2 = make_2d_mesh(dp=2, tp=2)                                     # doctest: +SKIP
+    >>> y = hybrid_block(params, x, cfg, mesh=mesh2, axis_name="model",
+    ...                  batch_axis="data")                                  # doctest: +SKIP
     """
     if not isinstance(config, HybridConfig):
         raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
@@ -288,6 +421,9 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
             # Not a silent no-op: a caller asking for SP without a mesh has a bug somewhere.
             raise ValueError("sequence_parallel=True needs a mesh (it splits the tokens over the "
                              "tensor-parallel mesh axis); pass mesh=... or drop it")
+        if batch_axis is not None:
+            raise ValueError(f"batch_axis={batch_axis!r} needs a mesh with that axis (it splits "
+                             "the batch over it); pass mesh=make_2d_mesh(dp, tp) or drop it")
         return _block_local(p, x, lay, config, None)
     if axis_name not in mesh.shape:
         raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis_name!r}")
@@ -296,8 +432,16 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
     if sequence_parallel and x.shape[1] % tp:
         raise ValueError(f"sequence_parallel=True splits the N={x.shape[1]} tokens of x over mesh "
                          f"axis {axis_name!r} of size {tp}: N must be divisible by it")
+    if batch_axis is not None:
+        if batch_axis == axis_name:
+            raise ValueError(f"batch_axis and axis_name are both {axis_name!r}: data and tensor "
+                             "parallelism need two different mesh axes")
+        dp = _batch_axis_size(mesh, batch_axis)
+        if x.shape[0] % dp:
+            raise ValueError(f"batch_axis={batch_axis!r} splits the B={x.shape[0]} sequences of x "
+                             f"over {dp} data shards: B must be divisible by it")
     specs = param_specs(config, axis_name)
-    x_spec = P(None, axis_name, None) if sequence_parallel else P()
+    x_spec = P(batch_axis, axis_name if sequence_parallel else None, None)
     in_specs = ({n: specs[n] for n in p}, x_spec, lay.partition_specs(axis_name))
     args = (p, x, lay)
     explicit = jax.sharding.AxisType.Explicit
