@@ -112,7 +112,8 @@ class _Description:
     arguments after the per-call tensors, its constexpr values in signature order, and the
     compiled kernels Triton returned for it, by the alignment of the per-call tensors."""
 
-    __slots__ = ("call", "n_tensors", "tail", "constexpr_values", "compiled", "meta")
+    __slots__ = ("call", "n_tensors", "tail", "tail_ptrs", "constexpr_values", "compiled",
+                 "meta")
 
     def __init__(self, call: abi.KernelCall, n_tensors: int, meta):
         # The per-call tensors are dropped: a cached description must not keep the first
@@ -120,6 +121,10 @@ class _Description:
         self.call = dataclasses.replace(call, args=(None,) * n_tensors + call.args[n_tensors:])
         self.n_tensors = n_tensors
         self.tail = call.args[n_tensors:]
+        # The metadata tensors among them as device pointers, for the direct launch (they are
+        # cached per layout and kept alive by ``meta``, so the pointers stay valid).
+        self.tail_ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
+                               for a in self.tail)
         names = call.kernel.arg_names[len(call.args) + len(call.outputs):]
         if sorted(names) != sorted(call.constexprs):
             raise AssertionError(f"{call.name}: constexprs {sorted(call.constexprs)} do not fill "
@@ -179,19 +184,28 @@ def run(desc: _Description, tensors: tuple, outputs: tuple, kind: str) -> None:
     if kind != "cuda":
         _launch(desc.with_tensors(tensors), outputs, kind)
         return
-    align = tuple(t.data_ptr() % 16 == 0 for t in (*tensors, *outputs))
+    ptrs = [t.data_ptr() for t in (*tensors, *outputs)]
+    align = tuple(p % 16 == 0 for p in ptrs)
     compiled = desc.compiled.get(align)
     device = outputs[0].device.index
     if (compiled is not None and _DIRECT_OK and _options.current().direct_launch
             and torch.cuda.current_device() == device):
         # What triton.runtime.jit.JITFunction.run does after its cache lookup (Triton 3.6 to
-        # 3.9): the bound argument values, constexprs included, in signature order.
-        args = (*tensors, *desc.tail, *outputs, *desc.constexpr_values)
+        # 3.9): the bound argument values, constexprs included, in signature order. Pointers go
+        # as ints, which Triton's launcher takes as they are: a tensor would cost a data_ptr()
+        # call and a driver pointer query per argument (the tensors' devices were checked when
+        # the description was built, and this one is the current device).
         stream = _current_stream(device)
         enter = triton.knobs.runtime.launch_enter_hook
         leave = triton.knobs.runtime.launch_exit_hook
         grid = desc.call.grid
-        meta = None if enter is None else compiled.launch_metadata(grid, stream, *args)
+        n = len(tensors)
+        if enter is None:
+            args = (*ptrs[:n], *desc.tail_ptrs, *ptrs[n:], *desc.constexpr_values)
+            meta = None
+        else:  # launch hooks (profilers) read the tensors themselves
+            args = (*tensors, *desc.tail, *outputs, *desc.constexpr_values)
+            meta = compiled.launch_metadata(grid, stream, *args)
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
                      compiled.packed_metadata, meta, enter, leave, *args)
         return
