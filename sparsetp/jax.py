@@ -22,11 +22,20 @@ from sparsetp.backends.jax.block import (
     shard_params,
 )
 from sparsetp.backends.jax.layers import column_parallel_linear, parallel_mlp, row_parallel_linear
-from sparsetp.core import HybridConfig, init_params, make_layout
+from sparsetp.backends.jax.model import (
+    export_gpt_params,
+    gpt,
+    load_gpt_params,
+    shard_gpt_params,
+)
+from sparsetp.backends.jax.model import loss as gpt_loss
+from sparsetp.core import GPTConfig, HybridConfig, init_gpt_params, init_params, make_layout
 
 __all__ = [
     "sparse_attention", "LayoutArrays", "layout_arrays",
     "column_parallel_linear", "row_parallel_linear", "parallel_mlp",
     "hybrid_block", "shard_params", "param_specs", "load_params", "export_params", "make_mesh",
     "HybridConfig", "init_params", "make_layout",
+    "gpt", "gpt_loss", "load_gpt_params", "shard_gpt_params", "export_gpt_params",
+    "GPTConfig", "init_gpt_params",
 ]

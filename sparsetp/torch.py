@@ -31,7 +31,9 @@ from sparsetp.backends.torch.layers import (
     ParallelSparseAttention,
     RowParallelLinear,
 )
-from sparsetp.core import HybridConfig, init_params, make_layout
+from sparsetp.backends.torch.model import GPT
+from sparsetp.backends.torch.model import loss as gpt_loss
+from sparsetp.core import GPTConfig, HybridConfig, init_gpt_params, init_params, make_layout
 
 __all__ = [
     "sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention",
@@ -40,4 +42,5 @@ __all__ = [
     "gather_from_sequence_region",
     "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention",
     "HybridBlock", "HybridConfig", "init_params", "make_layout",
+    "GPT", "gpt_loss", "GPTConfig", "init_gpt_params",
 ]
