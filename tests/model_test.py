@@ -133,10 +133,14 @@ class SpecTest(parameterized.TestCase):
         slots = tokens[b, t] - TASK.num_values
         self.assertTrue(((slots >= 0) & (slots < TASK.num_slots)).all())
         np.testing.assert_array_equal(targets[b, t], tokens[b, slots])
+        for row in slots.reshape(3, TASK.num_queries):  # each slot asked at most once
+            self.assertLen(set(row.tolist()), TASK.num_queries)
         self.assertLess(tokens.max(), TASK.vocab_size)
         self.assertFalse(np.array_equal(tokens, TASK.batch(seed=1, step=3, batch_size=3)[0]))
         with self.assertRaisesRegex(ValueError, "seq_len"):
             RecallTask(seq_len=10, num_slots=8, num_queries=8)
+        with self.assertRaisesRegex(ValueError, "num_queries"):
+            RecallTask(seq_len=100, num_slots=8, num_queries=9)
 
 
 class OracleTest(absltest.TestCase):
