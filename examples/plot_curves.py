@@ -42,12 +42,17 @@ def main(argv):
         raise app.UsageError(f"no JSON records match {FLAGS.inputs!r}")
     records = [json.load(open(p)) for p in paths]
     fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = {"torch": "-", "jax": "--"}
+    # Colour = pattern, line = framework: torch wide and pale, JAX dashed on top, so curves
+    # that coincide (same parameters, same data) stay visible as one line over the other.
+    styles = {"torch": dict(ls="-", lw=3, alpha=0.45), "jax": dict(ls="--", lw=1.2)}
+    colours = {}
+    records.sort(key=lambda r: r["framework"] != "torch")
     for r in records:
         label = f"{r['framework']} {r['pattern']}"
-        ls = styles.get(r["framework"], "-")
-        ax_l.plot(r["loss"], ls, label=label, lw=1.2)
-        ax_a.plot(_smooth(r["accuracy"], 10), ls, label=label, lw=1.2)
+        kw = dict(styles.get(r["framework"], {}),
+                  color=colours.setdefault(r["pattern"], f"C{len(colours)}"))
+        ax_l.plot(r["loss"], label=label, **kw)
+        ax_a.plot(_smooth(r["accuracy"], 10), label=label, **kw)
     r0 = records[0]
     ax_a.axhline(r0["chance"], color="gray", ls=":", lw=1, label="chance")
     ax_l.set(xlabel="step", ylabel="loss at the questions", yscale="log")
