@@ -25,7 +25,14 @@ from sparsetp.backends.jax.block import (
     shard_params,
 )
 from sparsetp.backends.jax.layers import column_parallel_linear, parallel_mlp, row_parallel_linear
-from sparsetp.core import HybridConfig, init_params, make_layout
+from sparsetp.backends.jax.model import (
+    export_gpt_params,
+    gpt,
+    load_gpt_params,
+    shard_gpt_params,
+)
+from sparsetp.backends.jax.model import loss as gpt_loss
+from sparsetp.core import GPTConfig, HybridConfig, init_gpt_params, init_params, make_layout
 
 __all__ = [
     "sparse_attention", "LayoutArrays", "layout_arrays",
@@ -34,4 +41,6 @@ __all__ = [
     "make_2d_mesh", "shard_batch",
     "HybridConfig", "init_params", "make_layout",
     "checkpoint",  # checkpoint.save(params, path, cfg) / checkpoint.load(path, cfg, mesh=...)
+    "gpt", "gpt_loss", "load_gpt_params", "shard_gpt_params", "export_gpt_params",
+    "GPTConfig", "init_gpt_params",
 ]

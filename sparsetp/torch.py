@@ -32,6 +32,8 @@ from sparsetp.backends.torch.layers import (
     ParallelSparseAttention,
     RowParallelLinear,
 )
+from sparsetp.backends.torch.model import GPT
+from sparsetp.backends.torch.model import loss as gpt_loss
 from sparsetp.backends.torch.parallel import (
     DistInfo,
     check_parallel_sizes,
@@ -40,7 +42,7 @@ from sparsetp.backends.torch.parallel import (
     make_device_mesh,
     shard_batch,
 )
-from sparsetp.core import HybridConfig, init_params, make_layout
+from sparsetp.core import GPTConfig, HybridConfig, init_gpt_params, init_params, make_layout
 
 __all__ = [
     "sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention",
@@ -52,4 +54,5 @@ __all__ = [
     "checkpoint",  # checkpoint.save(block, path) / checkpoint.load(block, path)
     "init_distributed", "DistInfo", "make_device_mesh", "data_parallel", "shard_batch",
     "check_parallel_sizes",
+    "GPT", "gpt_loss", "GPTConfig", "init_gpt_params",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparsetp.core.layout import BlockLayout
+from sparsetp.core.model import check_tokens, join_block_params, split_block_params
 
 __all__ = ["attention", "attention_grad"]
 
@@ -306,3 +307,78 @@ def hybrid_block_value_and_grad(params, x, config, dy):
     dx_ln, g["ln1.weight"], g["ln1.bias"] = layer_norm_grad(c["x"], p["ln1.weight"], eps, dh1)
     dx = dy1 + dx_ln
     return y, dx, {name: g[name] for name in params}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT oracle: embeddings, a stack of hybrid blocks, final layer norm, untied head, and the
+# masked next-token cross-entropy, forward and a hand-written backward (float64).
+
+__all__ += ["gpt_forward", "gpt_loss", "gpt_value_and_grad"]
+
+
+def _gpt_parts(params, tokens, config):
+    tokens = np.asarray(tokens)
+    check_tokens(tokens.shape, tokens.dtype, config, values=tokens)
+    outer, blocks = split_block_params(params, config)
+    return tokens, {n: np.asarray(a, np.float64) for n, a in outer.items()}, blocks
+
+
+def gpt_forward(params, tokens, config):
+    """Logits ``[B, N, vocab_size]`` (float64) of the GPT of :mod:`sparsetp.core.model` on
+    integer ``tokens [B, N]``: ``LN_f(blocks(embed[tokens] + pos[:N])) @ head``."""
+    tokens, o, blocks = _gpt_parts(params, tokens, config)
+    x = o["embed.weight"][tokens] + o["pos.weight"][: tokens.shape[1]]
+    for bp in blocks:
+        x = hybrid_block(bp, x, config.block)
+    h = layer_norm(x, o["ln_f.weight"], o["ln_f.bias"], config.block.norm_eps)
+    return h @ o["head.weight"]
+
+
+def _log_softmax(logits):
+    m = logits.max(-1, keepdims=True)
+    z = logits - m
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def gpt_loss(logits, targets, mask=None):
+    """Masked mean next-token cross-entropy (float64): ``sum(mask * nll) / max(sum(mask), 1)``
+    where ``nll[b, t] = -log softmax(logits[b, t])[targets[b, t]]``; ``mask`` (bool or 0/1,
+    ``[B, N]``) defaults to every position. The frontends' ``loss`` helpers compute the same."""
+    (logits,) = _f64(logits)
+    targets = np.asarray(targets)
+    mask = np.ones(targets.shape) if mask is None else np.asarray(mask, np.float64)
+    logp = _log_softmax(logits)
+    nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    return float((nll * mask).sum() / max(mask.sum(), 1.0))
+
+
+def gpt_value_and_grad(params, tokens, targets, mask, config):
+    """``(loss, grads)``: :func:`gpt_loss` of :func:`gpt_forward` and its gradient w.r.t. every
+    canonical parameter (same names and shapes), by hand through
+    :func:`hybrid_block_value_and_grad` (float64)."""
+    tokens, o, blocks = _gpt_parts(params, tokens, config)
+    targets = np.asarray(targets)
+    mask = np.ones(targets.shape) if mask is None else np.asarray(mask, np.float64)
+    n, eps = tokens.shape[1], config.block.norm_eps
+    xs = [o["embed.weight"][tokens] + o["pos.weight"][:n]]
+    for bp in blocks:
+        xs.append(hybrid_block(bp, xs[-1], config.block))
+    h = layer_norm(xs[-1], o["ln_f.weight"], o["ln_f.bias"], eps)
+    logits = h @ o["head.weight"]
+    loss = gpt_loss(logits, targets, mask)
+    # d loss / d logits = (softmax - onehot) * mask / count
+    dlogits = np.exp(_log_softmax(logits))
+    np.put_along_axis(dlogits, targets[..., None],
+                      np.take_along_axis(dlogits, targets[..., None], -1) - 1.0, -1)
+    dlogits *= (mask / max(mask.sum(), 1.0))[..., None]
+    g = {}
+    dh, g["head.weight"], _ = _linear_grad(h, o["head.weight"], dlogits, False)
+    dx, g["ln_f.weight"], g["ln_f.bias"] = layer_norm_grad(xs[-1], o["ln_f.weight"], eps, dh)
+    block_grads = [None] * len(blocks)
+    for i in reversed(range(len(blocks))):
+        _, dx, block_grads[i] = hybrid_block_value_and_grad(blocks[i], xs[i], config.block, dx)
+    g["embed.weight"] = np.zeros_like(o["embed.weight"])
+    np.add.at(g["embed.weight"], tokens.reshape(-1), dx.reshape(-1, dx.shape[-1]))
+    g["pos.weight"] = np.zeros_like(o["pos.weight"])
+    g["pos.weight"][:n] = dx.sum(0)
+    return loss, join_block_params(g, block_grads)
