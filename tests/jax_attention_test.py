@@ -39,8 +39,8 @@ from sparsetp.backends.jax import attention as jattn  # noqa: E402
 from sparsetp.backends.jax import launch as jlaunch  # noqa: E402
 from sparsetp.backends.jax.block import make_mesh  # noqa: E402
 from sparsetp.core import make_layout, reference  # noqa: E402
-from sparsetp.core import patterns as patterns_  # noqa: E402
 from sparsetp.core import patterns as PT  # noqa: E402
+from sparsetp.core import patterns as patterns_  # noqa: E402
 from sparsetp.core.examples import example_pattern  # noqa: E402
 from sparsetp.kernels import options  # noqa: E402
 from sparsetp.kernels.tiles import TileConfig  # noqa: E402
@@ -149,7 +149,8 @@ class _JaxHooks:
         """vmap over a leading axis: jax-triton has no batching rule, so the kernel paths fold the
         mapped axis into B (layout shared) or loop (one layout per element); the gradient too."""
         n, h, d = 128, 2, 32
-        layouts = [make_layout(patterns_.causal() & patterns_.local(w, 0), n, h, 64) for w in (90, 100)]
+        layouts = [make_layout(patterns_.causal() & patterns_.local(w, 0), n, h, 64)
+                   for w in (90, 100)]
         q, k, v, _ = tu.random_inputs(3, (1, h, n, d), "float32")
         qs = np.stack([q, 0.5 * q, -q])
         lay = jattn.layout_arrays(layouts[0])
