@@ -15,8 +15,9 @@ _EXAMPLES = os.path.join(_ROOT, "examples")
 
 
 def _run(script, *args, timeout=120):
+    # Both frameworks on the CPU (on a GPU machine too): the claims are about fp32 CPU runs.
     env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               JAX_PLATFORMS="cpu")
+               JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, os.path.join(_EXAMPLES, script), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=_ROOT)
 

@@ -308,6 +308,8 @@ class TorchJaxTrainingParityTest(absltest.TestCase):
             opt.step()
             torch_losses.append(loss.item())
 
+        # The claim is about CPU fp32 runs (torch's tensors above are on the CPU): JAX too.
+        self.enter_context(jax.default_device(jax.devices("cpu")[0]))
         p = load_gpt_params(params, CFG)
         tx = optax.adam(self.LR, b1=0.9, b2=0.999, eps=1e-8)
         state = tx.init(p)

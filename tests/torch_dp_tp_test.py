@@ -314,7 +314,9 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _example(*cmd, flags=()):
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    # CPU ranks on any machine (4 ranks, and a GPU machine may have fewer GPUs): torch then sees
+    # no GPU, so init_distributed picks gloo.
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(EXAMPLE)),
                                                         os.environ.get("PYTHONPATH")])))
     out = subprocess.run([*cmd, EXAMPLE, "--steps=2", "--seq_len=128", *flags], env=env,

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsetp.backends.jax.block import _layer_norm, hybrid_block, shard_params
+from sparsetp.backends.jax.layers import linear
 from sparsetp.core.model import (
     GPTConfig,
     check_gpt_params,
@@ -99,7 +100,7 @@ def gpt(params: Mapping[str, Any], tokens, config: GPTConfig, *,
     for bp in blocks:
         x = hybrid_block(bp, x, config.block, mesh=mesh, axis_name=axis_name)
     h = _layer_norm(x, o["ln_f.weight"], o["ln_f.bias"], config.block.norm_eps)
-    return h @ o["head.weight"]
+    return linear(h, o["head.weight"])  # fp32: full precision (no TF32 on GPUs), as torch
 
 
 def loss(logits: jax.Array, targets, mask=None) -> jax.Array:

@@ -129,6 +129,11 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0,
         raise ValueError(f"the environment sets {present} but not {missing}; launch with "
                          "torchrun (it sets all of them) or set none for one process")
     local_rank = int(env.get("LOCAL_RANK", 0))
+    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} visible "
+            "GPU(s): start at most that many processes per node (torchrun --nproc-per-node), "
+            "or run the ranks on CPU with backend='gloo' (or CUDA_VISIBLE_DEVICES='')")
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
