@@ -431,8 +431,9 @@ class RealModelLaunchTest(parameterized.TestCase):
     @parameterized.parameters(16, 48, 80, 96, 128, 144, 192, 256)
     def test_head_dims_supported(self, d):
         """Every multiple of 16 up to 256; HEAD_DIM_PAD the next power of two; above 128 the
-        CUDA tiles stay at block 64 with one stage (fits an H100's shared memory and
-        registers), and schedule.kernel_layout runs a block-128 layout at block 64."""
+        CUDA tiles stay at block 64 and their pipelined operand stages fit an H100's 227 KB of
+        shared memory (two [sub, 256] operands per stage), and schedule.kernel_layout runs a
+        block-128 layout at block 64."""
         self.assertEqual(tiles.check_head_dim(d), d)
         self.assertEqual(abi.head_dim_padded(d), 1 << (d - 1).bit_length())
         lay = make_layout(P.causal(), 512, 2, 128)
@@ -440,10 +441,12 @@ class RealModelLaunchTest(parameterized.TestCase):
         if d > 128:
             self.assertEqual(kernel_lay.block_size, 64)
             for name in tiles.KERNEL_NAMES:
-                cfg = tiles.tile_config(name, head_dim=d, dtype="bfloat16", block_size=64,
-                                        device_kind="cuda")
-                if name != "bwd_preprocess":
-                    self.assertEqual((cfg.num_stages, cfg.sub), (1, 32), name)
+                for dtype, size in (("bfloat16", 2), ("float32", 4)):
+                    cfg = tiles.tile_config(name, head_dim=d, dtype=dtype, block_size=64,
+                                            device_kind="cuda")
+                    if name != "bwd_preprocess":
+                        stage_bytes = 2 * cfg.num_stages * cfg.sub * 256 * size
+                        self.assertLessEqual(stage_bytes, 128 * 1024, (name, dtype, cfg))
             with self.assertRaisesRegex(ValueError, "head dim"):
                 tiles.tile_config("fwd", head_dim=d, dtype="bfloat16", block_size=128,
                                   device_kind="cuda")

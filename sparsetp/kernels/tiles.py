@@ -130,16 +130,21 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
     if kernel_name == "bwd_preprocess":
         return TileConfig(bs, bs, 4, 1)
     if head_dim > LARGE_HEAD_DIM:
-        # D = 144..256 (padded to 256): a [64, 256] fp32 accumulator is 128 registers per
-        # thread at 4 warps, so 8 warps; dK/dV keeps two of them plus K, V tiles. Sub-tiles of
-        # 32 and one stage keep shared memory at 2 x [32, 256] x 2 B per operand pair (32 KB
-        # of Q/dO, or K/V, per stage), far within an H100's 227 KB. Not yet swept on a GPU:
-        # FlashAttention-2's D=256 kernels use the same 64-row tiles.
+        # D = 144..256 (padded to 256), FlashAttention-2's 64-row tiles. Half precision at
+        # block 64, swept on an H200 (KERNEL_NOTES.md, "Session 14"): the forward walks 32 keys
+        # a step with one warpgroup and 2 stages (2.7x the 8-warp, 1-stage start); the backward
+        # walks 64 with 8 warps and 2 stages (2 x 2 x [64, 256] x 2 B = 128 KB of Q/dO or
+        # K/V stages, within the 227 KB of shared memory; 2x the forward+backward of the start).
+        # float32 doubles those bytes, so it keeps the start: 8 warps, 1 stage, sub-tiles of 32.
         if bs > LARGE_HEAD_DIM_MAX_BLOCK:
             raise ValueError(f"head dim {head_dim} needs a kernel block of at most "
                              f"{LARGE_HEAD_DIM_MAX_BLOCK}, got {bs} (schedule.kernel_layout "
                              "picks one from a BlockLayout; a JAX LayoutArrays needs "
                              "layout_arrays(layout, head_dim=...))")
+        if bs == 64 and not wide:
+            if kernel_name == "fwd":
+                return TileConfig(bs, bs, 4, 2, sub=32)
+            return TileConfig(bs, bs, 8, 2, sub=64)
         return TileConfig(bs, bs, 8 if bs == 64 else 4, 1, sub=min(bs, 32))
     if kernel_name == "fwd":
         # A 128-query tile walked 64 keys at a time: the [128, 64] fp32 score tile plus the
