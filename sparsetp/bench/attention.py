@@ -36,7 +36,8 @@ forward FLOPs = ``4 * D * computed_elements``, backward = 2.5x that. Dense SDPA 
 this implementation is faster).
 
 Presets: ``targets`` (the performance targets, ~150 s on one H200 with compiles), ``sweep``
-(speed-up over dense vs N, time vs sparsity), ``cpu`` (tiny sizes; what CI runs). Devices
+(speed-up over dense vs N, time vs sparsity), ``seed`` (issue #30's seed regime, below),
+``cpu`` (tiny sizes; what CI runs). Devices
 (:func:`resolve_device`): with ``--device=auto`` the ``cpu`` preset runs on CPU tensors and CPU
 JAX arrays (the native CPU path) on any machine, the GPU presets on the GPU when there is one;
 every record says which (``device_kind``, ``versions.device``, ``jax_device``). Examples::
@@ -44,6 +45,23 @@ every record says which (``device_kind``, ``versions.device``, ``jax_device``). 
     python -m sparsetp.bench attention --preset=targets --out_dir=/tmp/bench
     python -m sparsetp.bench attention --preset=cpu --docs=docs/performance.md
     python -m sparsetp.bench attention --from_json=a.json,b.json --docs=docs/performance.md
+
+The ``seed`` preset (issue #30 item 4): N in {512, 1024, 2048, 4096} x target tile density
+{0.5, 0.25, 0.1} (sparsity 50/75/90%) x {``fixed_density``, ``strided_density`` (Sparse
+Transformer fixed / strided, causal as in the paper), ``window_density`` (non-causal sliding
+window), ``random``}, B=1, H=16, D=128, bf16, block 64, against dense SDPA (``sdpa_flash``), with
+``sparsetp``, ``sparsetp_jax`` and ``naive`` (148 jobs, ~5-8 min on one GPU, budget 600 s). With
+``--device=cpu`` the same grid at H=2, D=64, float32, dense ``sdpa`` (148 jobs, ~4 min on 2
+shared cores; the record's ``torch_num_threads`` matters there: on a loaded 2-core host 2 torch
+threads made the native sparse path up to ~10x slower than ``OMP_NUM_THREADS=1``, dense SDPA
+barely). Each density spec picks the parameter whose tile density at (N, block)
+is nearest the target; the paper's patterns are O(N sqrt N), so their low targets are not
+reachable at small N (the records carry the real ``density``). Targets S1 (sparse fwd+bwd >=
+dense for tile density <= 50%) and S2 (JAX / torch fwd+bwd within 0.8-1.25x) are judged per
+(pattern, density, N), on CPU too; ``attention_seed_speedup.png`` plots them::
+
+    python -m sparsetp.bench attention --preset=seed --out_dir=/tmp/seed            # GPU
+    python -m sparsetp.bench attention --preset=seed --device=cpu --out_dir=/tmp/seed_cpu
 
 Believe these numbers only if ``tests/torch_attention_test.py`` and
 ``tests/jax_attention_test.py`` pass (the same kernels against the float64 oracle).
@@ -88,15 +106,16 @@ SCHEMA_VERSION = 1
 FLAGS = flags.FLAGS
 
 
-_PRESETS = ["auto", "targets", "sweep", "cpu", "none"]
+_PRESETS = ["auto", "targets", "sweep", "seed", "cpu", "none"]
 # (absl DEFINE_ function, name, default, help[, extra args]): defined by define_flags().
 _FLAG_DEFS = [
     (flags.DEFINE_enum, "preset", "auto", "Case set (auto: targets on a GPU, cpu otherwise; "
      "none: only the flags below). With --device=auto, --preset=cpu runs on CPU and the GPU "
      "presets on the GPU (see resolve_device).", _PRESETS),
     (flags.DEFINE_list, "patterns", None, "Override: pattern specs (causal, window[:W], "
-     "bigbird[:blk], strided_causal[:blk], random:<density>, window_density:<density>, dense, "
-     "or a sparsetp.core.examples name)."),
+     "bigbird[:blk], strided_causal[:blk], random:<density>, window_density:<density>, "
+     "fixed[:l], fixed_density:<density>, strided[:l], strided_density:<density> (Sparse "
+     "Transformer, causal), dense, or a sparsetp.core.examples name)."),
     (flags.DEFINE_list, "seq_lens", None, "Override: sequence lengths."),
     (flags.DEFINE_list, "head_dims", None, "Override: head dims."),
     (flags.DEFINE_list, "dtypes", None, "Override: dtypes (bfloat16, float16, float32)."),
@@ -223,9 +242,36 @@ def preset_config(preset: str, device: str) -> BenchConfig:
         return BenchConfig("cpu", device, sections, budget_s=120.0, input_sets=2, cpu_reps=2,
                            first_call=True, first_call_case=_case("window:64", 128, **kw),
                            rounds={"sparsity": 2})
+    if preset == "seed":
+        # Issue #30 item 4. Block 64: at N=512 it gives 8 x 8 tiles, enough for the 50/75/90%
+        # sparsity steps to differ (block 128 leaves 4 x 4 tiles: a window or a random row
+        # cannot go below 25% density); one block for every N so the lines compare.
+        if device == "cuda":
+            kw, ns, dense_impl = SEED_SHAPE, SEED_NS, "sdpa_flash"
+        else:
+            kw, ns, dense_impl = SEED_CPU_SHAPE, SEED_CPU_NS, "sdpa"
+        cases = [_case(f"{fam}:{d}", n, **kw) for n in ns for fam in SEED_FAMILIES
+                 for d in SEED_DENSITIES]
+        # The claims first (dense and torch, then JAX), naive last: a budget overrun loses it.
+        sections = [("seed", cases, [dense_impl, "sparsetp"]), ("seed", cases, ["sparsetp_jax"]),
+                    ("seed", cases, ["naive"])]
+        return BenchConfig("seed", device, sections,
+                           budget_s=600.0 if device == "cuda" else 420.0,
+                           input_sets=3 if device == "cuda" else 2)
     if preset == "none":
         return BenchConfig("none", device, [], budget_s=600.0)
     raise ValueError(f"unknown preset {preset!r}")
+
+
+# The seed preset's grid (issue #30 item 4): pattern families (spec prefixes taking a target
+# tile density), target densities (sparsity 50/75/90%), and N per device.
+SEED_FAMILIES = ("fixed_density", "strided_density", "window_density", "random")
+SEED_DENSITIES = (0.5, 0.25, 0.1)
+SEED_NS = (512, 1024, 2048, 4096)
+SEED_SHAPE = dict(h=16, d=128, dtype="bfloat16", block=64)
+# CPU: the same grid at a shape 2 shared cores time in ~4 minutes (N=4096 alone ~85 s).
+SEED_CPU_NS = (512, 1024, 2048, 4096)
+SEED_CPU_SHAPE = dict(h=2, d=64, dtype="float32", block=64)
 
 
 def resolve_device(preset: str, device: str, has_cuda: bool) -> tuple[str, str]:
@@ -308,6 +354,35 @@ def _band_density(half: int, n: int, bs: int) -> float:
     return make_layout(P.local(half - 1, half - 1), n, 1, bs).density
 
 
+# Sparse Transformer (Child et al. 2019) patterns, causal as in the paper (autoregressive). The
+# paper's "c" (summary tokens per block of the fixed pattern; it used 8, 16 or 32 for l = 128
+# or 256) is fixed here, so one parameter, l, moves the density.
+FIXED_SUMMARY = 32
+
+
+def _fixed_pattern(length: int) -> P.Pattern:
+    """Sparse Transformer "fixed", causal: ``j <= i and (i // l == j // l or j % l >= l - c)``."""
+    return P.fixed(length, min(FIXED_SUMMARY, length)) & P.causal()
+
+
+def _strided_pattern(stride: int, n: int) -> P.Pattern:
+    """Sparse Transformer "strided", causal: ``j <= i and (i - j <= l or (i - j) % l == 0)``.
+
+    The vocabulary has no "every l-th diagonal" pattern; a causal 1-D neighbourhood with
+    dilation ``l`` and ``n / l`` neighbours is exactly ``j <= i and (i - j) % l == 0`` when ``l``
+    divides ``n`` (every earlier token congruent to ``i`` mod ``l``), so ``l`` must divide ``n``.
+    """
+    if n % stride:
+        raise ValueError(f"strided: the stride {stride} must divide N={n}")
+    return P.neighborhood(n, n // stride, stride, causal=True) | P.local(stride, 0)
+
+
+def _nearest_param(cands, make, want: float, n: int, bs: int) -> int:
+    """The candidate whose pattern's tile density at (n, bs) is nearest ``want`` (the smaller
+    parameter on a tie)."""
+    return min(cands, key=lambda c: (abs(make_layout(make(c), n, 1, bs).density - want), c))
+
+
 def bench_pattern(spec: str, n: int, bs: int, num_heads: int = 1) -> BenchPattern:
     """The pattern named by ``spec`` at ``n`` tokens and layout block ``bs``.
 
@@ -355,6 +430,34 @@ def bench_pattern(spec: str, n: int, bs: int, num_heads: int = 1) -> BenchPatter
         return BenchPattern(spec, pat, "strided_causal",
                             f"causal, 4 local blocks + every 16th key block with per-head "
                             f"offset ({blk}-token blocks)", strided_mod)
+    if name in ("fixed", "fixed_density"):
+        if name == "fixed":
+            length = _arg(spec, 128)
+        else:  # the block length l (a multiple of bs) whose tile density is nearest the target
+            length = _nearest_param(range(bs, n + bs, bs), _fixed_pattern, _arg(spec, 0.25),
+                                    n, bs)
+        c = min(FIXED_SUMMARY, length)
+
+        def fixed_mod(t, ln=length, c=c):
+            return lambda b, h, q, kv: (q >= kv) & ((q // ln == kv // ln) | (kv % ln >= ln - c))
+
+        return BenchPattern(spec, _fixed_pattern(length), "fixed",
+                            f"Sparse Transformer fixed, causal: j <= i and (i // {length} == "
+                            f"j // {length} or j % {length} >= {length - c})", fixed_mod)
+    if name in ("strided", "strided_density"):
+        if name == "strided":
+            stride = _arg(spec, 128)
+        else:  # the stride l (a divisor of n, >= bs unless n < bs) with the nearest density
+            cands = [d for d in range(min(bs, n), n + 1) if n % d == 0]
+            stride = _nearest_param(cands, lambda s: _strided_pattern(s, n), _arg(spec, 0.25),
+                                    n, bs)
+
+        def strided_st_mod(t, st=stride):
+            return lambda b, h, q, kv: (q >= kv) & (((q - kv) <= st) | ((q - kv) % st == 0))
+
+        return BenchPattern(spec, _strided_pattern(stride, n), "strided",
+                            f"Sparse Transformer strided, causal: j <= i and (i - j <= {stride} "
+                            f"or (i - j) % {stride} == 0)", strided_st_mod)
     if name == "random":
         want = _arg(spec, 0.25)
         per_row = max(1, min(-(-n // bs), round(want * -(-n // bs))))
@@ -1118,6 +1221,10 @@ def run(cfg: BenchConfig) -> dict:
     # jax_triton's 0.3.1 import sets TRITON_CACHE_DIR="" for the process (versions() no longer
     # imports it, but a caller may have): choose the cache directory here.
     result["versions"] = common.versions(device=cfg.device)
+    # CPU: torch's intra-op threads. On a shared 2-core host, 2 threads made the native sparse
+    # path (many small ops) ~10x slower than 1 thread (OMP barriers wait for descheduled
+    # threads); dense SDPA barely changed. Set OMP_NUM_THREADS to compare.
+    result["torch_num_threads"] = torch.get_num_threads()
     if cfg.fresh_triton_cache and cfg.device == "cuda":
         # Cold-start numbers must include compilation; a warm on-disk cache would hide it.
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="sparsetp_bench_triton_")
@@ -1261,12 +1368,15 @@ def _find(recs, impl, pattern, n, block=128, section=None, **shape):
     return next((r for r in hits if r["section"] == section), hits[0] if hits else None)
 
 
-def _target(tid, name, value, threshold, op, unit, applicable, note=""):
+def _target(tid, name, value, threshold, op, unit, applicable, note="",
+            not_applicable="thresholds are for the GPU"):
+    """One target row. ``op``: ">=", "<=" or "within" (``threshold`` = [low, high], inclusive)."""
     ok = None
     if value is not None and applicable:
-        ok = bool(value >= threshold) if op == ">=" else bool(value <= threshold)
+        ok = (bool(threshold[0] <= value <= threshold[1]) if op == "within"
+              else bool(value >= threshold) if op == ">=" else bool(value <= threshold))
     status = ("not measured" if value is None else
-              "not applicable (thresholds are for the GPU)" if not applicable else
+              f"not applicable ({not_applicable})" if not applicable else
               "pass" if ok else "fail")
     return {"id": tid, "name": name, "value": value, "threshold": threshold, "op": op,
             "unit": unit, "pass": ok, "status": status, "note": note}
@@ -1277,7 +1387,9 @@ def compute_targets(result: dict) -> list:
     when the value was not measured or the run was not on a GPU)."""
     recs = result["records"]
     gpu = result.get("device_kind") == "cuda"
-    out = []
+    out = seed_targets(result)
+    if result.get("preset") == "seed":  # issue #8's targets need cases this preset never runs
+        return out
     shape_note = "bf16, B=1, H=16, D=128, block 128"
     for n in (8192, 32768):
         for p in ANCHOR_PATTERNS:
@@ -1336,6 +1448,61 @@ def compute_targets(result: dict) -> list:
     return out
 
 
+SEED_MAX_DENSITY = 0.5  # claim S1 covers patterns of tile density <= 50%
+SEED_JAX_RANGE = (0.8, 1.25)  # claim S2: JAX / torch fwd+bwd time
+
+
+def _seed_cells(recs) -> dict:
+    """Section "seed" records by (family, target density, N, B, H, D, dtype, block) and impl."""
+    cells = {}
+    for r in recs:
+        if r.get("section") != "seed" or "fwd_ms" not in r or r["impl"] in _PATTERN_FREE:
+            continue
+        fam, _, want = r["pattern"].partition(":")
+        key = (fam, float(want) if want else None, r["N"], r["B"], r["H"], r["D"], r["dtype"],
+               r["block"])
+        cells.setdefault(key, {})[r["impl"]] = r
+    return cells
+
+
+def seed_targets(result: dict) -> list:
+    """Issue #30's two seed-regime claims, one row per (pattern, target density, N) measured in
+    the "seed" section:
+
+    - **S1**: eager torch sparse forward + backward at least as fast as dense SDPA for every
+      pattern of tile density <= 50%: ``dense fwd_bwd_ms / sparsetp fwd_bwd_ms >= 1``. A case
+      whose nearest-density layout came out denser than 50% is "not applicable".
+    - **S2**: JAX / torch forward + backward time within 0.8-1.25x. On a GPU the ratio of the
+      JAX record's ``jax_over_torch_fwd_bwd`` (torch timed with the same wall-clock loops); on
+      CPU, where both are wall-clock loops, ``sparsetp_jax fwd_bwd_ms / sparsetp fwd_bwd_ms``.
+
+    Both are judged on CPU runs too (the claims are ratios); the note gives the device and shape.
+    """
+    recs = result["records"]
+    dev = "GPU" if result.get("device_kind") == "cuda" else "CPU"
+    out = []
+    for (fam, want, n, b, h, d, dt, bs), by in sorted(
+            _seed_cells(recs).items(), key=lambda kv: (kv[0][0], -(kv[0][1] or 0), kv[0][2:])):
+        shape = f"{dev}, B={b}, H={h}, D={d}, {dt}, block {bs}"
+        ours, jx = by.get("sparsetp"), by.get("sparsetp_jax")
+        dens = (ours or jx)["density"]
+        label = f"{fam}:{want} N={n} (tile density {dens:.3f})"
+        sd = ours and ours.get("speedup_vs_dense")
+        v1 = sd and sd.get("fwd_bwd")
+        out.append(_target("S1", f"sparse fwd+bwd vs dense, {label}", v1, 1.0, ">=",
+                           f"x (dense {ours and ours.get('dense_impl')} ms / sparsetp ms)",
+                           dens <= SEED_MAX_DENSITY + 1e-9, shape,
+                           not_applicable=f"tile density {dens:.3f} > {SEED_MAX_DENSITY}"))
+        v2 = None
+        if jx and "jax_over_torch_fwd_bwd" in jx:
+            v2 = jx["jax_over_torch_fwd_bwd"]
+        elif jx and ours and ours["fwd_bwd_ms"] > 0:
+            v2 = jx["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
+        out.append(_target("S2", f"JAX / torch fwd+bwd, {label}", v2, list(SEED_JAX_RANGE),
+                           "within", "x (jax_ms / torch_ms)", True, shape))
+    return out
+
+
 # =========================================================================== plots and docs
 def plot(result: dict, out_dir: str) -> list:
     """Speed-up over dense vs N, and time vs sparsity; returns the PNG paths written."""
@@ -1349,7 +1516,8 @@ def plot(result: dict, out_dir: str) -> list:
     tag = f"{result.get('versions', {}).get('device', result.get('device_kind'))}"
     paths = []
     sparse_impls = ("sparsetp", "flex", "sparsetp_jax", "naive", "sdpa_mask")
-    seq = [r for r in recs if r["impl"] in sparse_impls and "speedup_vs_dense" in r]
+    seq = [r for r in recs if r["impl"] in sparse_impls and "speedup_vs_dense" in r
+           and r["section"] != "seed"]  # the seed grid has its own figure (plot_seed)
     groups = {}
     for r in seq:
         groups.setdefault((r["pattern"], r["impl"], r["block"], r["D"], r["dtype"]), []).append(r)
@@ -1401,7 +1569,57 @@ def plot(result: dict, out_dir: str) -> list:
             ax.grid(True, which="both", alpha=0.3)
         paths.append(_save_figure(plt, fig, axes, f"time vs sparsity, {tag}",
                                   os.path.join(out_dir, "attention_time_vs_sparsity.png")))
-    return paths
+    seed = plot_seed(result, out_dir, plt)
+    return paths + ([seed] if seed else [])
+
+
+SEED_PLOT = "attention_seed_speedup.png"
+_SEED_STYLE = {"sparsetp": ("-", "torch"), "sparsetp_jax": ("--", "JAX"),
+               "naive": (":", "naive")}
+
+
+def plot_seed(result: dict, out_dir: str, plt=None) -> str | None:
+    """The seed grid (section "seed"): forward+backward speed-up over dense SDPA vs N, one panel
+    per pattern family, one colour per target density; torch solid, JAX dashed, naive dotted.
+    Returns the PNG path, or None when the records hold no seed grid."""
+    cells = _seed_cells(result["records"])
+    if not cells:
+        return None
+    if plt is None:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    os.makedirs(out_dir, exist_ok=True)
+    fams = [f for f in SEED_FAMILIES if any(k[0] == f for k in cells)]
+    fams += sorted({k[0] for k in cells} - set(fams))
+    wants = sorted({k[1] for k in cells}, key=lambda w: -(w or 0))
+    colours = dict(zip(wants, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    fig, axes = plt.subplots(1, len(fams), figsize=(4.2 * len(fams), 4.2), squeeze=False)
+    axes = list(axes[0])
+    for ax, fam in zip(axes, fams, strict=True):
+        for want in wants:
+            for impl, (ls, name) in _SEED_STYLE.items():
+                pts = sorted((k[2], by[impl]["speedup_vs_dense"]["fwd_bwd"])
+                             for k, by in cells.items() if k[0] == fam and k[1] == want
+                             and impl in by and "speedup_vs_dense" in by[impl]
+                             and by[impl]["speedup_vs_dense"]["fwd_bwd"])
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker="o", ms=3,
+                            color=colours.get(want), lw=0.9 if impl == "naive" else 1.5,
+                            label=f"{name}, density {want:g}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(fam.removesuffix("_density"))
+        ax.set_xlabel("sequence length N")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("fwd+bwd speed-up over dense SDPA (x)")
+    r0 = next(iter(next(iter(cells.values())).values()))
+    tag = result.get("versions", {}).get("device", result.get("device_kind"))
+    return _save_figure(plt, fig, axes, f"seed regime, B={r0['B']} H={r0['H']} D={r0['D']} "
+                        f"{r0['dtype']} block {r0['block']}; {tag}",
+                        os.path.join(out_dir, SEED_PLOT))
 
 
 def _save_figure(plt, fig, axes, title: str, path: str) -> str:
@@ -1460,11 +1678,13 @@ def render_markdown(results: dict | Sequence[dict], plots: Sequence[str] = (),
     lines += ["Conventions:", ""] + [f"- **{k}**: {t}" for k, t in conv.items()] + [""]
     targets = [t for r in results for t in r.get("targets", [])]
     if targets:
-        lines += ["### Targets (issue #8)", "",
+        lines += ["### Targets (1-6: issue #8; S1, S2: issue #30's seed regime)", "",
                   "| # | target | value | threshold | result |", "|---|---|---|---|---|"]
         for t in targets:
+            thr = (f"{_f(t['threshold'][0], 2)}–{_f(t['threshold'][1], 2)}"
+                   if t["op"] == "within" else _f(t["threshold"]))
             lines.append(f"| {t['id']} | {t['name']} | {_f(t['value'])} {t['unit']} | "
-                         f"{t['op']} {_f(t['threshold'])} | {t['status']} |")
+                         f"{t['op']} {thr} | {t['status']} |")
         lines.append("")
     fc = [r for res in results for r in res["records"] if r["section"] == "first_call"]
     for r in fc:
@@ -1480,6 +1700,7 @@ def render_markdown(results: dict | Sequence[dict], plots: Sequence[str] = (),
         lines += ["", _TORCH_FIRST_BACKWARD_NOTE if "torch_first_backward_s" in r
                   else _NO_TORCH_FIRST_BACKWARD_NOTE, ""]
     recs = [r for res in results for r in res["records"] if "fwd_ms" in r]
+    lines += _seed_table(recs)
     if recs:
         lines += ["### Timings", "",
                   "| section | pattern | N | B×H×D | dtype | block | density | computed blocks |"
@@ -1521,6 +1742,30 @@ def render_markdown(results: dict | Sequence[dict], plots: Sequence[str] = (),
                          f"N={e.get('N')}: {e['error'][:300]}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _seed_table(recs) -> list:
+    """Markdown lines: the seed grid's fwd+bwd speed-ups over dense and JAX / torch ratios."""
+    cells = _seed_cells(recs)
+    if not cells:
+        return []
+    out = ["### Seed regime (issue #30)", "",
+           "Forward+backward speed-up over dense SDPA (dense ms / this ms) and JAX / torch "
+           "fwd+bwd time; targets S1 and S2 above judge them.", "",
+           "| pattern | target density | N | tile density | torch | JAX | naive | JAX / torch |",
+           "|---|---|---|---|---|---|---|---|"]
+    for (fam, want, n, *_), by in sorted(cells.items(),
+                                         key=lambda kv: (kv[0][0], -(kv[0][1] or 0), kv[0][2:])):
+        sp = {i: _f((r.get("speedup_vs_dense") or {}).get("fwd_bwd"), 2) for i, r in by.items()}
+        ratio = None
+        if "sparsetp_jax" in by and "sparsetp" in by:
+            ratio = by["sparsetp_jax"].get("jax_over_torch_fwd_bwd",
+                                           by["sparsetp_jax"]["fwd_bwd_ms"]
+                                           / by["sparsetp"]["fwd_bwd_ms"])
+        dens = next(iter(by.values()))["density"]
+        out.append(f"| {fam} | {want} | {n} | {dens:.3f} | {sp.get('sparsetp', '–')} | "
+                   f"{sp.get('sparsetp_jax', '–')} | {sp.get('naive', '–')} | {_f(ratio, 2)} |")
+    return out + [""]
 
 
 TP_HEADING = "## Tensor parallelism"
