@@ -351,15 +351,10 @@ class FlexMaskTest(parameterized.TestCase):
         ("window_density:0.25", 512, 64, 1), ("per_head_mix", 300, 64, 3),
         ("bigbird", 1024, 64, 2), ("strided_causal", 2048, 128, 3), ("window", 2048, 32, 2))
     def test_mask_mod_and_block_lists_match_layout(self, spec, n, bs, h):
-        import torch  # here, not at the top: sparsetp must pick Triton's mode before torch loads it
-
         bp = A.bench_pattern(spec, n, bs, h)
         lay = make_layout(bp.pattern, n, h, bs)
         want = lay.dense_mask()
-        mod = bp.make_mask_mod(A.mask_mod_tables(bp, lay, "cpu"))
-        got = mod(torch.zeros((), dtype=torch.long), torch.arange(h)[:, None, None],
-                  torch.arange(n)[None, :, None], torch.arange(n)[None, None, :])
-        np.testing.assert_array_equal(torch.broadcast_to(got, (h, n, n)).numpy(), want)
+        np.testing.assert_array_equal(_mask_mod_on_grid(bp, lay), want)
         np.testing.assert_array_equal(A.dense_mask_torch(lay, "cpu").numpy(), want)
         self.assertEqual(A.allowed_elements(lay), int(want.sum()))
         kv_num, kv_idx, full_num, full_idx, mask_id = A.block_mask_tables(lay)
@@ -382,6 +377,17 @@ class FlexMaskTest(parameterized.TestCase):
         self.assertAlmostEqual(lay.density, 0.25)
 
 
+def _mask_mod_on_grid(bp, lay) -> np.ndarray:
+    """``bp``'s Flex mask_mod evaluated on every (head, q, kv) of ``lay``: [H, N, N] bool."""
+    import torch  # here, not at the top: sparsetp picks Triton's mode before torch loads it
+
+    h, n = lay.num_heads, lay.seq_len
+    mod = bp.make_mask_mod(A.mask_mod_tables(bp, lay, "cpu"))
+    got = mod(torch.zeros((), dtype=torch.long), torch.arange(h)[:, None, None],
+              torch.arange(n)[None, :, None], torch.arange(n)[None, None, :])
+    return torch.broadcast_to(got, (h, n, n)).numpy()
+
+
 class SeedPatternTest(parameterized.TestCase):
     """The Sparse Transformer specs of the seed preset (issue #30 item 4)."""
 
@@ -392,8 +398,6 @@ class SeedPatternTest(parameterized.TestCase):
     def test_mask_mod_matches_layout_and_token_rule(self, spec, n_bs):
         """Element-exact: the Flex mask_mod on every (q, kv) equals the layout's mask and the
         paper's rule written out here, at block-aligned and non-aligned N."""
-        import torch  # here, not at the top: sparsetp picks Triton's mode before torch loads it
-
         n, bs = n_bs
         if spec == "strided:100" and n % 100:
             with self.assertRaisesRegex(ValueError, "must divide"):
@@ -403,10 +407,7 @@ class SeedPatternTest(parameterized.TestCase):
         bp = A.bench_pattern(spec, n, bs, h)
         lay = make_layout(bp.pattern, n, h, bs)
         want = lay.dense_mask()
-        mod = bp.make_mask_mod(A.mask_mod_tables(bp, lay, "cpu"))
-        got = mod(torch.zeros((), dtype=torch.long), torch.arange(h)[:, None, None],
-                  torch.arange(n)[None, :, None], torch.arange(n)[None, None, :])
-        np.testing.assert_array_equal(torch.broadcast_to(got, (h, n, n)).numpy(), want)
+        np.testing.assert_array_equal(_mask_mod_on_grid(bp, lay), want)
         i, j = np.arange(n)[:, None], np.arange(n)[None, :]
         if bp.kind == "fixed":
             ln = int(bp.description.split("i // ")[1].split(" ")[0])

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from sparsetp.core.config import HybridConfig, check_seed, init_params, param_shapes
+from sparsetp.core.config import HybridConfig, _pos_int, check_seed, init_params, param_shapes
 
 __all__ = [
     "GPTConfig", "gpt_param_shapes", "init_gpt_params", "block_seed", "split_block_params",
@@ -51,14 +51,6 @@ __all__ = [
 # The parameters outside the blocks, in canonical (and draw) order.
 _OUTER_BEFORE = ("embed.weight", "pos.weight")
 _OUTER_AFTER = ("ln_f.weight", "ln_f.bias", "head.weight")
-
-
-def _pos_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
