@@ -12,6 +12,10 @@
   and to torch's within the float32 tolerance); JAX saves updated parameters, which torch loads
   at TP=1 and TP=2 bitwise; and a torch -> JAX -> torch round trip is bitwise. The TP=2 run also
   checks that a file only one rank cannot read makes every rank raise with nothing loaded.
+* GPTs (``GPTConfig`` in the header): a torch TP=2 GPT saves, JAX loads it on a 2-device mesh
+  bitwise with the oracle's logits; JAX saves, a torch TP=1 GPT loads it bitwise; a GPT file
+  loaded into a HybridBlock or a GPT of another config (torch and JAX) raises a ValueError
+  naming the differing fields and tensors, nothing loaded.
 
 Tolerances: ``testing_utils`` (float32 atol 2e-5, rtol atol/10); values are O(1) and every
 reduction is <= 128 long. Bitwise means ``np.array_equal`` of the bits (``_assert_bitwise``).
@@ -44,9 +48,17 @@ from testing_utils import assert_close, round_to_dtype  # noqa: E402
 
 from sparsetp.backends.jax import checkpoint as jckpt  # noqa: E402
 from sparsetp.backends.jax.block import export_params, hybrid_block  # noqa: E402
+from sparsetp.backends.jax.model import gpt  # noqa: E402
 from sparsetp.backends.torch import checkpoint as tckpt  # noqa: E402
 from sparsetp.backends.torch.block import HybridBlock  # noqa: E402
-from sparsetp.core import HybridConfig, init_params, param_shapes, reference  # noqa: E402
+from sparsetp.backends.torch.model import GPT  # noqa: E402
+from sparsetp.core import (  # noqa: E402
+    GPTConfig,
+    HybridConfig,
+    init_params,
+    param_shapes,
+    reference,
+)
 from sparsetp.core import checkpoint as C  # noqa: E402
 from sparsetp.core import patterns as P  # noqa: E402
 from sparsetp.core.examples import EXAMPLE_PATTERNS  # noqa: E402
@@ -420,6 +432,110 @@ class CrossFrameworkTest(absltest.TestCase):
             jckpt.load(path, dataclasses.replace(cfg, d_ff=256), mesh=jtu.mesh(2))
         with self.assertRaisesRegex(ValueError, "missing"):
             jckpt.save({n: a for n, a in params.items() if n != "ln1.weight"}, path, cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT checkpoints
+
+
+def _gpt_config(**kw):
+    blk = HybridConfig(d_model=32, num_heads=2, d_ff=64, block_size=32,
+                       pattern=P.causal() & P.local(40, 0))
+    return GPTConfig(**dict(dict(vocab_size=24, num_layers=2, max_seq_len=64, block=blk), **kw))
+
+
+def _tokens():
+    return np.random.default_rng(9).integers(0, 24, (2, 64)).astype(np.int64)
+
+
+def _torch_gpt_save_rank(rank, world, path):
+    model = GPT(_gpt_config(), seed=3)  # the default group: TP=2
+    logits = model(torch.from_numpy(_tokens())).detach().numpy()
+    tckpt.save(model, path, metadata={"step": "5"})
+    return model.export_params(), logits
+
+
+class GPTCheckpointTest(absltest.TestCase):
+
+    def test_torch_tp2_to_jax_tp2_and_back_to_torch(self):
+        cfg = _gpt_config()
+        tmp = _tempdir(self)
+        path, path_jax = (os.path.join(tmp, f"{n}.safetensors") for n in ("torch", "jax"))
+        results = dist_utils.run_distributed(_torch_gpt_save_rank, 2, path, timeout=60,
+                                             backend="gloo")
+        torch_params, torch_logits = results[0]
+        _assert_bitwise(self, results[1][0], torch_params, "torch ranks agree")
+        info = C.checkpoint_info(path)
+        self.assertEqual(info.config, cfg)
+        self.assertEqual(info.metadata, {"step": "5"})
+        self.assertEqual(list(info.tensors)[:3], ["embed.weight", "pos.weight",
+                                                  "blocks.0.ln1.weight"])
+
+        # torch TP=2 -> JAX TP=2 (host devices): bitwise, and the oracle's logits.
+        mesh = jtu.mesh(2)
+        params = jckpt.load(path, cfg, mesh=mesh)
+        self.assertEqual(len(params["blocks.1.mlp.fc1.weight"].sharding.device_set), 2)
+        self.assertEqual(params["blocks.1.mlp.fc1.weight"].addressable_shards[0].data.shape,
+                         (32, 32))
+        _assert_bitwise(self, export_params(params), torch_params, "torch -> jax")
+        tokens = _tokens()
+        logits = np.asarray(gpt(params, tokens, cfg, mesh=mesh))
+        oracle = reference.gpt_forward(torch_params, tokens, cfg)
+        assert_close(logits, oracle, "float32", what="jax tp2 logits vs oracle")
+        assert_close(torch_logits, oracle, "float32", what="torch tp2 logits vs oracle")
+
+        # JAX -> torch TP=1: new values saved from the sharded arrays, loaded bitwise.
+        updated = jax.tree.map(lambda a: a * 0.75 + 0.01, params)
+        jckpt.save(updated, path_jax, cfg)
+        model = GPT(cfg, seed=None)  # NaN until loaded
+        tckpt.load(model, path_jax)
+        _assert_bitwise(self, model.export_params(), export_params(updated), "jax -> torch")
+        _assert_bitwise(self, export_params(jckpt.load(path_jax, cfg)), export_params(updated),
+                        "jax unsharded")
+
+    def test_mismatches_name_fields_and_tensors_and_load_nothing(self):
+        cfg = _gpt_config()
+        tmp = _tempdir(self)
+        path = os.path.join(tmp, "gpt.safetensors")
+        tckpt.save(GPT(cfg, seed=1), path)
+
+        block = HybridBlock(cfg.block, seed=2)
+        before = _state(block)
+        with self.assertRaisesRegex(
+                ValueError, r"type: file 'GPTConfig', expected 'HybridConfig'.*missing tensors: "
+                            r"ln1\.weight.*unexpected tensors: blocks\.0\.attn\.out\.bias"):
+            tckpt.load(block, path)
+        self.assertTrue(all(torch.equal(p, before[n]) for n, p in block.named_parameters()))
+
+        other = {"vocab": (_gpt_config(vocab_size=30),
+                           r"config differs: vocab_size: file 24, expected 30.*mis-shaped "
+                           r"tensors: embed\.weight \(24, 32\) \(expected \(30, 32\)\), "
+                           r"head\.weight"),
+                 "layers": (_gpt_config(num_layers=1),
+                            r"num_layers: file 2, expected 1.*unexpected tensors: "
+                            r"blocks\.1\.attn\.out\.bias"),
+                 "block": (_gpt_config(block=dataclasses.replace(cfg.block, d_ff=128)),
+                           r"config differs: block\.d_ff: file 64, expected 128; mis-shaped "
+                           r"tensors: blocks\.0\.mlp\.fc1\.weight")}
+        for name, (ocfg, pattern) in other.items():
+            with self.subTest(name):
+                model = GPT(ocfg, seed=2)
+                before = _state(model)
+                with self.assertRaisesRegex(ValueError, pattern):
+                    tckpt.load(model, path)
+                self.assertTrue(all(torch.equal(p, before[n])
+                                    for n, p in model.named_parameters()), f"{name}: loaded")
+                with self.assertRaisesRegex(ValueError, pattern):
+                    jckpt.load(path, ocfg, mesh=jtu.mesh(2))
+        with self.assertRaisesRegex(ValueError, r"type: file 'GPTConfig', expected "
+                                                r"'HybridConfig'"):
+            jckpt.load(path, cfg.block)
+        with self.assertRaisesRegex(ValueError, "missing"):
+            jckpt.save({"embed.weight": np.zeros((24, 32), np.float32)}, path, cfg)
+        # The file itself was fine all along.
+        model = GPT(cfg, seed=None)
+        tckpt.load(model, path)
+        _assert_bitwise(self, model.export_params(), GPT(cfg, seed=1).export_params())
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ Format decisions:
   is what catches a flipped byte, and the order :func:`load_checkpoint` returns the tensors in);
   ``sparsetp.config``, the config as JSON when one is given (:func:`config_to_json`: every
   dataclass field, the attention pattern as its constructor fields, so the file says exactly
-  which block it holds and :func:`checkpoint_info` rebuilds the ``HybridConfig``); and the
+  which block or model it holds and :func:`checkpoint_info` rebuilds the ``HybridConfig`` or
+  ``GPTConfig``: a GPT's file holds ``embed.weight``, ``blocks.0.ln1.weight`` ...); and the
   caller's own ``metadata`` (string keys not starting with ``sparsetp.``, string values).
 * **Atomic writes.** The file is written under a temporary name in the same directory, flushed
   to disk, then renamed over ``path``: a crash leaves the old file or the new one, never half.
@@ -57,9 +58,11 @@ import numpy as np
 
 from sparsetp.core import patterns as _patterns
 from sparsetp.core.config import HybridConfig, param_shapes
+from sparsetp.core.model import GPTConfig, gpt_param_shapes
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_info", "CheckpointInfo",
-           "config_to_json", "config_from_json", "STORAGE_DTYPES", "FORMAT_VERSION"]
+           "config_to_json", "config_from_json", "config_param_shapes", "config_dtype",
+           "STORAGE_DTYPES", "FORMAT_VERSION"]
 
 FORMAT_VERSION = "1"
 _PREFIX = "sparsetp."
@@ -71,7 +74,29 @@ STORAGE_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float
 _TAG_TO_NAME = {tag: name for name, tag in STORAGE_DTYPES.items()}
 _STORED_NP = {"F16": "<f2", "BF16": "<u2", "F32": "<f4", "F64": "<f8"}
 # Config types checkpoint_info can rebuild from their JSON (patterns come from core.patterns).
-_CONFIG_TYPES = {"HybridConfig": HybridConfig}
+_CONFIG_TYPES = {"HybridConfig": HybridConfig, "GPTConfig": GPTConfig}
+
+
+def config_param_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """The canonical ``{name: shape}`` of a known config: a block's
+    (:func:`~sparsetp.core.config.param_shapes`) or a GPT's
+    (:func:`~sparsetp.core.model.gpt_param_shapes`); ValueError for anything else."""
+    if isinstance(config, HybridConfig):
+        return param_shapes(config)
+    if isinstance(config, GPTConfig):
+        return gpt_param_shapes(config)
+    raise ValueError(f"config must be a HybridConfig or a GPTConfig, got "
+                     f"{type(config).__name__}")
+
+
+def config_dtype(config: Any) -> str:
+    """The dtype a known config computes in: ``config.dtype``, a GPT's ``config.block.dtype``."""
+    if isinstance(config, GPTConfig):
+        return config.block.dtype
+    if isinstance(config, HybridConfig):
+        return config.dtype
+    raise ValueError(f"config must be a HybridConfig or a GPTConfig, got "
+                     f"{type(config).__name__}")
 
 
 
@@ -227,7 +252,7 @@ def save_checkpoint(path, params: Mapping[str, Any], *, config: Any = None,
       path: the file to write (its directory must exist); replaced atomically.
       params: names to float arrays (numpy, or anything ``np.asarray`` reads: JAX arrays, CPU
         torch float tensors; ml_dtypes bfloat16 arrays as ``BF16``).
-      config: optional dataclass (a ``HybridConfig``) recorded as JSON so that
+      config: optional dataclass (a ``HybridConfig``, a ``GPTConfig``) recorded as JSON so that
         ``load_checkpoint(..., config=...)`` can check it.
       metadata: optional extra ``{str: str}`` for the header (keys not ``sparsetp.*``).
       dtype: store every tensor in this dtype (one of ``STORAGE_DTYPES``) instead of its own;
@@ -412,11 +437,10 @@ def checkpoint_info(path, types: Mapping[str, type] | None = None) -> Checkpoint
 
 
 def _config_diff(saved_json: str, config: Any) -> list[str]:
-    """``field: file X, expected Y`` for every top-level field that differs."""
+    """``field: file X, expected Y`` for every field that differs; a nested config (a GPT's
+    ``block``) is compared field by field (``block.d_ff: file 64, expected 128``), a pattern as
+    a whole."""
     saved, want = json.loads(saved_json), json.loads(config_to_json(config))
-    if saved.get("type") != want["type"]:
-        return [f"type: file {saved.get('type')!r}, expected {want['type']!r}"]
-    a, b = saved.get("fields", {}), want["fields"]
 
     def show(v):
         try:
@@ -424,8 +448,23 @@ def _config_diff(saved_json: str, config: Any) -> list[str]:
         except (ValueError, TypeError):
             return json.dumps(v)
 
-    return [f"{k}: file {show(a.get(k))}, expected {show(b.get(k))}"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    def diff(saved, want, prefix):
+        if saved.get("type") != want["type"]:
+            return [f"{prefix}type: file {saved.get('type')!r}, expected {want['type']!r}"]
+        a, b = saved.get("fields", {}), want["fields"]
+        out = []
+        for k in sorted(set(a) | set(b)):
+            x, y = a.get(k), b.get(k)
+            if x == y:
+                continue
+            if (isinstance(x, dict) and isinstance(y, dict) and y.get("type") in _CONFIG_TYPES
+                    and isinstance(x.get("fields"), dict)):
+                out += diff(x, y, f"{prefix}{k}.")
+            else:
+                out.append(f"{prefix}{k}: file {show(x)}, expected {show(y)}")
+        return out
+
+    return diff(saved, want, "")
 
 
 def load_checkpoint(path, shapes: Mapping[str, tuple] | None = None, *, config: Any = None,
@@ -435,7 +474,8 @@ def load_checkpoint(path, shapes: Mapping[str, tuple] | None = None, *, config: 
     Args:
       path: a file :func:`save_checkpoint` (or any safetensors writer) wrote.
       shapes: the expected ``{name: shape}``; the file must hold exactly these names with these
-        shapes. None: ``param_shapes(config)`` when ``config`` is a ``HybridConfig``, else any.
+        shapes. None: :func:`config_param_shapes` when ``config`` is a ``HybridConfig`` or a
+        ``GPTConfig``, else any.
       config: if given, the file must record this config (every field equal; the error names
         the fields that differ).
       dtype: if given, every tensor must be stored in it (a ``STORAGE_DTYPES`` name).
@@ -451,8 +491,8 @@ def load_checkpoint(path, shapes: Mapping[str, tuple] | None = None, *, config: 
     path = _check_path(path)
     if dtype is not None and dtype not in STORAGE_DTYPES:
         raise ValueError(f"dtype must be None or one of {tuple(STORAGE_DTYPES)}, got {dtype!r}")
-    if shapes is None and isinstance(config, HybridConfig):
-        shapes = param_shapes(config)
+    if shapes is None and isinstance(config, (HybridConfig, GPTConfig)):
+        shapes = config_param_shapes(config)
     if shapes is not None:
         if not isinstance(shapes, Mapping):
             raise ValueError(f"shapes must be a dict of name -> shape tuple, got "

@@ -1,8 +1,10 @@
-"""Save and load the JAX block's parameters as one safetensors checkpoint.
+"""Save and load the JAX block's (or GPT's) parameters as one safetensors checkpoint.
 
 The file is :mod:`sparsetp.core.checkpoint`'s: canonical UNSHARDED parameters, so a checkpoint
 written by the torch frontend at one tensor-parallel size loads here onto a mesh of any size
 (:func:`load` shards it with :func:`~sparsetp.backends.jax.block.shard_params`), and back.
+A GPT's canonical params go the same way with a ``GPTConfig`` (sharded by
+:func:`~sparsetp.backends.jax.model.shard_gpt_params`); the config is recorded and checked.
 
 >>> from sparsetp.jax import checkpoint, make_mesh                   # doctest: +SKIP
 >>> params = checkpoint.load("block.safetensors", cfg, mesh=make_mesh(4))   # sharded 4 ways
@@ -18,8 +20,10 @@ import jax
 import numpy as np
 
 from sparsetp.backends.jax.block import _check_params, export_params, load_params, shard_params
-from sparsetp.core.checkpoint import load_checkpoint, save_checkpoint
-from sparsetp.core.config import HybridConfig, param_shapes
+from sparsetp.backends.jax.model import load_gpt_params, shard_gpt_params
+from sparsetp.core.checkpoint import config_param_shapes, load_checkpoint, save_checkpoint
+from sparsetp.core.config import HybridConfig
+from sparsetp.core.model import GPTConfig, check_gpt_params
 
 __all__ = ["save", "load"]
 
@@ -35,9 +39,16 @@ def _gather(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
             for n, a in params.items()}
 
 
-def save(params: Mapping[str, Any], path, config: HybridConfig, *,
+def _check_config(config) -> None:
+    if not isinstance(config, (HybridConfig, GPTConfig)):
+        raise ValueError(f"config must be a HybridConfig or a GPTConfig, got "
+                         f"{type(config).__name__}")
+
+
+def save(params: Mapping[str, Any], path, config: HybridConfig | GPTConfig, *,
          metadata: Mapping[str, str] | None = None, dtype: str | None = None) -> None:
-    """Write canonical ``params`` (unsharded or sharded JAX arrays, or numpy) and ``config``.
+    """Write canonical ``params`` (unsharded or sharded JAX arrays, or numpy) and ``config``
+    (a block's ``HybridConfig``, or a GPT's ``GPTConfig`` with its ``embed.weight``, ...).
 
     Tensors are stored in their own dtype (JAX float32 parameters of a bfloat16 config stay
     float32: the block casts when it computes, and they may be master weights), or in ``dtype``
@@ -45,9 +56,12 @@ def save(params: Mapping[str, Any], path, config: HybridConfig, *,
     ``BF16``). Under multi-process JAX every process calls it and process 0 writes; every
     process raises if the write failed.
     """
-    if not isinstance(config, HybridConfig):
-        raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
-    _check_params(params, config)  # names, shapes, dtypes: a clear error before any gather
+    _check_config(config)
+    # Names, shapes (and a block's dtypes): a clear error before any gather.
+    if isinstance(config, GPTConfig):
+        check_gpt_params(params, config)
+    else:
+        _check_params(params, config)
     arrays = _gather(params)
     error = None
     if jax.process_index() == 0:
@@ -65,9 +79,10 @@ def save(params: Mapping[str, Any], path, config: HybridConfig, *,
         raise error
 
 
-def load(path, config: HybridConfig, *, mesh: jax.sharding.Mesh | None = None,
+def load(path, config: HybridConfig | GPTConfig, *, mesh: jax.sharding.Mesh | None = None,
          axis_name: str = "tp", check_config: bool = True) -> dict[str, jax.Array]:
-    """Read checkpoint ``path`` as the canonical JAX params of ``config``.
+    """Read checkpoint ``path`` as the canonical JAX params of ``config`` (a ``HybridConfig``,
+    or a ``GPTConfig``: the GPT's params, sharded with :func:`shard_gpt_params`).
 
     With ``mesh``, each array is placed split on its ``partition_dim`` over ``axis_name`` (any
     TP size dividing the heads and ``d_ff``); without, unsharded on the default device. The
@@ -76,10 +91,13 @@ def load(path, config: HybridConfig, *, mesh: jax.sharding.Mesh | None = None,
     bit for bit; ``BF16`` tensors come back as float32 (exact; the block casts to
     ``config.dtype`` when it computes).
     """
-    if not isinstance(config, HybridConfig):
-        raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
-    params = load_checkpoint(path, param_shapes(config),
+    _check_config(config)
+    params = load_checkpoint(path, config_param_shapes(config),
                              config=config if check_config else None)
+    if isinstance(config, GPTConfig):
+        if mesh is None:
+            return load_gpt_params(params, config)
+        return shard_gpt_params(params, config, mesh, axis_name)
     if mesh is None:
         return load_params(params, config)
     return shard_params(params, config, mesh, axis_name)

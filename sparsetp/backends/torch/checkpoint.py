@@ -1,7 +1,13 @@
-"""Save and load a (tensor-parallel) torch block as one safetensors checkpoint.
+"""Save and load a (tensor-parallel) torch block or GPT as one safetensors checkpoint.
 
 The file is :mod:`sparsetp.core.checkpoint`'s: canonical UNSHARDED parameters, so it loads into
 any TP size here and into JAX (:mod:`sparsetp.backends.jax.checkpoint`) on any mesh.
+
+Any module with ``config`` (a ``HybridConfig`` or a ``GPTConfig``), ``group``, ``export_params``
+and ``load_params`` works: a :class:`~sparsetp.backends.torch.block.HybridBlock` or a
+:class:`~sparsetp.backends.torch.model.GPT`. The config goes into the header and a load checks
+it, so a GPT's file does not load into a block (or a GPT of another config): the ValueError
+names the differing fields and tensors, and nothing is loaded.
 
 Both functions are collectives over the module's TP ``group``: every rank calls them.
 
@@ -29,8 +35,14 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsetp.backends.torch.comm import group_rank, group_size
-from sparsetp.core.checkpoint import load_checkpoint, save_checkpoint
-from sparsetp.core.config import HybridConfig, param_shapes
+from sparsetp.core.checkpoint import (
+    config_dtype,
+    config_param_shapes,
+    load_checkpoint,
+    save_checkpoint,
+)
+from sparsetp.core.config import HybridConfig
+from sparsetp.core.model import GPTConfig
 
 __all__ = ["save", "load"]
 
@@ -54,19 +66,20 @@ def _agree(group, error: BaseException | None, action: str) -> None:
         raise error
 
 
-def _check_module(module) -> HybridConfig:
-    if not isinstance(module, nn.Module) or not hasattr(module, "export_params") or not hasattr(
-            module, "load_params"):
-        raise ValueError(f"module must be a sparsetp torch module with export_params/"
-                         f"load_params (a HybridBlock), got {type(module).__name__}")
+def _check_module(module):
+    if not isinstance(module, nn.Module) or not all(
+            hasattr(module, a) for a in ("config", "export_params", "load_params")):
+        raise ValueError(f"module must be a sparsetp torch module with config/export_params/"
+                         f"load_params (a HybridBlock or a GPT), got {type(module).__name__}")
     return module.config
 
 
 def save(module: nn.Module, path, *, metadata: Mapping[str, str] | None = None) -> None:
     """Write ``module``'s canonical unsharded parameters and config to ``path`` (collective).
 
-    Every rank of ``module.group`` must call it. Tensors are stored in ``config.dtype``
-    (a bfloat16 block as ``BF16``: exact, the values it holds). ``metadata``: extra
+    Every rank of ``module.group`` must call it. Tensors are stored in the config's dtype
+    (``config.dtype``, a GPT's ``config.block.dtype``; a bfloat16 model as ``BF16``: exact,
+    the values it holds). ``metadata``: extra
     ``{str: str}`` for the header (a step count, say). Raises on every rank if rank 0 could not
     write (the error names the rank and the cause).
     """
@@ -76,7 +89,9 @@ def save(module: nn.Module, path, *, metadata: Mapping[str, str] | None = None) 
     error = None
     if group_rank(group) == 0:
         try:
-            save_checkpoint(path, params, config=config, metadata=metadata, dtype=config.dtype)
+            dtype = config_dtype(config) if isinstance(config, (HybridConfig, GPTConfig)) \
+                else None
+            save_checkpoint(path, params, config=config, metadata=metadata, dtype=dtype)
         except Exception as e:  # noqa: BLE001  (re-raised by _agree, on every rank)
             error = e
     _agree(group, error, f"write checkpoint {path!r}")
@@ -91,15 +106,17 @@ def load(module: nn.Module, path, *, check_config: bool = True,
     touched; if any rank fails, every rank raises and ``module`` is unchanged everywhere.
     ``check_config=False`` loads the tensors of a file with another config (another pattern,
     or another dtype: values are then rounded to the module's dtype as ``load_params`` does).
-    ``shapes``: the expected ``{name: shape}``; default ``param_shapes(module.config)``.
+    ``shapes``: the expected ``{name: shape}``; default the canonical shapes of
+    ``module.config`` (:func:`~sparsetp.core.checkpoint.config_param_shapes`: a block's or a
+    GPT's).
     """
     config = _check_module(module)
     group = getattr(module, "group", None)
     if shapes is None:
-        if not isinstance(config, HybridConfig):
+        if not isinstance(config, (HybridConfig, GPTConfig)):
             raise ValueError(f"shapes must be given for a module whose config is a "
                              f"{type(config).__name__}")
-        shapes = param_shapes(config)
+        shapes = config_param_shapes(config)
     params, error = None, None
     try:
         params = load_checkpoint(path, shapes, config=config if check_config else None)
