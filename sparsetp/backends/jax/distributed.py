@@ -11,7 +11,7 @@ What bounds a peer that stops (jax/jaxlib 0.10.2, measured in ``tests/jax_stall_
 * A peer that is **alive but stuck** (a hang, a deadlock, another code path) still sends
   heartbeats, so the coordination service never flags it, and XLA's cross-process collectives
   take no timeout from JAX: on CPU (gloo) the survivor waited more than 140 s in an all-reduce
-  in our run (XLA's CPU collectives wait 30 minutes); NCCL waits forever. A blocked XLA call
+  in our run (XLA's CPU runtime hard-codes 30 minutes); NCCL not tested. A blocked XLA call
   cannot be interrupted from Python, so :func:`deadline` is a watchdog: if the block has not
   finished after ``timeout_s`` it writes which step of which process was waiting to stderr and
   ends the process with ``os._exit`` (what torch's NCCL watchdog does on a timeout). The
