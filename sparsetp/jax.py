@@ -24,6 +24,7 @@ from sparsetp.backends.jax.block import (
     shard_batch,
     shard_params,
 )
+from sparsetp.backends.jax.distributed import deadline, init_distributed
 from sparsetp.backends.jax.layers import column_parallel_linear, parallel_mlp, row_parallel_linear
 from sparsetp.backends.jax.model import (
     export_gpt_params,
@@ -43,4 +44,5 @@ __all__ = [
     "checkpoint",  # checkpoint.save(params, path, cfg) / checkpoint.load(path, cfg, mesh=...)
     "gpt", "gpt_loss", "load_gpt_params", "shard_gpt_params", "export_gpt_params",
     "GPTConfig", "init_gpt_params",
+    "init_distributed", "deadline",  # multi-process: bounded waits (BUILD.md "Timeouts")
 ]
