@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from absl import app, flags
 
+from sparsetp.bench.attention import _flex_fn
 from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
 from sparsetp.torch import sparse_attention
@@ -66,21 +67,6 @@ def _tflops(layout, b, d, ms, backward=False):
     return flops / (ms * 1e-3) / 1e12
 
 
-_FLEX = {}
-
-
-def _flex():
-    if "fn" not in _FLEX:
-        import torch._dynamo  # noqa: PLC0415
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
-
-        for knob in ("recompile_limit", "cache_size_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["fn"]
-
-
 def _flex_mask(mask_mod, h, n):
     from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
 
@@ -93,7 +79,7 @@ def _flex_mask(mask_mod, h, n):
 def _pair(rec, name, layout, mask_mod, b, h, h_kv, n, d, seed, extra=None):
     """sparsetp and Flex on the same inputs: agreement, then times and TFLOP/s."""
     q, k, v, d_out = _tensors(b, h, h_kv, n, d, seed)
-    flex = _flex()
+    flex = _flex_fn()  # the bench tool's one compiled flex_attention
     bm, mask_s = _flex_mask(mask_mod, h, n)
     gqa = h_kv != h
 

@@ -1,9 +1,10 @@
 """One process of the 2-process JAX data x tensor-parallel test (not a test file itself).
 
 ``python tests/jax_dp_tp_worker.py COORDINATOR PROCESS_ID OUT.npy``: joins a 2-process JAX job
-(``jax.distributed.initialize``, gloo CPU collectives) with 2 local CPU devices, builds the
-2 x 2 ("data", "model") mesh over the 4 devices of both processes, runs one training step of
-the two-block stack and saves the loss, the gathered gradients and the stepped parameters.
+(``sparsetp.jax.init_distributed``: gloo CPU collectives, 60 s timeouts) with 2 local CPU
+devices, builds the 2 x 2 ("data", "model") mesh over the 4 devices of both processes, runs
+one training step of the two-block stack and saves the loss, the gathered gradients and the
+stepped parameters.
 ``jax_dp_tp_test.py`` imports :func:`loss` and :func:`sgd` from here (the same model).
 """
 
@@ -32,9 +33,9 @@ def sgd(params, grads, lr):
 
 def main(coordinator: str, process_id: int, out: str) -> None:
     jax.config.update("jax_num_cpu_devices", 2)  # before the backend starts
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2,
-                               process_id=process_id, initialization_timeout=60)
+    from sparsetp.backends.jax.distributed import init_distributed  # noqa: PLC0415
+
+    init_distributed(coordinator, num_processes=2, process_id=process_id, timeout_s=60)
     import dp_tp_common as C  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 

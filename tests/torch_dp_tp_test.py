@@ -39,11 +39,9 @@ from torch import nn
 from sparsetp.backends.torch import parallel
 from sparsetp.backends.torch.block import HybridBlock
 from sparsetp.backends.torch.comm import (
-    all_gather_dim,
     gather_from_sequence_region,
     scatter_to_sequence_region,
 )
-from sparsetp.core import param_shapes, partition_dim
 
 try:  # pytest puts tests/ on sys.path (no package); a package layout reaches it as tests.*
     import dist_utils
@@ -64,27 +62,13 @@ def _stack(cfg, group, sequence_parallel=False):
                            for s in SEEDS))
 
 
-def _canonical_grads(block: HybridBlock) -> dict[str, np.ndarray]:
-    """``block``'s gradients in canonical unsharded form, gathered over its TP group the way
-    ``export_params`` gathers the parameters (a collective over the group)."""
-    own = dict(block.named_parameters())
-    out = {}
-    for name in param_shapes(block.config):
-        g = own[name].grad
-        dim = partition_dim(name)
-        if dim is not None:
-            g = all_gather_dim(g, dim, block.group)
-        out[name] = g.detach().cpu().numpy().copy()
-    return out
-
-
 def _reference(cfg):
     """One process, no torch.distributed: the same stack, loss and SGD step on the whole batch."""
     model = _stack(cfg, None)
     x, t = _data()
     loss = ((model(x) - t) ** 2).mean()
     loss.backward()
-    grads = [_canonical_grads(b) for b in model]
+    grads = [b.export_grads() for b in model]
     torch.optim.SGD(model.parameters(), lr=LR).step()
     return loss.item(), grads, [b.export_params() for b in model]
 
@@ -104,7 +88,7 @@ def _train_step(rank, world, sequence_parallel):
         y = model(x_local)
     loss = ((y - t_local) ** 2).mean()  # a mean over the local batch: DDP averages over dp
     loss.backward()
-    grads = [_canonical_grads(b) for b in model.module]
+    grads = [b.export_grads() for b in model.module]
     torch.optim.SGD(model.parameters(), lr=LR).step()
     params = [b.export_params() for b in model.module]
     # The global loss, for the report: the mean of the replicas' means (equal local batches).

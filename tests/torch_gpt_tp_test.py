@@ -1,10 +1,9 @@
 """The torch GPT under tensor parallelism: TP=2 on two gloo processes against the float64 oracle.
 
 Each rank runs ``GPT(CFG, group)`` from the same canonical parameters on the same batch and
-returns its logits, loss, its gradients gathered to canonical unsharded form (the blocks'
-sharded gradients all-gathered along their ``partition_dim``, as ``export_params`` gathers the
-parameters), its replicated parameters' LOCAL gradients, and ``export_params()`` of a model
-seeded with the canonical draw. The parent checks, for every rank:
+returns its logits, loss, its gradients gathered to canonical unsharded form
+(``GPT.export_grads``), its replicated parameters' LOCAL gradients, and ``export_params()`` of a
+model seeded with the canonical draw. The parent checks, for every rank:
 
 * logits, loss and every canonical gradient against :mod:`sparsetp.core.reference` at the
   float32 tolerances of ``testing_utils`` (parameter gradients sum over B*N tokens:
@@ -27,7 +26,6 @@ import torch  # noqa: E402
 from absl.testing import absltest  # noqa: E402
 from testing_utils import assert_close  # noqa: E402
 
-from sparsetp.backends.torch.comm import all_gather_dim  # noqa: E402
 from sparsetp.core import (  # noqa: E402
     GPTConfig,
     HybridConfig,
@@ -54,20 +52,11 @@ TASK = RecallTask(seq_len=96, num_values=16, num_slots=8, num_queries=8)
 TP = 2
 
 
-def _canonical_grads(model: GPT) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(gathered canonical gradients, this rank's local gradients of replicated parameters).
-
-    A collective over ``model.group``: every rank calls it."""
-    gathered, replicated = {}, {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach()
-        dim = partition_dim(name.split(".", 2)[2]) if name.startswith("blocks.") else None
-        if dim is None:
-            replicated[name] = g.cpu().numpy().copy()
-        else:
-            g = all_gather_dim(g, dim, model.group)
-        gathered[name] = g.cpu().numpy().copy()
-    return gathered, replicated
+def _replicated_grads(model: GPT) -> dict[str, np.ndarray]:
+    """This rank's local gradients of the parameters TP does not split."""
+    return {name: p.grad.detach().cpu().numpy().copy()
+            for name, p in model.named_parameters()
+            if not name.startswith("blocks.") or partition_dim(name.split(".", 2)[2]) is None}
 
 
 def _tp_rank(rank, world, params, tokens, targets, mask):
@@ -75,7 +64,7 @@ def _tp_rank(rank, world, params, tokens, targets, mask):
     logits = model(torch.from_numpy(tokens))
     loss = torch_loss(logits, torch.from_numpy(targets), torch.from_numpy(mask))
     loss.backward()
-    grads, replicated = _canonical_grads(model)
+    grads, replicated = model.export_grads(), _replicated_grads(model)
     seeded = GPT(CFG, seed=3).export_params()
     return dict(logits=logits.detach().numpy(), loss=loss.item(), grads=grads,
                 replicated=replicated, export=seeded, export_again=model.export_params())

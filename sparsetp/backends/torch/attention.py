@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import weakref
 
@@ -232,11 +233,10 @@ class _SparseAttentionFn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        if ctx.options is _options.current():
+        # The forward's options (usually still current: then no generator-based context).
+        same = ctx.options is _options.current()
+        with contextlib.nullcontext() if same else _options.using(ctx.options):
             dq, dk, dv = ctx.plan.backward(q, k, v, out, lse, d_out, d_lse, ctx.layout)
-        else:
-            with _options.using(ctx.options):
-                dq, dk, dv = ctx.plan.backward(q, k, v, out, lse, d_out, d_lse, ctx.layout)
         return dq, dk, dv, None, None
 
 

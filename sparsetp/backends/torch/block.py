@@ -51,6 +51,17 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "float64": torch.float64}
 
 
+def _grad_of(name: str, p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        raise ValueError(f"{name} has no gradient: run backward first")
+    return p.grad
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A host copy; bfloat16 (no numpy dtype) as float32, which is exact."""
+    return (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy().copy()
+
+
 class HybridBlock(nn.Module):
     """Pre-norm transformer block with block-sparse attention, tensor-parallel over ``group``.
 
@@ -146,16 +157,25 @@ class HybridBlock(nn.Module):
         ``from_params(cfg, p).export_params()`` returns ``p`` bitwise when ``p`` is already
         representable in ``config.dtype``.
         """
+        return self._export(lambda name, p: p)
+
+    @torch.no_grad()
+    def export_grads(self) -> dict[str, np.ndarray]:
+        """The parameters' gradients (``.grad``) in canonical UNSHARDED form, gathered like
+        :meth:`export_params` (a collective; the same dtypes). Replicated parameters give this
+        rank's own gradient. ValueError naming the parameter if one has no gradient yet."""
+        return self._export(_grad_of)
+
+    def _export(self, pick) -> dict[str, np.ndarray]:
+        """``pick(name, parameter)`` of every canonical parameter, TP shards gathered."""
         own = dict(self.named_parameters())
         out = {}
         for name in param_shapes(self.config):
-            p = own[name].detach()
+            t = pick(name, own[name]).detach()
             dim = partition_dim(name)
             if dim is not None:
-                p = all_gather_dim(p, dim, self.group)
-            if p.dtype == torch.bfloat16:
-                p = p.float()
-            out[name] = p.cpu().numpy().copy()
+                t = all_gather_dim(t, dim, self.group)
+            out[name] = _to_numpy(t)
         return out
 
     def _check_input(self, x) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sparsetp.backends.torch.block import TORCH_DTYPES, HybridBlock
+from sparsetp.backends.torch.block import TORCH_DTYPES, HybridBlock, _grad_of, _to_numpy
 from sparsetp.backends.torch.layers import _as_tensor
 from sparsetp.core.config import check_seed
 from sparsetp.core.model import (
@@ -119,12 +119,21 @@ class GPT(nn.Module):
         """The canonical UNSHARDED parameters as numpy arrays (a collective under TP: every
         rank must call it). bfloat16 comes back as float32 (exact), as in
         :meth:`HybridBlock.export_params`."""
-        outer = {}
+        outer = {name: _to_numpy(p.detach()) for name, p in self._outer()}
+        return join_block_params(outer, [b.export_params() for b in self.blocks])
+
+    @torch.no_grad()
+    def export_grads(self) -> dict[str, np.ndarray]:
+        """The gradients in canonical UNSHARDED form, as :meth:`HybridBlock.export_grads`
+        (a collective under TP; replicated parameters give this rank's own gradient)."""
+        outer = {name: _to_numpy(_grad_of(name, p)) for name, p in self._outer()}
+        return join_block_params(outer, [b.export_grads() for b in self.blocks])
+
+    def _outer(self):
+        """(canonical name, parameter) of the parameters outside the blocks."""
         for name in ("embed.weight", "pos.weight", "ln_f.weight", "ln_f.bias", "head.weight"):
             module, attr = name.split(".")
-            p = getattr(getattr(self, module), attr).detach()
-            outer[name] = (p.float() if p.dtype == torch.bfloat16 else p).cpu().numpy().copy()
-        return join_block_params(outer, [b.export_params() for b in self.blocks])
+            yield name, getattr(getattr(self, module), attr)
 
     def _check_tokens(self, tokens) -> None:
         if not isinstance(tokens, torch.Tensor):
