@@ -98,7 +98,7 @@ def define_target_flags(out: str, n: tuple[str, ...]) -> None:
     flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smoke test only)")
 
 
-_TILE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_preprocess")
+_TILE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
 
 
 def parse_arm(spec: str) -> Arm:
