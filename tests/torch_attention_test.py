@@ -202,6 +202,27 @@ class _PerDevice:
             for name, t, r in (("dq", tq, rq), ("dk", tk, rk), ("dv", tv, rv)):
                 tu.assert_close(_np(t.grad), r.grad.numpy(), "float32", grad=True, what=name)
 
+        def test_expanded_lse_cotangent_matches_a_contiguous_one(self):
+            """``lse.sum()`` hands backward a stride-0 (expanded) cotangent, which the dQ
+            launch reads through its own strides: the gradients equal those of the same
+            cotangent made contiguous, bit for bit (rows with no key included)."""
+            n = 36
+            layout = make_layout(example_pattern("masked_rows", n, 16), n, 2, 16)
+            grads = []
+            for contiguous in (False, True):
+                q, k, v = (self._to(x, "float32", requires_grad=True)
+                           for x in tu.random_inputs(5, (1, 2, n, 16), "float32", count=3))
+                out, lse = tattn.sparse_attention(q, k, v, layout, return_lse=True)
+                d_lse = torch.ones((), dtype=lse.dtype, device=lse.device).expand(lse.shape)
+                if contiguous:
+                    d_lse = d_lse.contiguous()
+                self.assertEqual(d_lse.stride(), (n * 2, n, 1) if contiguous else (0, 0, 0))
+                torch.autograd.backward((out, lse), (torch.ones_like(out), d_lse))
+                grads.append([_np(t.grad) for t in (q, k, v)])
+            for name, a, b in zip(("dq", "dk", "dv"), *grads, strict=True):
+                self.assertTrue(np.isfinite(a).all(), name)
+                np.testing.assert_array_equal(a, b, err_msg=name)
+
         def test_module_caches_layouts_and_matches_function(self):
             attn = tattn.SparseAttention(P.causal(), block_size=32, scale=0.4)
             q, k, v = (torch.from_numpy(x).to(self.device)
