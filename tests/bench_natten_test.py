@@ -152,7 +152,10 @@ class NattenSpecTest(parameterized.TestCase):
         self.assertEqual({(c["B"], c["H"], c["D"], c["dtype"]) for _, cs, _ in cfg.sections
                           for c in cs}, {(1, 16, 128, "bfloat16")})
         self.assertEqual([im for _, _, im in cfg.sections],
-                         [["sdpa_cudnn", "sparsetp"], ["sparsetp_jax"], ["flex"]])
+                         [["sdpa_cudnn", "sparsetp"], ["sparsetp_jax"], ["flex"], ["flex"]])
+        self.assertEqual(len(cfg.sections[0][1]), 7)  # 3 row-major, 2 tiled at block 128 and 64
+        self.assertEqual([":tile" in c["pattern"] for c in cfg.sections[2][1] + cfg.sections[3][1]],
+                         [False] * 3 + [True] * 2)
 
     def test_check_catches_a_wrong_layout(self):
         import torch  # here: sparsetp picks Triton's mode before torch loads it

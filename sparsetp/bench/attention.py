@@ -1874,6 +1874,10 @@ def argv_flags() -> list:
 
 
 def summary(res: dict) -> str:
+    if res.get("preset") == "natten":
+        from sparsetp.bench import natten  # noqa: PLC0415
+
+        return natten.summary(res)
     rows = [f"{'impl':13s} {'pattern':18s} {'N':>6s} {'bs':>4s} {'fwd ms':>9s} {'bwd ms':>9s} "
             f"{'fwd TF/s':>9s} {'vsFlex f/b':>11s}"]
     for r in res["records"]:
