@@ -994,6 +994,8 @@ class Neighborhood(Pattern):
         where[tiles] = np.arange(tiles.size)
         iq, ik = where[qi], where[kj]
         out = np.zeros(qi.shape, np.int64)
+        # The same with clamped windows compared by their masks (_window_key).
+        merged, refined = np.zeros(qi.shape, np.int64), False
         for coord, (length, k, d, c) in zip(idx.coords(tok), self._axes(), strict=True):
             f = coord.min(axis=1)
             spread = coord.max(axis=1) - f
@@ -1037,7 +1039,59 @@ class Neighborhood(Pattern):
             n_pay = int(payload.max(initial=0)) + 1
             key = _unique_inverse(head[inv] * n_pay + payload)[1]
             out = out * (int(key.max(initial=0)) + 1) + key
-        return out
+            fine = _window_key(key, mode, coord, f, spread, iq, ik, fq, fk, length, k, d, c)
+            refined |= fine is not None
+            fine = key if fine is None else fine
+            merged = merged * (int(fine.max(initial=0)) + 1) + fine
+        if not refined:
+            return out
+        # Several absolute keys with equal masks: one class each, numbered by the smallest
+        # absolute class of an interior tile in it (the layout gives tiles of a ragged last
+        # row or column classes of their own). Masks are then met (and numbered) in the same
+        # order as with the absolute classes: the layout is bit-identical, with fewer tiles
+        # evaluated.
+        group = _unique_inverse(merged)[1]
+        nb = -(-n // bs)
+        ragged = ((qi == nb - 1) | (kj == nb - 1)) & (n % bs != 0)
+        big = np.iinfo(np.int64).max
+        first = np.full(int(group.max(initial=0)) + 1, big)
+        np.minimum.at(first, group, np.where(ragged, big, out))
+        alone = np.full(first.size, big)  # groups of ragged tiles only: their own smallest
+        np.minimum.at(alone, group, out)
+        return np.where(first == big, alone, first)[group]
+
+
+# Refine absolute per-axis keys (clamped windows) only past this many of them on an axis:
+# fewer cost less to evaluate than to compare.
+_WINDOW_KEYS_MIN = 64
+
+
+def _window_key(key, mode, coord, f, spread, iq, ik, fq, fk, length, k, d, c):
+    """Per-pair keys of one axis where the absolute ones (mode 2: a clamped window, keyed by
+    both tiles' coordinates) become what decides the mask: per query position of the tile,
+    its window ends relative to the key tile's first coordinate (clipped to the key tile's
+    span) and its residue; plus the key tile's profile (``key`` otherwise). ``None`` when
+    there are too few absolute keys to bother."""
+    absolute = np.flatnonzero(mode == 2)
+    keys, rep = np.unique(key[absolute], return_index=True)
+    if keys.size <= _WINDOW_KEYS_MIN:
+        return None
+    rep = absolute[rep]
+    p = coord[iq[rep]].astype(np.int64)  # [U, bs]: query coordinates by position
+    lo, hi = _axis_window(p, length, k, d, c)
+    base, top = fk[rep][:, None], spread[ik[rep]][:, None] + 1
+    rows = np.concatenate([np.clip(lo - base, -1, top), np.clip(hi - base, -1, top),
+                           (p - base) % d], axis=1)
+    prof_k = _row_ids(coord - f[:, None], spread)[ik[rep]]
+    rows = np.ascontiguousarray(np.concatenate([rows, prof_k[:, None]], axis=1), np.int32)
+    # Rows as raw bytes: equal rows is all that matters (np.unique(axis=0) sorts field by
+    # field, ~50 ms for 10^3 rows here).
+    _, win = np.unique(rows.view(np.dtype((np.void, 4 * rows.shape[1]))).ravel(),
+                       return_inverse=True)
+    fine = key + 0
+    # Window classes above every other key of the axis (they only need to differ).
+    fine[absolute] = int(key.max(initial=0)) + 1 + win.ravel()[np.searchsorted(keys, key[absolute])]
+    return fine
 
 
 def _ranges(count: np.ndarray) -> np.ndarray:
