@@ -8,13 +8,9 @@ correctness check that gates every timing of ours is shown to catch a wrong layo
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-
 import numpy as np
 from absl.testing import absltest, parameterized
-from bench_attention_test import _mask_mod_on_grid
+from bench_attention_test import _mask_mod_on_grid, run_preset_on_cpu
 
 from sparsetp.bench import attention as A
 from sparsetp.bench import natten
@@ -26,14 +22,7 @@ class NattenPresetCpuTest(absltest.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.tmp = tempfile.mkdtemp(prefix="bench_natten_test_")
-        cfg = A.preset_config("natten", "cpu")
-        cfg.out_dir, cfg.plots = cls.tmp, False
-        cfg.command = "bench_natten_test (in-process natten preset, CPU)"
-        cls.cfg = cfg
-        A.run(cfg)
-        with open(os.path.join(cls.tmp, cfg.json_name)) as f:
-            cls.res = json.load(f)
+        cls.cfg, _, cls.res = run_preset_on_cpu("natten", "bench_natten_test", plots=False)
         cls.timed = [r for r in cls.res["records"] if "fwd_ms" in r]
 
     def test_every_job_ran_or_is_a_gpu_only_skip(self):
