@@ -158,7 +158,7 @@ def bench_pattern(text: str, n: int, bs: int):
 def preset_config(device: str):
     """The ``natten`` preset: ours and cuDNN first, then JAX, then Flex row-major, then Flex
     tiled (a budget overrun loses the tail; Flex compiles take 5-48 s per mask and shape on the
-    GPU machine). About 3.5 minutes on one H100/H200."""
+    GPU machine). About 3 minutes on one H100/H200."""
     from sparsetp.bench.attention import BenchConfig, _case  # noqa: PLC0415
 
     gpu = device == "cuda"
@@ -176,7 +176,7 @@ def preset_config(device: str):
     dense = "sdpa_cudnn" if gpu else "sdpa"
     sections = [("natten", ours, [dense, "sparsetp"]), ("natten", ours, ["sparsetp_jax"]),
                 ("natten", flex_row_major, ["flex"]), ("natten", flex_tiled, ["flex"])]
-    return BenchConfig("natten", device, sections, budget_s=170.0 if gpu else 120.0,
+    return BenchConfig("natten", device, sections, budget_s=150.0 if gpu else 120.0,
                        input_sets=3 if gpu else 2, cpu_reps=5)
 
 
