@@ -1039,7 +1039,7 @@ class Neighborhood(Pattern):
             n_pay = int(payload.max(initial=0)) + 1
             key = _unique_inverse(head[inv] * n_pay + payload)[1]
             out = out * (int(key.max(initial=0)) + 1) + key
-            fine = _window_key(key, mode, coord, f, spread, iq, ik, fq, fk, length, k, d, c)
+            fine = _window_key(key, mode, coord, spread, prof, iq, ik, fk, length, k, d, c)
             refined |= fine is not None
             fine = key if fine is None else fine
             merged = merged * (int(fine.max(initial=0)) + 1) + fine
@@ -1066,7 +1066,7 @@ class Neighborhood(Pattern):
 _WINDOW_KEYS_MIN = 64
 
 
-def _window_key(key, mode, coord, f, spread, iq, ik, fq, fk, length, k, d, c):
+def _window_key(key, mode, coord, spread, prof, iq, ik, fk, length, k, d, c):
     """Per-pair keys of one axis where the absolute ones (mode 2: a clamped window, keyed by
     both tiles' coordinates) become what decides the mask: per query position of the tile,
     its window ends relative to the key tile's first coordinate (clipped to the key tile's
@@ -1082,15 +1082,15 @@ def _window_key(key, mode, coord, f, spread, iq, ik, fq, fk, length, k, d, c):
     base, top = fk[rep][:, None], spread[ik[rep]][:, None] + 1
     rows = np.concatenate([np.clip(lo - base, -1, top), np.clip(hi - base, -1, top),
                            (p - base) % d], axis=1)
-    prof_k = _row_ids(coord - f[:, None], spread)[ik[rep]]
-    rows = np.ascontiguousarray(np.concatenate([rows, prof_k[:, None]], axis=1), np.int32)
+    rows = np.ascontiguousarray(np.concatenate([rows, prof[ik[rep]][:, None]], axis=1),
+                                np.int32)
     # Rows as raw bytes: equal rows is all that matters (np.unique(axis=0) sorts field by
     # field, ~50 ms for 10^3 rows here).
     _, win = np.unique(rows.view(np.dtype((np.void, 4 * rows.shape[1]))).ravel(),
                        return_inverse=True)
-    fine = key + 0
+    fine = key.copy()
     # Window classes above every other key of the axis (they only need to differ).
-    fine[absolute] = int(key.max(initial=0)) + 1 + win.ravel()[np.searchsorted(keys, key[absolute])]
+    fine[absolute] = key.max() + 1 + win.ravel()[np.searchsorted(keys, key[absolute])]
     return fine
 
 
