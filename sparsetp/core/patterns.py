@@ -994,8 +994,7 @@ class Neighborhood(Pattern):
         where[tiles] = np.arange(tiles.size)
         iq, ik = where[qi], where[kj]
         out = np.zeros(qi.shape, np.int64)
-        # The same with clamped windows compared by their masks (_window_key).
-        merged, refined = np.zeros(qi.shape, np.int64), False
+        fine, refined = [], False  # per axis: keys with clamped windows compared by mask
         for coord, (length, k, d, c) in zip(idx.coords(tok), self._axes(), strict=True):
             f = coord.min(axis=1)
             spread = coord.max(axis=1) - f
@@ -1039,12 +1038,14 @@ class Neighborhood(Pattern):
             n_pay = int(payload.max(initial=0)) + 1
             key = _unique_inverse(head[inv] * n_pay + payload)[1]
             out = out * (int(key.max(initial=0)) + 1) + key
-            fine = _window_key(key, mode, coord, spread, prof, iq, ik, fk, length, k, d, c)
-            refined |= fine is not None
-            fine = key if fine is None else fine
-            merged = merged * (int(fine.max(initial=0)) + 1) + fine
+            window = _window_key(key, mode, coord, spread, prof, iq, ik, fk, length, k, d, c)
+            fine.append(key if window is None else window)
+            refined |= window is not None
         if not refined:
             return out
+        merged = np.zeros(qi.shape, np.int64)
+        for key in fine:
+            merged = merged * (int(key.max(initial=0)) + 1) + key
         # Several absolute keys with equal masks: one class each, numbered by the smallest
         # absolute class of an interior tile in it (the layout gives tiles of a ragged last
         # row or column classes of their own). Masks are then met (and numbered) in the same
@@ -1073,10 +1074,13 @@ def _window_key(key, mode, coord, spread, prof, iq, ik, fk, length, k, d, c):
     span) and its residue; plus the key tile's profile (``key`` otherwise). ``None`` when
     there are too few absolute keys to bother."""
     absolute = np.flatnonzero(mode == 2)
-    keys, rep = np.unique(key[absolute], return_index=True)
+    if absolute.size <= _WINDOW_KEYS_MIN:
+        return None
+    keys, which = _unique_inverse(key[absolute])
     if keys.size <= _WINDOW_KEYS_MIN:
         return None
-    rep = absolute[rep]
+    rep = np.empty(keys.size, np.int64)
+    rep[which] = absolute  # a pair of each key: equal keys, equal tiles' coordinates
     p = coord[iq[rep]].astype(np.int64)  # [U, bs]: query coordinates by position
     lo, hi = _axis_window(p, length, k, d, c)
     base, top = fk[rep][:, None], spread[ik[rep]][:, None] + 1
@@ -1090,7 +1094,7 @@ def _window_key(key, mode, coord, spread, prof, iq, ik, fk, length, k, d, c):
                        return_inverse=True)
     fine = key.copy()
     # Window classes above every other key of the axis (they only need to differ).
-    fine[absolute] = key.max() + 1 + win.ravel()[np.searchsorted(keys, key[absolute])]
+    fine[absolute] = key.max() + 1 + win.ravel()[which]
     return fine
 
 
