@@ -989,14 +989,17 @@ class Neighborhood(Pattern):
         seen = np.zeros(-(-n // bs), bool)
         seen[qi] = seen[kj] = True
         tiles = np.nonzero(seen)[0]
-        tok = np.minimum(tiles[:, None] * bs + np.arange(bs, dtype=np.int64), n - 1)
-        where = np.empty(-(-n // bs), np.int64)
-        where[tiles] = np.arange(tiles.size)
+        # int32 tokens and pair indices where they fit: half the memory to fault in (per-tile
+        # values go back to int64 below, before any product).
+        i32 = np.int32 if n < 2**31 else np.int64
+        tok = np.minimum(tiles[:, None] * bs + np.arange(bs, dtype=i32), n - 1).astype(i32)
+        where = np.empty(-(-n // bs), i32)
+        where[tiles] = np.arange(tiles.size, dtype=i32)
         iq, ik = where[qi], where[kj]
         out = np.zeros(qi.shape, np.int64)
         fine, refined = [], False  # per axis: keys with clamped windows compared by mask
         for coord, (length, k, d, c) in zip(idx.coords(tok), self._axes(), strict=True):
-            f = coord.min(axis=1)
+            f = coord.min(axis=1).astype(np.int64)
             spread = coord.max(axis=1) - f
             prof = _row_ids(coord - f[:, None], spread)
             n_prof = int(prof.max(initial=0)) + 1
