@@ -1256,8 +1256,8 @@ def neighborhood(grid, kernel_size, dilation=1, causal=False, tile_shape=None) -
     row-major token ``perm[i]``.
 
     The layout is built from per-axis windows in time linear in the listed tiles (a 3-D grid
-    of 131072 tokens takes milliseconds: ``benchmarks/KERNEL_NOTES.md``). It composes like any
-    pattern, e.g. with global tokens:
+    of 131072 tokens, kernel 7: 16-36 ms on a shared 2-core VM, ``benchmarks/KERNEL_NOTES.md``).
+    It composes like any pattern, e.g. with global tokens:
 
     >>> p = neighborhood((8, 12), kernel_size=(3, 5), dilation=(1, 2)) | global_tokens(4)
     >>> nb = neighborhood((8, 12), 3)
