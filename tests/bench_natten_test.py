@@ -141,10 +141,30 @@ class NattenSpecTest(parameterized.TestCase):
         self.assertEqual({(c["B"], c["H"], c["D"], c["dtype"]) for _, cs, _ in cfg.sections
                           for c in cs}, {(1, 16, 128, "bfloat16")})
         self.assertEqual([im for _, _, im in cfg.sections],
-                         [["sdpa_cudnn", "sparsetp"], ["sparsetp_jax"], ["flex"], ["flex"]])
+                         [["sdpa_cudnn", "sparsetp"], ["sdpa_flash"], ["sparsetp_jax"], ["flex"],
+                          ["flex"]])
+        self.assertEqual(cfg.dense_order[0], "sdpa_cudnn")  # the issue's dense anchor
         self.assertEqual(len(cfg.sections[0][1]), 7)  # 3 row-major, 2 tiled at block 128 and 64
-        self.assertEqual([":tile" in c["pattern"] for c in cfg.sections[2][1] + cfg.sections[3][1]],
+        self.assertEqual([":tile" in c["pattern"] for c in cfg.sections[3][1] + cfg.sections[4][1]],
                          [False] * 3 + [True] * 2)
+
+    def test_dense_is_cudnn_where_both_ran(self):
+        """speedup_vs_dense uses cuDNN's dense time when cuDNN and flash both ran, flash's when
+        only flash did (synthetic GPU records)."""
+        def rec(impl, fwd, pattern="neighborhood:128x128:31x31"):
+            return {"section": "natten", "impl": impl, "pattern": pattern, "N": 16384, "B": 1,
+                    "H": 16, "D": 128, "dtype": "bfloat16", "block": 128, "fwd_ms": fwd,
+                    "fwd_bwd_ms": 3 * fwd, "flop_elements": 10**9}
+        cfg = A.preset_config("natten", "cuda")
+        config = {"dense_order": list(cfg.dense_order)}
+        recs = [rec("sdpa_flash", 8.0, "dense"), rec("sdpa_cudnn", 6.0, "dense"),
+                rec("sparsetp", 1.0)]
+        A.add_derived({"records": recs, "config": config})
+        self.assertEqual(recs[-1]["dense_impl"], "sdpa_cudnn")
+        self.assertAlmostEqual(recs[-1]["speedup_vs_dense"]["fwd"], 6.0)
+        recs = [rec("sdpa_flash", 8.0, "dense"), rec("sparsetp", 1.0)]
+        A.add_derived({"records": recs, "config": config})
+        self.assertEqual(recs[-1]["dense_impl"], "sdpa_flash")
 
     def test_check_catches_a_wrong_layout(self):
         import torch  # here: sparsetp picks Triton's mode before torch loads it

@@ -186,6 +186,7 @@ class BenchConfig:
     plots: bool = True
     command: str = ""
     rounds: dict = dataclasses.field(default_factory=dict)
+    dense_order: tuple = DENSE_BASELINES  # which measured dense SDPA is "dense" (the first)
 
 
 def _case(pattern, n, *, b=1, h=16, d=128, dtype="bfloat16", block=128) -> dict:
@@ -1335,7 +1336,8 @@ CONVENTIONS = {
                    "pairs the pattern allows, B*H*N*N for dense) in place of flop_elements",
     "bwd_over_fwd": "bwd_ms / fwd_ms",
     "speedup_vs_X": "X_ms / this_ms for the same case (> 1: this is faster); dense = the first "
-                    "of sdpa_flash, sdpa_cudnn, sdpa measured at that shape",
+                    "of config.dense_order (default sdpa_flash, sdpa_cudnn, sdpa; natten: "
+                    "sdpa_cudnn first) measured at that shape",
 }
 
 
@@ -1370,7 +1372,8 @@ def add_derived(result: dict) -> dict:
                 out[(r["section"], key(r, with_pattern))] = r  # ... and of a (section, case)
         return out
 
-    flex, dense = refs(("flex",), True), refs(DENSE_BASELINES, False)
+    order = tuple(result.get("config", {}).get("dense_order") or DENSE_BASELINES)
+    flex, dense = refs(("flex",), True), refs(order, False)
     for r in recs:
         if "fwd_ms" not in r:
             continue

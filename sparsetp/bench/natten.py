@@ -176,8 +176,11 @@ def preset_config(device: str):
     dense = "sdpa_cudnn" if gpu else "sdpa"
     sections = [("natten", ours, [dense, "sparsetp"]), ("natten", ours, ["sparsetp_jax"]),
                 ("natten", flex_row_major, ["flex"]), ("natten", flex_tiled, ["flex"])]
+    if gpu:  # flash: the dense anchor only where cuDNN's did not run (dense_order)
+        sections.insert(1, ("natten", ours, ["sdpa_flash"]))
     return BenchConfig("natten", device, sections, budget_s=150.0 if gpu else 120.0,
-                       input_sets=3 if gpu else 2, cpu_reps=5)
+                       input_sets=3 if gpu else 2, cpu_reps=5,
+                       dense_order=("sdpa_cudnn", "sdpa_flash", "sdpa"))
 
 
 def _rows_oracle(pat, q, k, v, do, rows, scale):
