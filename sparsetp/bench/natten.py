@@ -14,7 +14,8 @@ case        grid              kernel            forward speed-up over cuDNN dens
 Arms: ours (``sparsetp``, torch) on the row-major sequence and, for 2-D and 3-D, in the tiled
 token order of ``neighborhood(..., tile_shape=...)`` (inputs already in that order, as in a
 model that permutes once with :func:`~sparsetp.core.grid_tiling`; the permutation is not
-timed); cuDNN dense SDPA (``sdpa_cudnn``) at the same N; FlexAttention (``flex``) with a
+timed); cuDNN dense SDPA (``sdpa_cudnn``) at the same N, the "dense" of every ratio (flash's
+``sdpa_flash`` is measured too and stands in where cuDNN's fails); FlexAttention (``flex``) with a
 BlockMask from our layout and the NATTEN rule written as a ``mask_mod`` over the token indices
 (row-major or tiled, as a Flex user would write it); ours in JAX (``sparsetp_jax``).
 
