@@ -28,18 +28,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
+def run_preset_on_cpu(preset: str, test: str, **cfg_fields):
+    """Run ``preset`` in-process on CPU into a new directory: ``(cfg, result, saved JSON)``."""
+    cfg = A.preset_config(preset, "cpu")
+    cfg.out_dir = tempfile.mkdtemp(prefix=f"{test}_")
+    cfg.command = f"{test} (in-process {preset} preset)"
+    for name, value in cfg_fields.items():
+        setattr(cfg, name, value)
+    res = A.run(cfg)
+    with open(os.path.join(cfg.out_dir, cfg.json_name)) as f:
+        return cfg, res, json.load(f)
+
+
 class CpuPresetTest(parameterized.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.tmp = tempfile.mkdtemp(prefix="bench_attention_test_")
-        cfg = A.preset_config("cpu", "cpu")
-        cfg.out_dir = cls.tmp
-        cfg.command = "bench_attention_test (in-process cpu preset)"
-        cls.cfg = cfg
-        cls.res = A.run(cfg)
-        with open(os.path.join(cls.tmp, cfg.json_name)) as f:
-            cls.saved = json.load(f)
+        cls.cfg, cls.res, cls.saved = run_preset_on_cpu("cpu", "bench_attention_test")
+        cls.tmp = cls.cfg.out_dir
 
     def timed(self):
         return [r for r in self.saved["records"] if "fwd_ms" in r]

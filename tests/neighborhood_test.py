@@ -114,6 +114,31 @@ class SemanticsTest(parameterized.TestCase):
                     truth = np.stack([truth, truth])
                 _check_layout(self, lay, truth)
 
+    @parameterized.parameters(
+        ((2000,), (701,), (1,), (False,), 16),
+        ((1500,), (300,), (3,), (False,), 32),
+        ((1200,), (500,), (2,), (True,), 16),
+        ((40, 90), (9, 61), (2, 1), (False, False), 16),
+    )
+    def test_clamped_window_classes(self, grid, kernel, dil, causal, bs):
+        """Wide windows clamped at the edges give many absolute tile keys; the layout merges
+        them by what decides the mask (``_window_key``). Exact against the token rule, and
+        tiles of one class have one mask."""
+        n = int(np.prod(grid))
+        p = P.neighborhood(grid, kernel, dil, causal)
+        i = np.arange(n)
+        _check_layout(self, make_layout(p, n, 1, bs), p.token_mask(0, i[:, None], i, n)[None])
+        qi, kj, _ = p._sparse_tiles(0, bs, n)
+        interior = (qi < n // bs) & (kj < n // bs)
+        qi, kj = qi[interior], kj[interior]
+        classes = p._tile_classes(0, bs, n, qi, kj)
+        r = np.arange(bs)
+        masks = p.token_mask(0, qi[:, None, None] * bs + r[:, None], kj[:, None, None] * bs + r,
+                             n)
+        for c in np.unique(classes):
+            same = masks[classes == c]
+            self.assertTrue((same == same[0]).all(), c)
+
     def test_large_3d_layout_is_exact_on_sampled_rows(self):
         """32 x 64 x 64 tokens, kernel 7: the sparse build agrees with the token rule on
         sampled query tiles (every key), and every query has exactly 343 neighbours."""

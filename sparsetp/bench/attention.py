@@ -37,6 +37,7 @@ this implementation is faster).
 
 Presets: ``targets`` (the performance targets, ~150 s on one H200 with compiles), ``sweep``
 (speed-up over dense vs N, time vs sparsity), ``seed`` (issue #30's seed regime, below),
+``natten`` (issue #32's neighbourhood cases against cuDNN dense and Flex: ``bench/natten.py``),
 ``cpu`` (tiny sizes; what CI runs). Devices
 (:func:`resolve_device`): with ``--device=auto`` the ``cpu`` preset runs on CPU tensors and CPU
 JAX arrays (the native CPU path) on any machine, the GPU presets on the GPU when there is one;
@@ -106,7 +107,7 @@ SCHEMA_VERSION = 1
 FLAGS = flags.FLAGS
 
 
-_PRESETS = ["auto", "targets", "sweep", "seed", "cpu", "none"]
+_PRESETS = ["auto", "targets", "sweep", "seed", "natten", "cpu", "none"]
 # (absl DEFINE_ function, name, default, help[, extra args]): defined by define_flags().
 _FLAG_DEFS = [
     (flags.DEFINE_enum, "preset", "auto", "Case set (auto: targets on a GPU, cpu otherwise; "
@@ -185,6 +186,7 @@ class BenchConfig:
     plots: bool = True
     command: str = ""
     rounds: dict = dataclasses.field(default_factory=dict)
+    dense_order: tuple = DENSE_BASELINES  # which measured dense SDPA is "dense" (the first)
 
 
 def _case(pattern, n, *, b=1, h=16, d=128, dtype="bfloat16", block=128) -> dict:
@@ -258,6 +260,10 @@ def preset_config(preset: str, device: str) -> BenchConfig:
         return BenchConfig("seed", device, sections,
                            budget_s=600.0 if device == "cuda" else 420.0,
                            input_sets=3 if device == "cuda" else 2)
+    if preset == "natten":  # issue #32: neighbourhood attention (sparsetp/bench/natten.py)
+        from sparsetp.bench import natten  # noqa: PLC0415
+
+        return natten.preset_config(device)
     if preset == "none":
         return BenchConfig("none", device, [], budget_s=600.0)
     raise ValueError(f"unknown preset {preset!r}")
@@ -336,7 +342,8 @@ class BenchPattern:
 
     ``mask_mod(tables)`` returns the mod; ``tables(layout, device)`` the tensors it reads
     (``None`` when it reads none). ``kind`` names the rule ("bitmask_table" when no natural
-    rule is known and the mod reads our layout's mask table instead).
+    rule is known and the mod reads our layout's mask table instead). ``check(layout, sets,
+    case, rec)``, if given, checks our arm's results before it is timed (raises on failure).
     """
 
     spec: str
@@ -344,6 +351,7 @@ class BenchPattern:
     kind: str
     description: str
     make_mask_mod: Callable
+    check: Callable | None = None
 
 
 def _arg(spec: str, default):
@@ -390,6 +398,10 @@ def bench_pattern(spec: str, n: int, bs: int, num_heads: int = 1) -> BenchPatter
     '|i - j| < 512'
     """
     name = spec.split(":", 1)[0]
+    if name == "neighborhood":  # neighborhood:<grid>:<kernel>[:...], see sparsetp/bench/natten
+        from sparsetp.bench import natten  # noqa: PLC0415
+
+        return natten.bench_pattern(spec, n, bs)
     if name == "causal":
         return BenchPattern(spec, P.causal(), "causal", "j <= i",
                             lambda t: lambda b, h, q, kv: q >= kv)
@@ -696,6 +708,8 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
     rec["kernel_block"] = schedule.kernel_layout(
         layout, _kernels_kind(cfg), head_dim=case["D"], dtype=case["dtype"]).block_size
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
+    if bp.check is not None:
+        bp.check(layout, sets, case, rec)
     f, fb, g = _torch_pair(lambda q, k, v: sparse_attention(q, k, v, layout), sets)
     return Prepared(f, fb, g)
 
@@ -959,6 +973,18 @@ def _prep_sparsetp_jax(cfg, case, layout, bp, rec):
     jax.block_until_ready(fwd())
     jax.block_until_ready(fwd_bwd())
     rec["first_calls_s"] = time.perf_counter() - t0  # trace + compile (jit and Triton)
+    # The same inputs through torch's sparsetp: a wrong launch or metadata would show here.
+    import torch  # noqa: PLC0415
+
+    from sparsetp.torch import sparse_attention as torch_attention  # noqa: PLC0415
+
+    q, k, v, _ = sets[0]
+    to_torch = lambda x: torch.from_numpy(np.array(x, np.float32)).to(  # noqa: E731
+        cfg.device, _torch_dtype(case["dtype"]))
+    with torch.no_grad():
+        want = torch_attention(to_torch(q), to_torch(k), to_torch(v), layout)
+    got = np.asarray(fwd_j(q, k, v, lay), np.float32)
+    rec["max_abs_diff_vs_sparsetp"] = float(np.abs(got - want.float().cpu().numpy()).max())
     return Prepared(fwd, fwd_bwd, timer="jax")
 
 
@@ -1306,8 +1332,12 @@ CONVENTIONS = {
                      "B*H*N(N+1)/2 for sdpa_causal; B*H*N_tiles*W*block^2 for naive",
     "tflops": "fwd: 4 * D * flop_elements / fwd time; bwd: 2.5x the fwd FLOPs / bwd time; "
               "fwd_bwd: 3.5x / fwd_bwd time",
+    "true_tflops": "true_fwd_tflops / true_bwd_tflops: the same with allowed_elements (the "
+                   "pairs the pattern allows, B*H*N*N for dense) in place of flop_elements",
+    "bwd_over_fwd": "bwd_ms / fwd_ms",
     "speedup_vs_X": "X_ms / this_ms for the same case (> 1: this is faster); dense = the first "
-                    "of sdpa_flash, sdpa_cudnn, sdpa measured at that shape",
+                    "of config.dense_order (default sdpa_flash, sdpa_cudnn, sdpa; natten: "
+                    "sdpa_cudnn first) measured at that shape",
 }
 
 
@@ -1322,6 +1352,11 @@ def add_derived(result: dict) -> dict:
         r["fwd_tflops"] = fl / (r["fwd_ms"] * 1e-3) / 1e12
         r["bwd_tflops"] = 2.5 * fl / (r["bwd_ms"] * 1e-3) / 1e12 if r["bwd_ms"] > 0 else None
         r["fwd_bwd_tflops"] = 3.5 * fl / (r["fwd_bwd_ms"] * 1e-3) / 1e12
+        r["bwd_over_fwd"] = r["bwd_ms"] / r["fwd_ms"] if r["fwd_ms"] > 0 else None
+        if "allowed_elements" in r:  # the pairs the pattern allows: its true work
+            true = 4.0 * r["D"] * r["allowed_elements"] / 1e12
+            r["true_fwd_tflops"] = true / (r["fwd_ms"] * 1e-3)
+            r["true_bwd_tflops"] = 2.5 * true / (r["bwd_ms"] * 1e-3) if r["bwd_ms"] > 0 else None
 
     def key(r, with_pattern=True):
         k = (r["N"], r["B"], r["H"], r["D"], r["dtype"])
@@ -1337,7 +1372,8 @@ def add_derived(result: dict) -> dict:
                 out[(r["section"], key(r, with_pattern))] = r  # ... and of a (section, case)
         return out
 
-    flex, dense = refs(("flex",), True), refs(DENSE_BASELINES, False)
+    order = tuple(result.get("config", {}).get("dense_order") or DENSE_BASELINES)
+    flex, dense = refs(("flex",), True), refs(order, False)
     for r in recs:
         if "fwd_ms" not in r:
             continue
@@ -1390,6 +1426,10 @@ def compute_targets(result: dict) -> list:
     out = seed_targets(result)
     if result.get("preset") == "seed":  # issue #8's targets need cases this preset never runs
         return out
+    if result.get("preset") == "natten":  # issue #32's targets only
+        from sparsetp.bench import natten  # noqa: PLC0415
+
+        return natten.targets(result)
     shape_note = "bf16, B=1, H=16, D=128, block 128"
     for n in (8192, 32768):
         for p in ANCHOR_PATTERNS:
@@ -1837,6 +1877,10 @@ def argv_flags() -> list:
 
 
 def summary(res: dict) -> str:
+    if res.get("preset") == "natten":
+        from sparsetp.bench import natten  # noqa: PLC0415
+
+        return natten.summary(res)
     rows = [f"{'impl':13s} {'pattern':18s} {'N':>6s} {'bs':>4s} {'fwd ms':>9s} {'bwd ms':>9s} "
             f"{'fwd TF/s':>9s} {'vsFlex f/b':>11s}"]
     for r in res["records"]:

@@ -758,9 +758,20 @@ class _NeighborhoodIndex:
         """Grid coordinates (one int64 array per axis) of sequence positions ``t``."""
         d = len(self.grid)
         sizes = [g // s for g, s in zip(self.grid, self.tile, strict=True)] + list(self.tile)
-        strides = _grid_strides(sizes)
-        digit = [(t // strides[a]) % sizes[a] for a in range(2 * d)]
-        return [digit[a] * self.tile[a] + digit[d + a] for a in range(d)]
+        # Digits from the fastest; an axis of size 1 has digit 0 and costs nothing (row-major
+        # has d of them), and the slowest non-trivial digit is the quotient left (t < n).
+        digit: list = [0] * (2 * d)
+        top = min((a for a in range(2 * d) if sizes[a] > 1), default=-1)
+        rem = t
+        for a in reversed(range(2 * d)):
+            if a == top:
+                digit[a] = rem
+            elif sizes[a] > 1:
+                quot = rem // sizes[a]
+                digit[a] = rem - quot * sizes[a]
+                rem = quot
+        return [digit[a] * self.tile[a] + digit[d + a] if self.tile[a] > 1 else
+                np.broadcast_to(digit[a] + digit[d + a], np.shape(t)) for a in range(d)]
 
     def rowmajor(self, t: np.ndarray) -> np.ndarray:
         """Row-major token index of sequence positions ``t``."""
@@ -795,6 +806,42 @@ def _axis_interior(length, k, d, causal) -> np.ndarray:
     groups = (length - p % d + d - 1) // d
     start = p // d - k // 2
     return (start >= 0) & (start <= groups - k)
+
+
+# _KEEP_BITS[a, b]: the bits (row-major over 4 x 4) of the first a + 1 rows and b + 1 columns.
+_KEEP_BITS = ((np.arange(4)[:, None, None, None] >= np.arange(4)[None, None, :, None])
+              & (np.arange(4)[None, :, None, None] >= np.arange(4)[None, None, None, :])
+              ).reshape(4, 4, 16).astype(np.int64) @ (np.int64(1) << np.arange(16))
+
+
+def _unique_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(key, return_inverse=True)`` of a 1-D int64 array; through a table of the
+    key range instead of a sort when the keys are non-negative and the range is small (sorting
+    10^5 per-pair keys was most of a neighbourhood's layout build)."""
+    top = int(key.max(initial=-1)) + 1
+    if key.size and top <= max(1 << 16, 4 * key.size) and key.min() >= 0:
+        present = np.zeros(top, bool)
+        present[key] = True
+        ids = np.cumsum(present, dtype=np.int64) - 1
+        return np.flatnonzero(present), ids[key]
+    values, inverse = np.unique(key, return_inverse=True)
+    return values, inverse.reshape(key.shape)
+
+
+def _row_ids(rel: np.ndarray, spread: np.ndarray) -> np.ndarray:
+    """``np.unique(rows, axis=0, return_inverse=True)``-like ids of the rows of ``rel`` (per-tile
+    relative coordinates), in the byte order of the rows as int32; the all-zero row (a tile on
+    one coordinate, most tiles on slow axes) is the smallest and is not sorted."""
+    rel = np.ascontiguousarray(rel, dtype=np.int32)
+    ids = np.zeros(rel.shape[0], np.int64)
+    some = np.flatnonzero(spread > 0)
+    if some.size and (rel[some] == rel[some[0]]).all():  # one profile (full rows, say)
+        ids[some] = int(some.size < rel.shape[0])
+    elif some.size:
+        _, inv = np.unique(rel[some].view(np.dtype((np.void, 4 * rel.shape[1]))).ravel(),
+                           return_inverse=True)
+        ids[some] = inv.ravel() + (some.size < rel.shape[0])
+    return ids
 
 
 @_frozen
@@ -894,11 +941,15 @@ class Neighborhood(Pattern):
         rank = _ranges(count)
         ugrid = [length // t for length, t in zip(self.grid, idx.tile, strict=True)]
         ustrides = _grid_strides(ugrid)
-        k_unit = np.zeros(g.size, np.int64)
+        k_unit = sum(lo * s for lo, s in zip(t_lo, ustrides, strict=True))[g]
         rem = rank
         for a in reversed(range(dims)):
-            rem, dig = np.divmod(rem, span[a][g])
-            k_unit += (t_lo[a][g] + dig) * ustrides[a]
+            if ugrid[a] == 1:  # one unit along the axis (row-major's last): digit 0
+                continue
+            s = span[a][g]
+            quot = rem // s  # not np.divmod: several times slower here
+            k_unit += (rem - quot * s) * ustrides[a]
+            rem = quot
         if self.tile_shape is None:
             lo_tok = k_unit * unit + key_lo[-1][g]
             hi_tok = k_unit * unit + key_hi[-1][g]
@@ -906,11 +957,17 @@ class Neighborhood(Pattern):
             lo_tok, hi_tok = k_unit * unit, k_unit * unit + unit - 1
         j0, j1 = lo_tok // bs, hi_tok // bs
         width = j1 - j0 + 1
-        rows = np.repeat(q_tile[g], width)
-        cols = np.repeat(j0, width) + _ranges(width)
-        pair = np.sort(rows * nb + cols)  # sort and drop repeats (faster than np.unique)
+        rows = q_tile[g]
+        if (width == 1).all():  # every key unit within one tile (row-major, rows <= block)
+            cols = j0
+        else:
+            rows, cols = np.repeat(rows, width), np.repeat(j0, width) + _ranges(width)
+        # Sort and drop repeats (faster than np.unique); rows ascend already and each row's
+        # columns come in a few ascending runs, which the stable sort (timsort) exploits.
+        pair = np.sort(rows * nb + cols, kind="stable")
         pair = pair[np.append(True, pair[1:] != pair[:-1])]
-        qi, kj = np.divmod(pair, nb)
+        qi = pair // nb
+        kj = pair - qi * nb
         return qi, kj, np.full(qi.shape, PARTIAL, np.int8)
 
     def block_kinds(self, h, block_size, n) -> np.ndarray:
@@ -932,26 +989,39 @@ class Neighborhood(Pattern):
         seen = np.zeros(-(-n // bs), bool)
         seen[qi] = seen[kj] = True
         tiles = np.nonzero(seen)[0]
-        tok = np.minimum(tiles[:, None] * bs + np.arange(bs, dtype=np.int64), n - 1)
-        where = np.empty(-(-n // bs), np.int64)
-        where[tiles] = np.arange(tiles.size)
+        # int32 tokens and pair indices where they fit: half the memory to fault in (per-tile
+        # values go back to int64 below, before any product).
+        i32 = np.int32 if n < 2**31 else np.int64
+        tok = np.minimum(tiles[:, None] * bs + np.arange(bs, dtype=i32), n - 1).astype(i32)
+        where = np.empty(-(-n // bs), i32)
+        where[tiles] = np.arange(tiles.size, dtype=i32)
         iq, ik = where[qi], where[kj]
         out = np.zeros(qi.shape, np.int64)
+        fine, refined = [], False  # per axis: keys with clamped windows compared by mask
         for coord, (length, k, d, c) in zip(idx.coords(tok), self._axes(), strict=True):
-            f = coord.min(axis=1)
+            f = coord.min(axis=1).astype(np.int64)
             spread = coord.max(axis=1) - f
-            rel = np.ascontiguousarray(coord - f[:, None], dtype=np.int32)
-            _, prof = np.unique(rel.view(np.dtype((np.void, 4 * bs))).ravel(),
-                                return_inverse=True)
+            prof = _row_ids(coord - f[:, None], spread)
+            n_prof = int(prof.max(initial=0)) + 1
             inner = np.cumsum(np.append(0, _axis_interior(length, k, d, c)))
             interior = inner[f + spread + 1] - inner[f] == spread + 1
+            # What decides a pair's mode and profiles is a small per-tile code on each side:
+            # evaluate it once per distinct pair of codes, not once per pair.
+            small = spread < 4
+            combo, inv = _unique_inverse(((prof * 2 + small) * 2 + interior)[iq] * (2 * n_prof)
+                                         + (prof * 2 + small)[ik])
+            cq, ck = np.divmod(combo, 2 * n_prof)
+            both_small = (cq // 2 % 2 == 1) & (ck % 2 == 1)
+            mode = np.where(both_small, 0, np.where(cq % 2 == 1, 1, 2))[inv]
+            head = ((np.where(both_small, 0, 2 - cq % 2) * n_prof + cq // 4) * n_prof
+                    + ck // 2)
             fq, fk = f[iq], f[ik]
-            small = (spread[iq] < 4) & (spread[ik] < 4)
-            mode = np.where(small, 0, np.where(interior[iq], 1, 2))
-            payload = np.where(mode == 1, fk - fq + length, fq * length + fk)
-            if small.any():  # the bits of M over the 4 x 4 coordinates from (fq, fk)
-                sel = np.nonzero(small)[0]
-                uniq, inv = np.unique(payload[sel], return_inverse=True)
+            payload = fq * length + fk
+            if (mode == 1).any():
+                payload = np.where(mode == 1, fk - fq + length, payload)
+            if both_small.any():  # the bits of M over the 4 x 4 coordinates from (fq, fk)
+                sel = np.flatnonzero(mode == 0) if not both_small.all() else slice(None)
+                uniq, bits_of = _unique_inverse(payload[sel])
                 uq, uk = np.divmod(uniq, length)
                 r = np.arange(4)
                 ok = _axis_ok(np.minimum(uq[:, None, None] + r[:, None], length - 1),
@@ -960,20 +1030,75 @@ class Neighborhood(Pattern):
                 ok &= (uq[:, None, None] + r[:, None] < length) & (
                     uk[:, None, None] + r[None, :] < length)
                 bits = ok.reshape(-1, 16).astype(np.int64) @ (np.int64(1) << np.arange(16))
-                # Only the coordinates the tiles hold count (their profiles say which).
-                rows = (np.arange(4)[None, :] <= spread[iq][sel][:, None])
-                cols = (np.arange(4)[None, :] <= spread[ik][sel][:, None])
-                keep = (rows[:, :, None] & cols[:, None, :]).reshape(-1, 16).astype(np.int64)
-                payload[sel] = bits[inv] & (keep @ (np.int64(1) << np.arange(16)))
-            n_prof = int(prof.max(initial=0)) + 1
-            wide = max(1 << 16, length * length)
-            if 3 * n_prof * n_prof * wide >= 1 << 62:  # would overflow int64: combine apart
-                key = _combine_classes([mode, prof[iq], prof[ik], payload])
-            else:
-                key = ((mode * n_prof + prof[iq]) * n_prof + prof[ik]) * wide + payload
-            _, key = np.unique(key, return_inverse=True)
-            out = out * (int(key.max(initial=0)) + 1) + key.reshape(out.shape)
-        return out
+                # Only the coordinates the tiles hold count: the first 1 + spread of each
+                # (a profile's spread, at most 3 where it matters).
+                top = np.zeros(n_prof, np.int64)
+                top[prof] = np.minimum(spread, 3)
+                keep = _KEEP_BITS[top[cq // 4], top[ck // 2]]
+                payload[sel] = bits[bits_of] & keep[inv[sel]]
+            # Rank the payloads first (rank order is value order), so the key stays small.
+            payload = _unique_inverse(payload)[1]
+            n_pay = int(payload.max(initial=0)) + 1
+            key = _unique_inverse(head[inv] * n_pay + payload)[1]
+            out = out * (int(key.max(initial=0)) + 1) + key
+            window = _window_key(key, mode, coord, spread, prof, iq, ik, fk, length, k, d, c)
+            fine.append(key if window is None else window)
+            refined |= window is not None
+        if not refined:
+            return out
+        merged = np.zeros(qi.shape, np.int64)
+        for key in fine:
+            merged = merged * (int(key.max(initial=0)) + 1) + key
+        # Several absolute keys with equal masks: one class each, numbered by the smallest
+        # absolute class of an interior tile in it (the layout gives tiles of a ragged last
+        # row or column classes of their own). Masks are then met (and numbered) in the same
+        # order as with the absolute classes: the layout is bit-identical, with fewer tiles
+        # evaluated.
+        group = _unique_inverse(merged)[1]
+        nb = -(-n // bs)
+        ragged = ((qi == nb - 1) | (kj == nb - 1)) & (n % bs != 0)
+        big = np.iinfo(np.int64).max
+        first = np.full(int(group.max(initial=0)) + 1, big)
+        np.minimum.at(first, group, np.where(ragged, big, out))
+        alone = np.full(first.size, big)  # groups of ragged tiles only: their own smallest
+        np.minimum.at(alone, group, out)
+        return np.where(first == big, alone, first)[group]
+
+
+# Refine absolute per-axis keys (clamped windows) only past this many of them on an axis:
+# fewer cost less to evaluate than to compare.
+_WINDOW_KEYS_MIN = 64
+
+
+def _window_key(key, mode, coord, spread, prof, iq, ik, fk, length, k, d, c):
+    """Per-pair keys of one axis where the absolute ones (mode 2: a clamped window, keyed by
+    both tiles' coordinates) become what decides the mask: per query position of the tile,
+    its window ends relative to the key tile's first coordinate (clipped to the key tile's
+    span) and its residue; plus the key tile's profile (``key`` otherwise). ``None`` when
+    there are too few absolute keys to bother."""
+    absolute = np.flatnonzero(mode == 2)
+    if absolute.size <= _WINDOW_KEYS_MIN:
+        return None
+    keys, which = _unique_inverse(key[absolute])
+    if keys.size <= _WINDOW_KEYS_MIN:
+        return None
+    rep = np.empty(keys.size, np.int64)
+    rep[which] = absolute  # a pair of each key: equal keys, equal tiles' coordinates
+    p = coord[iq[rep]].astype(np.int64)  # [U, bs]: query coordinates by position
+    lo, hi = _axis_window(p, length, k, d, c)
+    base, top = fk[rep][:, None], spread[ik[rep]][:, None] + 1
+    rows = np.concatenate([np.clip(lo - base, -1, top), np.clip(hi - base, -1, top),
+                           (p - base) % d], axis=1)
+    rows = np.ascontiguousarray(np.concatenate([rows, prof[ik[rep]][:, None]], axis=1),
+                                np.int32)
+    # Rows as raw bytes: equal rows is all that matters (np.unique(axis=0) sorts field by
+    # field, ~50 ms for 10^3 rows here).
+    _, win = np.unique(rows.view(np.dtype((np.void, 4 * rows.shape[1]))).ravel(),
+                       return_inverse=True)
+    fine = key.copy()
+    # Window classes above every other key of the axis (they only need to differ).
+    fine[absolute] = key.max() + 1 + win.ravel()[which]
+    return fine
 
 
 def _ranges(count: np.ndarray) -> np.ndarray:
@@ -1131,8 +1256,8 @@ def neighborhood(grid, kernel_size, dilation=1, causal=False, tile_shape=None) -
     row-major token ``perm[i]``.
 
     The layout is built from per-axis windows in time linear in the listed tiles (a 3-D grid
-    of 131072 tokens takes milliseconds: ``benchmarks/KERNEL_NOTES.md``). It composes like any
-    pattern, e.g. with global tokens:
+    of 131072 tokens, kernel 7: 16-36 ms on a shared 2-core VM, ``benchmarks/KERNEL_NOTES.md``).
+    It composes like any pattern, e.g. with global tokens:
 
     >>> p = neighborhood((8, 12), kernel_size=(3, 5), dilation=(1, 2)) | global_tokens(4)
     >>> nb = neighborhood((8, 12), 3)
