@@ -316,6 +316,12 @@ def _traced_layout_handle(pattern, seq_len, num_heads, block_size, heads, kv_len
     return layout.handle
 
 
+@torch.compiler.assume_constant_result
+def _traced_rows(pattern) -> int:
+    """``pattern.rows`` (0 when shared by every row), a constant of the traced graph."""
+    return _as_pattern(pattern).rows or 0
+
+
 @torch.library.custom_op("sparsetp::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,7 +411,19 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     >>> q, k, v = torch.randn(1, 8, 16, 32), torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32)
     >>> sparse_attention(q, k, v, lay).shape
     torch.Size([1, 8, 16, 32])
+
+    Per-row documents: a layout with ``rows = B`` (``P.documents`` with one list of lengths per
+    batch row, or ``P.per_row``) gives each row its own mask in one call; B must equal
+    ``layout.rows``. Batch is folded into heads for the launch (``[B, H, N, D]`` ->
+    ``[1, B * H, N, D]``, a view when ``stride(0) == H * stride(1)``, else a copy)::
+
+    >>> lay = make_layout(P.documents([[10, 22], [32]]) & P.causal(), 32, 2, 16)
+    >>> q = k = v = torch.randn(2, 2, 32, 16)
+    >>> sparse_attention(q, k, v, lay).shape
+    torch.Size([2, 2, 32, 16])
     """
+    if getattr(layout, "rows", None) is not None:
+        return _per_row_attention(q, k, v, layout, scale, return_lse)
     if torch.compiler.is_compiling():
         out, lse = _traced_attention(q, k, v, layout.handle, scale)
     else:
@@ -415,6 +433,35 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
             out, lse = _SparseAttentionFn.apply(q, k, v, layout, plan)
         else:  # nothing to differentiate: the autograd Function's own host cost is saved
             out, lse = plan.forward(q, k, v, layout)
+    return (out, lse) if return_lse else out
+
+
+def _fold(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, D]`` -> ``[1, B * H, N, D]``: batch row ``b``'s head ``h`` becomes head
+    ``b * H + h``, the table head a per-row layout gives it (GQA folds alike)."""
+    return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+@torch.compiler.assume_constant_result
+def _flat_handle(handle: str) -> str:
+    """The handle of the flat layout (:meth:`BlockLayout.flat`) of the layout ``handle``, a
+    constant of the traced graph; the flat layout is kept for the graph's lifetime."""
+    flat = layout_from_handle(handle).flat()
+    _TRACED_LAYOUTS[flat.handle] = flat
+    return flat.handle
+
+
+def _per_row_attention(q, k, v, layout, scale, return_lse):
+    """:func:`sparse_attention` with a per-row layout: checked as given (B = rows), then run
+    on batch folded into heads with the layout's flat view, and unfolded."""
+    if torch.compiler.is_compiling():
+        out, lse = _traced_attention(_fold(q), _fold(k), _fold(v), _flat_handle(layout.handle),
+                                     scale)
+    else:
+        _check_inputs(q, k, v, layout, scale)
+        out, lse = sparse_attention(_fold(q), _fold(k), _fold(v), layout.flat(), scale=scale,
+                                    return_lse=True)
+    out, lse = out.reshape(q.shape), lse.reshape(q.shape[:3])
     return (out, lse) if return_lse else out
 
 
@@ -441,6 +488,9 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_heads = operator.index(q.shape[1]) if num_heads is None else num_heads
     if torch.compiler.is_compiling():
         handle = _traced_layout_handle(pattern, n, num_heads, block_size, heads, kv_len)
+        if _traced_rows(pattern):  # a per-row layout: batch folded into heads
+            return _traced_attention(_fold(q), _fold(k), _fold(v), _flat_handle(handle),
+                                     scale)[0].reshape(q.shape)
         return _traced_attention(q, k, v, handle, scale)[0]
     layout = cached_layout(_as_pattern(pattern), n, num_heads, block_size, heads, kv_len=kv_len)
     return sparse_attention(q, k, v, layout, scale=scale)
