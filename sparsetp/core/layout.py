@@ -27,21 +27,21 @@ Grouped-query attention (GQA/MQA)
     atomics, deterministic). Keeping the layout per query head means a per-head pattern still
     gives every query head of a group its own mask; the layout never needs to know ``H_kv``.
 
-Per-row layouts (``rows``)
-    A pattern that differs per batch row (:func:`~sparsetp.core.patterns.per_row`, or
+Per-batch-row layouts (``batch``)
+    A pattern that differs per batch row (:func:`~sparsetp.core.patterns.per_batch_row`, or
     ``documents`` with one list of lengths per row: each row its own packing) gives a layout
-    with ``rows = B``: every table holds ``B * num_heads`` heads, row-major (table head
+    with ``batch = B``: every table holds ``B * num_heads`` heads, row-major (table head
     ``r * num_heads + h`` is head ``h`` of batch row ``r``), and serves exactly a
     ``[B, H, N, D]`` call. The frontends fold batch into heads (``[B, H, N, D]`` ->
     ``[1, B * H, N, D]``, a view for contiguous inputs; kv heads fold alike, since
     ``(r * H + h) // G == r * H_kv + h // G``) and launch :meth:`BlockLayout.flat`, the same
     tables as an ordinary layout of ``B * num_heads`` heads: no kernel knows about rows, and a
-    new set of per-row lengths is new table data, never a new kernel. ``rows`` is None for a
+    new set of per-row lengths is new table data, never a new kernel. ``batch`` is None for a
     layout every batch row shares.
 
         >>> from sparsetp.core import patterns as P
         >>> lay = make_layout(P.documents([[64, 192], [256]]) & P.causal(), 256, 2, 64)
-        >>> lay.rows, lay.num_heads, lay.q_count.shape, lay.flat().num_heads
+        >>> lay.batch, lay.num_heads, lay.q_count.shape, lay.flat().num_heads
         (2, 2, (4, 4), 4)
 
 Query-major lists (forward and dQ), padded ("ELL") so every array has a static shape:
@@ -149,9 +149,9 @@ class BlockLayout:
     head_offset: int = 0
     # Number of keys (``N_k``); None means ``seq_len`` (self-attention). See the module docstring.
     kv_len: int | None = None
-    # Batch rows of a per-row layout (tables hold rows * num_heads heads, row-major); None: one
+    # Batch rows of a per-row layout (tables hold batch * num_heads heads, row-major); None: one
     # layout for every batch row. See the module docstring.
-    rows: int | None = None
+    batch: int | None = None
     # Process-unique id of this object (:func:`layout_from_handle`); not part of the value.
     handle: str = dataclasses.field(init=False, repr=False, compare=False, default="")
 
@@ -173,21 +173,21 @@ class BlockLayout:
 
     @property
     def table_heads(self) -> int:
-        """Heads the tables hold: ``rows * num_heads`` (``num_heads`` unless per-row)."""
-        return self.num_heads * (self.rows or 1)
+        """Heads the tables hold: ``batch * num_heads`` (``num_heads`` unless per-row)."""
+        return self.num_heads * (self.batch or 1)
 
     def flat(self) -> BlockLayout:
         """The layout a launch runs for a per-row layout: the same tables as an ordinary
-        layout of ``rows * num_heads`` heads (for ``[1, B * H, N, D]``, batch folded into
+        layout of ``batch * num_heads`` heads (for ``[1, B * H, N, D]``, batch folded into
         heads); ``self`` when not per-row. One object per layout (kernel caches key on it)."""
-        if self.rows is None:
+        if self.batch is None:
             return self
         flat = self.__dict__.get("_flat")
         if flat is None:
-            pattern = None if self.pattern is None else _RowHeads(
-                tuple(self.pattern._row(r) for r in range(self.rows)), self.num_heads)
+            pattern = None if self.pattern is None else _BatchHeads(
+                tuple(self.pattern._batch_row(r) for r in range(self.batch)), self.num_heads)
             flat = dataclasses.replace(self, pattern=pattern, num_heads=self.table_heads,
-                                       rows=None, source=None, head_offset=0)
+                                       batch=None, source=None, head_offset=0)
             object.__setattr__(self, "_flat", flat)
         return flat
 
@@ -252,7 +252,7 @@ class BlockLayout:
                 view[h, i, :, self.q_index[h, i, k], :] = _unpack(
                     self.masks[self.q_mask_id[h, i, k]], bs)
         out = out[:, :self.seq_len, :self.kv_len]
-        return out.copy() if self.rows is None else out.reshape(self.rows, self.num_heads,
+        return out.copy() if self.batch is None else out.reshape(self.batch, self.num_heads,
                                                                  *out.shape[1:]).copy()
 
     def heads(self, start: int, stop: int) -> BlockLayout:
@@ -266,7 +266,7 @@ class BlockLayout:
             raise ValueError(
                 f"heads(start, stop) needs 0 <= start < stop <= num_heads={self.num_heads}, got "
                 f"({start}, {stop})")
-        rows = self.rows or 1
+        rows = self.batch or 1
 
         def sl(a):  # heads [start, stop) of each row of a [rows * H, ...] table
             a = a.reshape(rows, self.num_heads, *a.shape[1:])[:, start:stop]
@@ -284,7 +284,7 @@ class BlockLayout:
 
     def __repr__(self):
         kv = "" if self.kv_len == self.seq_len else f"kv_len={self.kv_len}, "
-        kv += "" if self.rows is None else f"rows={self.rows}, "
+        kv += "" if self.batch is None else f"batch={self.batch}, "
         return (f"BlockLayout(pattern={self.pattern!r}, seq_len={self.seq_len}, {kv}"
                 f"num_heads={self.num_heads}, block_size={self.block_size}, "
                 f"density={self.density:.4f}, masks={self.masks.shape[0]})")
@@ -295,7 +295,7 @@ def check_tables(layout) -> None:
 
     ``layout`` is a :class:`BlockLayout` or anything with ``seq_len``, ``kv_len``,
     ``num_heads``, ``block_size`` and ``metadata()`` (the JAX frontend's ``LayoutArrays``), and
-    optionally ``rows`` (a per-row layout's tables hold ``rows * num_heads`` heads):
+    optionally ``batch`` (a per-batch-row layout's tables hold ``batch * num_heads`` heads):
     the query-major tables must be ``[num_heads, ceil(seq_len / block_size), ...]``, the
     key-major ones ``[num_heads, ceil(kv_len / block_size), ...]`` and the mask table
     ``[U, block_size, words]``. The frontends call it on every layout they are given, so a
@@ -303,7 +303,7 @@ def check_tables(layout) -> None:
     tables) is refused by name rather than as a mismatched internal table.
     """
     bs, n, h = int(layout.block_size), int(layout.seq_len), int(layout.num_heads)
-    h *= int(getattr(layout, "rows", None) or 1)
+    h *= int(getattr(layout, "batch", None) or 1)
     kv = int(getattr(layout, "kv_len", None) or n)
     nbq, nbk = -(-n // bs), -(-kv // bs)
     shapes = {name: tuple(int(x) for x in a.shape) for name, a in layout.metadata().items()}
@@ -371,23 +371,24 @@ class _HeadSlice(Pattern):
         self.base._validate(seq_len)
 
     @property
-    def rows(self):
-        return self.base.rows
+    def batch(self):
+        return self.base.batch
 
-    def _row(self, r):
-        return self if self.rows is None else _HeadSlice(self.base._row(r), self.start)
+    def _batch_row(self, r):
+        return self if self.batch is None else _HeadSlice(self.base._batch_row(r), self.start)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _RowHeads(Pattern):
-    """Per-row patterns as one pattern of ``len(rows) * heads`` heads: head ``r * heads + h``
-    is head ``h`` of ``rows[r]`` (what :meth:`BlockLayout.flat` runs)."""
+class _BatchHeads(Pattern):
+    """Per-row patterns as one pattern of ``len(row_patterns) * heads`` heads: head
+    ``r * heads + h`` is head ``h`` of ``row_patterns[r]`` (what :meth:`BlockLayout.flat`
+    runs)."""
 
-    rows_: tuple
+    row_patterns: tuple
     heads: int
 
     def _at(self, h):
-        return self.rows_[h // self.heads], h % self.heads
+        return self.row_patterns[h // self.heads], h % self.heads
 
     def _token(self, h, i, j, n):
         p, hh = self._at(h)
@@ -411,7 +412,7 @@ class _RowHeads(Pattern):
         return (p, p.head_key(hh))
 
     def _validate(self, seq_len):
-        for r, p in enumerate(self.rows_):
+        for r, p in enumerate(self.row_patterns):
             try:
                 p._validate(seq_len)
             except ValueError as e:
@@ -602,8 +603,8 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
     ``num_heads`` counts *query* heads (GQA: the kv heads are the kernels' business, see the
     module docstring). ``kv_len``: number of keys when it differs from the number of queries
     ``seq_len``; the pattern's diagonal is aligned to the end of the keys (module docstring).
-    A per-row pattern (``pattern.rows = B``) gives a per-row layout of ``B`` rows of
-    ``num_heads`` heads (module docstring, "Per-row layouts").
+    A per-row pattern (``pattern.batch = B``) gives a per-row layout of ``B`` rows of
+    ``num_heads`` heads (module docstring, "Per-batch-row layouts").
 
     Cost is O(H' * nb^2) for the tile classification (``H'`` distinct head masks, ``nb`` tiles
     per side) plus O(bs^2) per class of partial tiles; no N x N array is ever built. A pattern
@@ -629,10 +630,10 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
             f"block_size must be an int, one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
     block_size = int(block_size)
     geom = _Geometry(seq_len, kv_len)
-    rows = pattern.rows
+    rows = pattern.batch
     # A per-row pattern is laid out as one pattern of rows * num_heads heads (row-major).
-    flat = pattern if rows is None else _RowHeads(
-        tuple(pattern._row(r) for r in range(rows)), num_heads)
+    flat = pattern if rows is None else _BatchHeads(
+        tuple(pattern._batch_row(r) for r in range(rows)), num_heads)
     flat._validate(geom.n)
     mask_ids: dict[bytes, int] = {}
     by_key: dict = {}
@@ -654,7 +655,7 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
     else:  # a valid pointer for kernels that never read it
         masks = np.zeros((1, block_size, w), np.int32)
     return BlockLayout(
-        pattern=pattern, seq_len=seq_len, kv_len=kv_len, num_heads=num_heads, rows=rows,
+        pattern=pattern, seq_len=seq_len, kv_len=kv_len, num_heads=num_heads, batch=rows,
         block_size=block_size,
         block_mask=np.stack([p[0] for p in per_head]),
         q_count=np.stack([p[2][0] for p in per_head]),

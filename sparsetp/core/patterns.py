@@ -44,7 +44,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 __all__ = [
     "Pattern", "dense", "causal", "local", "block_diagonal", "fixed", "strided", "random_blocks",
     "global_tokens", "block_local", "bigbird", "longformer", "neighborhood", "grid_tiling",
-    "per_head", "per_row", "documents", "EMPTY", "PARTIAL", "FULL",
+    "per_head", "per_batch_row", "documents", "EMPTY", "PARTIAL", "FULL",
 ]
 
 
@@ -188,12 +188,12 @@ class Pattern:
         """Raise ValueError if the pattern cannot be applied to ``seq_len`` tokens."""
 
     @property
-    def rows(self) -> int | None:
-        """Batch rows of a per-row pattern (:func:`per_row`, nested :func:`documents`); None
-        for a pattern every batch row shares."""
+    def batch(self) -> int | None:
+        """Batch rows of a per-row pattern (:func:`per_batch_row`, nested :func:`documents`);
+        None for a pattern every batch row shares."""
         return None
 
-    def _row(self, r: int) -> Pattern:
+    def _batch_row(self, r: int) -> Pattern:
         """The pattern of batch row ``r`` (itself unless per-row)."""
         return self
 
@@ -221,7 +221,7 @@ def _combine(cls, a, b):
 
 def _common_rows(parts, what: str) -> int | None:
     """The batch rows of ``parts`` (None when none is per-row); ValueError if they differ."""
-    rows = {p.rows for p in parts} - {None}
+    rows = {p.batch for p in parts} - {None}
     if len(rows) > 1:
         raise ValueError(f"{what} must be per-row for one number of batch rows, got "
                          f"{sorted(rows)} rows")
@@ -661,11 +661,13 @@ class _Union(Pattern):
             p._validate(seq_len)
 
     @property
-    def rows(self):
+    def batch(self):
         return _common_rows(self.parts, "patterns combined with | or &")
 
-    def _row(self, r):
-        return self if self.rows is None else type(self)(tuple(p._row(r) for p in self.parts))
+    def _batch_row(self, r):
+        if self.batch is None:
+            return self
+        return type(self)(tuple(p._batch_row(r) for p in self.parts))
 
 
 @_frozen
@@ -689,6 +691,7 @@ class PerHead(Pattern):
         for p in self.patterns:
             if not isinstance(p, Pattern):
                 raise ValueError(f"patterns must hold Pattern values, got {p!r}")
+        _common_rows(self.patterns, "per_head patterns")
 
     def _pick(self, h):
         return self.patterns[h % len(self.patterns)]
@@ -713,16 +716,18 @@ class PerHead(Pattern):
             p._validate(seq_len)
 
     @property
-    def rows(self):
+    def batch(self):
         return _common_rows(self.patterns, "per_head patterns")
 
-    def _row(self, r):
-        return self if self.rows is None else PerHead(tuple(p._row(r) for p in self.patterns))
+    def _batch_row(self, r):
+        if self.batch is None:
+            return self
+        return PerHead(tuple(p._batch_row(r) for p in self.patterns))
 
 
 @_frozen
-class PerRow(Pattern):
-    """Batch row ``r`` uses ``patterns[r]`` (:func:`per_row`). Only a layout can evaluate it:
+class PerBatchRow(Pattern):
+    """Batch row ``r`` uses ``patterns[r]`` (:func:`per_batch_row`). Only a layout can evaluate it:
     :func:`~sparsetp.core.layout.make_layout` lays out each row's pattern (``_row``)."""
 
     patterns: tuple
@@ -733,19 +738,19 @@ class PerRow(Pattern):
         for r, p in enumerate(self.patterns):
             if not isinstance(p, Pattern):
                 raise ValueError(f"patterns[{r}] must be a Pattern, got {p!r}")
-            if p.rows is not None:
-                raise ValueError(f"patterns[{r}] is itself per-row; per_row does not nest")
+            if p.batch is not None:
+                raise ValueError(f"patterns[{r}] is itself per-row; per_batch_row does not nest")
 
     @property
-    def rows(self):
+    def batch(self):
         return len(self.patterns)
 
-    def _row(self, r):
+    def _batch_row(self, r):
         return self.patterns[r]
 
     def _token(self, *args):
         raise ValueError("a per-row pattern has no token mask of its own: lay it out with "
-                         "make_layout (one row of heads per batch row), or take ._row(r)")
+                         "make_layout (one row of heads per batch row), or take ._batch_row(r)")
 
     block_kinds = _sparse_tiles = _tile_classes = _token
 
@@ -1165,10 +1170,10 @@ def documents(lengths: Sequence[int] | Sequence[Sequence[int]]) -> Pattern:
     (False, True)
 
     Per batch row: a sequence of ``B`` length lists (each row its own packing, every row
-    summing to N; a 2-D numpy array works too) is ``per_row([documents(l) for l in
+    summing to N; a 2-D numpy array works too) is ``per_batch_row([documents(l) for l in
     lengths])``; its layout holds ``B`` rows of heads and serves a ``[B, H, N, D]`` call:
 
-    >>> documents([[3, 5], [8]]).rows
+    >>> documents([[3, 5], [8]]).batch
     2
     """
     # Only iterables become tuples; anything else reaches Documents' own check, which names
@@ -1178,7 +1183,7 @@ def documents(lengths: Sequence[int] | Sequence[Sequence[int]]) -> Pattern:
     lengths = list(lengths)
     nested = [_is_sequence(x) for x in lengths]
     if lengths and all(nested):
-        return PerRow(tuple(Documents(tuple(row)) for row in lengths))
+        return PerBatchRow(tuple(Documents(tuple(row)) for row in lengths))
     if any(nested):
         raise ValueError("lengths must be one list of document lengths or one list per batch "
                          f"row, not a mix: got {lengths!r}")
@@ -1200,20 +1205,20 @@ def per_head(patterns: Sequence[Pattern]) -> Pattern:
     return PerHead(tuple(patterns))
 
 
-def per_row(patterns: Sequence[Pattern]) -> Pattern:
+def per_batch_row(patterns: Sequence[Pattern]) -> Pattern:
     """Batch row ``r`` uses ``patterns[r]``: one ``sparse_attention`` call over ``[B, H, N, D]``
     with a different pattern per row (``B = len(patterns)``). Composes with ``&``, ``|`` and
-    :func:`per_head` like any pattern (``per_row(ps) & causal()`` is ``ps[r] & causal()`` in
-    row ``r``). Its layout (:func:`~sparsetp.core.layout.make_layout`) has ``rows = B``.
+    :func:`per_head` like any pattern (``per_batch_row(ps) & causal()`` is ``ps[r] & causal()`` in
+    row ``r``). Its layout (:func:`~sparsetp.core.layout.make_layout`) has ``batch = B``.
 
-    >>> p = per_row([documents([3, 5]), documents([8])]) & causal()
-    >>> p.rows, p._row(1) == documents([8]) & causal()
+    >>> p = per_batch_row([documents([3, 5]), documents([8])]) & causal()
+    >>> p.batch, p._batch_row(1) == documents([8]) & causal()
     (2, True)
     """
     if isinstance(patterns, (Pattern, str, bytes)) or not hasattr(patterns, "__iter__"):
         raise TypeError(f"patterns must be a sequence of Patterns, one per batch row, got "
                         f"{type(patterns).__name__}")
-    return PerRow(tuple(patterns))
+    return PerBatchRow(tuple(patterns))
 
 
 def neighborhood(grid, kernel_size, dilation=1, causal=False, tile_shape=None) -> Pattern:

@@ -8,7 +8,7 @@ log-sum-exp ``-inf`` and passes no gradient (never NaN). ``k`` and ``v`` may be
 ``[B, H_kv, N_k, D]``: grouped-query attention (``H % H_kv == 0``, query head ``h`` uses kv
 head ``h // (H // H_kv)``; dK/dV sum over each group) and ``N_k`` keys for ``N_q`` queries
 (the layout's ``kv_len``; its docstring states the bottom-right alignment). A per-row layout
-(``layout.rows = B``, e.g. per-row packed documents) gives batch row ``b`` its own mask.
+(``layout.batch = B``, e.g. per-row packed documents) gives batch row ``b`` its own mask.
 
 >>> import numpy as np
 >>> from sparsetp.core import patterns as P, make_layout, reference
@@ -58,7 +58,7 @@ def _reduce(x, group):
 
 def _probs(q, k, layout: BlockLayout, scale):
     mask = layout.dense_mask()  # [H, N_q, N_k], or [B, H, N_q, N_k] for a per-row layout
-    mask = mask if layout.rows is not None else mask[None]
+    mask = mask if layout.batch is not None else mask[None]
     s = q @ _t(k) * scale
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -85,8 +85,8 @@ def _check(q, k, v, layout):
                          f"{q.shape}")
     if k.shape[2] != layout.kv_len:
         raise ValueError(f"layout is for kv_len={layout.kv_len}, got k of shape {k.shape}")
-    if layout.rows is not None and layout.rows != q.shape[0]:
-        raise ValueError(f"layout is per-row for rows={layout.rows} batch rows, got q of shape "
+    if layout.batch is not None and layout.batch != q.shape[0]:
+        raise ValueError(f"layout is per-batch-row for batch={layout.batch}, got q of shape "
                          f"{q.shape}")
 
 

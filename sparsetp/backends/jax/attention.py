@@ -66,8 +66,8 @@ class LayoutArrays:
     ``num_heads`` and ``block_size`` are read off the array shapes, so a head slice of the arrays
     (inside ``shard_map``) is itself a valid :class:`LayoutArrays` of its heads.
 
-    Per-row layouts (``BlockLayout.rows = B``, e.g. per-row packed documents): the per-head
-    arrays are ``[B, H, ...]`` (``rows`` = their leading size), so ``shard_map`` can split rows
+    Per-row layouts (``BlockLayout.batch = B``, e.g. per-row packed documents): the per-head
+    arrays are ``[B, H, ...]`` (``batch`` = their leading size), so ``shard_map`` can split rows
     over a data axis and heads over a model axis (:meth:`partition_specs`); :meth:`metadata`
     gives the kernels' flat ``[B * H, ...]`` tables.
     """
@@ -99,7 +99,7 @@ class LayoutArrays:
             object.__setattr__(self, "kv_len", self.seq_len)
 
     @property
-    def rows(self) -> int | None:
+    def batch(self) -> int | None:
         """Batch rows of a per-row layout (per-head arrays ``[rows, H, ...]``), else None."""
         return int(self.q_count.shape[0]) if self.q_count.ndim == 3 else None
 
@@ -108,7 +108,7 @@ class LayoutArrays:
         return int(self.q_count.shape[-2])
 
     def _head_axis(self) -> int:
-        return 0 if self.rows is None else 1
+        return 0 if self.batch is None else 1
 
     @property
     def block_size(self) -> int:
@@ -121,7 +121,7 @@ class LayoutArrays:
     def metadata(self) -> dict[str, jax.Array]:
         """The arrays by name, as :meth:`BlockLayout.metadata` names them (a per-row layout's
         per-head arrays flattened to the kernels' ``[rows * H, ...]`` tables)."""
-        if self.rows is None:
+        if self.batch is None:
             return {n: getattr(self, n) for n in _META}
         return {n: (getattr(self, n).reshape(-1, *getattr(self, n).shape[2:])
                     if n in _PER_HEAD else getattr(self, n)) for n in _META}
@@ -138,7 +138,7 @@ class LayoutArrays:
         """
         from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-        spec = P(axis_name) if self.rows is None else P(batch_axis, axis_name)
+        spec = P(axis_name) if self.batch is None else P(batch_axis, axis_name)
         return dataclasses.replace(self, **{n: spec for n in _PER_HEAD}, masks=P())
 
     def heads(self, start: int, stop: int) -> LayoutArrays:
@@ -188,7 +188,7 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
     if not isinstance(layout, BlockLayout):
         raise ValueError(f"layout must be a sparsetp BlockLayout or LayoutArrays, got "
                          f"{type(layout).__name__}")
-    rows = layout.rows
+    rows = layout.batch
     layout = _schedule.kernel_layout(layout.flat(), _launch.layout_device_kind(),
                                      head_dim=head_dim,
                                      dtype=None if dtype is None else jnp.dtype(dtype).name)
@@ -299,7 +299,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
 
     >>> out = sparse_attention(q, k, v, make_layout(P.causal(), 1024, 8))   # doctest: +SKIP
 
-    Per-row documents (``layout.rows`` must equal B): each batch row its own packing, in one
+    Per-row documents (``layout.batch`` must equal B): each batch row its own packing, in one
     call; batch is folded into heads for the launch, as in the torch frontend::
 
     >>> lay = make_layout(P.documents([[100, 28], [128]]) & P.causal(), 128, 8)  # doctest: +SKIP
@@ -307,7 +307,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     """
     lay, scale = _check_inputs(q, k, v, layout, scale)
     shape = q.shape
-    if lay.rows is not None:
+    if lay.batch is not None:
         # A per-row layout: batch folded into heads; table head r * H + h is row r's head h
         # (GQA folds alike), so the flat tables of metadata() serve [1, B * H, N, D].
         q, k, v = (t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v))

@@ -317,9 +317,9 @@ def _traced_layout_handle(pattern, seq_len, num_heads, block_size, heads, kv_len
 
 
 @torch.compiler.assume_constant_result
-def _traced_rows(pattern) -> int:
-    """``pattern.rows`` (0 when shared by every row), a constant of the traced graph."""
-    return _as_pattern(pattern).rows or 0
+def _traced_batch(pattern) -> int:
+    """``pattern.batch`` (0 when shared by every row), a constant of the traced graph."""
+    return _as_pattern(pattern).batch or 0
 
 
 @torch.library.custom_op("sparsetp::attention", mutates_args=())
@@ -412,9 +412,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     >>> sparse_attention(q, k, v, lay).shape
     torch.Size([1, 8, 16, 32])
 
-    Per-row documents: a layout with ``rows = B`` (``P.documents`` with one list of lengths per
-    batch row, or ``P.per_row``) gives each row its own mask in one call; B must equal
-    ``layout.rows``. Batch is folded into heads for the launch (``[B, H, N, D]`` ->
+    Per-row documents: a layout with ``batch = B`` (``P.documents`` with one list of lengths per
+    batch row, or ``P.per_batch_row``) gives each row its own mask in one call; B must equal
+    ``layout.batch``. Batch is folded into heads for the launch (``[B, H, N, D]`` ->
     ``[1, B * H, N, D]``, a view when ``stride(0) == H * stride(1)``, else a copy)::
 
     >>> lay = make_layout(P.documents([[10, 22], [32]]) & P.causal(), 32, 2, 16)
@@ -422,7 +422,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     >>> sparse_attention(q, k, v, lay).shape
     torch.Size([2, 2, 32, 16])
     """
-    if getattr(layout, "rows", None) is not None:
+    if getattr(layout, "batch", None) is not None:
         return _per_row_attention(q, k, v, layout, scale, return_lse)
     if torch.compiler.is_compiling():
         out, lse = _traced_attention(q, k, v, layout.handle, scale)
@@ -488,7 +488,7 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_heads = operator.index(q.shape[1]) if num_heads is None else num_heads
     if torch.compiler.is_compiling():
         handle = _traced_layout_handle(pattern, n, num_heads, block_size, heads, kv_len)
-        if _traced_rows(pattern):  # a per-row layout: batch folded into heads
+        if _traced_batch(pattern):  # a per-row layout: batch folded into heads
             return _traced_attention(_fold(q), _fold(k), _fold(v), _flat_handle(handle),
                                      scale)[0].reshape(q.shape)
         return _traced_attention(q, k, v, handle, scale)[0]
