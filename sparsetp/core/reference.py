@@ -210,9 +210,11 @@ def mlp_grad(params_or_arrays, x, dy):
     return dx, (dw1, db1, dw2, db2)
 
 
-def _block_layout(config, seq_len):
-    from sparsetp.core.layout import make_layout  # local: keeps the module header untouched
-    return make_layout(config.pattern, seq_len, config.num_heads, config.block_size)
+def _block_layout(config, batch, seq_len, document_lengths=None):
+    from sparsetp.core.config import with_documents  # local: keeps the module header untouched
+    from sparsetp.core.layout import make_layout
+    pattern = with_documents(config.pattern, document_lengths, batch=batch, seq_len=seq_len)
+    return make_layout(pattern, seq_len, config.num_heads, config.block_size)
 
 
 def _split_heads(qkv, config):
@@ -239,13 +241,13 @@ def _merge_heads(o):
     return o.transpose(0, 2, 1, 3).reshape(b, n, h * hd)
 
 
-def _block_forward(params, x, config):
+def _block_forward(params, x, config, document_lengths=None):
     """Forward with every intermediate the backward needs."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     (x,) = _f64(x)
     if x.ndim != 3 or x.shape[-1] != config.d_model:
         raise ValueError(f"x must be [B, N, d_model={config.d_model}], got {x.shape}")
-    layout = _block_layout(config, x.shape[1])
+    layout = _block_layout(config, x.shape[0], x.shape[1], document_lengths)
     scale = config.head_dim ** -0.5
     eps = config.norm_eps
     h1 = layer_norm(x, p["ln1.weight"], p["ln1.bias"], eps)
@@ -262,28 +264,29 @@ def _block_forward(params, x, config):
                    h2=h2, f=f, a=a)
 
 
-def hybrid_block(params, x, config):
+def hybrid_block(params, x, config, document_lengths=None):
     """Pre-norm hybrid block ``y = y1 + MLP(LN2(y1))``, ``y1 = x + Attn(LN1(x))``, float64.
 
     ``params``: canonical unsharded dict (see :mod:`sparsetp.core.config`); ``x``: ``[B, N, d]``.
     Attention uses ``make_layout(config.pattern, N, num_heads, config.block_size)`` and scale
-    ``head_dim ** -0.5``.
+    ``head_dim ** -0.5``; with ``document_lengths`` (one list shared by the rows, or one list per
+    row) the pattern is ``P.documents(lengths) & config.pattern`` (``core.config.with_documents``).
     """
-    return _block_forward(params, x, config)[0]
+    return _block_forward(params, x, config, document_lengths)[0]
 
 
-def hybrid_block_grad(params, x, config, dy):
+def hybrid_block_grad(params, x, config, dy, document_lengths=None):
     """``(dx, dparams)`` of :func:`hybrid_block` for cotangent ``dy``, by hand (float64).
 
     ``dparams`` has the canonical names and unsharded shapes of ``params``.
     """
-    return hybrid_block_value_and_grad(params, x, config, dy)[1:]
+    return hybrid_block_value_and_grad(params, x, config, dy, document_lengths)[1:]
 
 
-def hybrid_block_value_and_grad(params, x, config, dy):
+def hybrid_block_value_and_grad(params, x, config, dy, document_lengths=None):
     """``(y, dx, dparams)``: :func:`hybrid_block` and :func:`hybrid_block_grad` sharing one
     forward pass."""
-    y, c = _block_forward(params, x, config)
+    y, c = _block_forward(params, x, config, document_lengths)
     p, eps = c["p"], config.norm_eps
     (dy,) = _f64(dy)
     has_b = config.bias
