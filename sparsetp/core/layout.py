@@ -94,7 +94,7 @@ import weakref
 
 import numpy as np
 
-from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
+from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern, validate_batch_rows
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
@@ -412,11 +412,7 @@ class _BatchHeads(Pattern):
         return (p, p.head_key(hh))
 
     def _validate(self, seq_len):
-        for r, p in enumerate(self.row_patterns):
-            try:
-                p._validate(seq_len)
-            except ValueError as e:
-                raise ValueError(f"batch row {r}: {e}") from None
+        validate_batch_rows(self.row_patterns, seq_len)
 
 
 def _unpack(words: np.ndarray, bs: int) -> np.ndarray:

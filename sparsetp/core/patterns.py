@@ -640,8 +640,27 @@ class BlockLocal(Pattern):
         return _relative_classes(self.block, block_size, n, qi, kj)
 
 
+class _OfMembers(Pattern):
+    """``batch`` / ``_batch_row`` of a pattern built from a tuple of patterns (its field
+    ``_MEMBERS``): per-row when a member is, and rebuilt from the members' rows."""
+
+    __slots__ = ()
+    _MEMBERS = ""  # the field holding the members
+    _WHAT = ""  # how errors name them
+
+    @property
+    def batch(self):
+        return _common_rows(getattr(self, self._MEMBERS), self._WHAT)
+
+    def _batch_row(self, r):
+        if self.batch is None:
+            return self
+        return type(self)(tuple(p._batch_row(r) for p in getattr(self, self._MEMBERS)))
+
+
 @_frozen
-class _Union(Pattern):
+class _Union(_OfMembers):
+    _MEMBERS, _WHAT = "parts", "patterns combined with | or &"
     parts: tuple
 
     def _token(self, h, i, j, n):
@@ -660,15 +679,6 @@ class _Union(Pattern):
         for p in self.parts:
             p._validate(seq_len)
 
-    @property
-    def batch(self):
-        return _common_rows(self.parts, "patterns combined with | or &")
-
-    def _batch_row(self, r):
-        if self.batch is None:
-            return self
-        return type(self)(tuple(p._batch_row(r) for p in self.parts))
-
 
 @_frozen
 class _Intersection(_Union):
@@ -680,9 +690,10 @@ class _Intersection(_Union):
 
 
 @_frozen
-class PerHead(Pattern):
+class PerHead(_OfMembers):
     """Head ``h`` uses ``patterns[h % len(patterns)]`` (which still sees the true ``h``)."""
 
+    _MEMBERS, _WHAT = "patterns", "per_head patterns"
     patterns: tuple
 
     def __post_init__(self):
@@ -691,7 +702,7 @@ class PerHead(Pattern):
         for p in self.patterns:
             if not isinstance(p, Pattern):
                 raise ValueError(f"patterns must hold Pattern values, got {p!r}")
-        _common_rows(self.patterns, "per_head patterns")
+        _ = self.batch  # members for different batch sizes raise here
 
     def _pick(self, h):
         return self.patterns[h % len(self.patterns)]
@@ -715,20 +726,11 @@ class PerHead(Pattern):
         for p in self.patterns:
             p._validate(seq_len)
 
-    @property
-    def batch(self):
-        return _common_rows(self.patterns, "per_head patterns")
-
-    def _batch_row(self, r):
-        if self.batch is None:
-            return self
-        return PerHead(tuple(p._batch_row(r) for p in self.patterns))
-
 
 @_frozen
 class PerBatchRow(Pattern):
     """Batch row ``r`` uses ``patterns[r]`` (:func:`per_batch_row`). Only a layout can evaluate it:
-    :func:`~sparsetp.core.layout.make_layout` lays out each row's pattern (``_row``)."""
+    :func:`~sparsetp.core.layout.make_layout` lays out each row's pattern (``_batch_row``)."""
 
     patterns: tuple
 
@@ -755,11 +757,16 @@ class PerBatchRow(Pattern):
     block_kinds = _sparse_tiles = _tile_classes = _token
 
     def _validate(self, seq_len):
-        for r, p in enumerate(self.patterns):
-            try:
-                p._validate(seq_len)
-            except ValueError as e:
-                raise ValueError(f"batch row {r}: {e}") from None
+        validate_batch_rows(self.patterns, seq_len)
+
+
+def validate_batch_rows(patterns, seq_len: int) -> None:
+    """Each batch row's pattern validated for ``seq_len``; errors say which row."""
+    for r, p in enumerate(patterns):
+        try:
+            p._validate(seq_len)
+        except ValueError as e:
+            raise ValueError(f"batch row {r}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
