@@ -302,8 +302,9 @@ def check_tables(layout) -> None:
     layout edited after :func:`make_layout` (another ``seq_len`` or ``block_size`` on old
     tables) is refused by name rather than as a mismatched internal table.
     """
-    bs, n, h = int(layout.block_size), int(layout.seq_len), int(layout.num_heads)
-    h *= int(getattr(layout, "batch", None) or 1)
+    bs, n, heads = int(layout.block_size), int(layout.seq_len), int(layout.num_heads)
+    batch = getattr(layout, "batch", None)
+    h = heads * int(batch or 1)  # the tables' heads
     kv = int(getattr(layout, "kv_len", None) or n)
     nbq, nbk = -(-n // bs), -(-kv // bs)
     shapes = {name: tuple(int(x) for x in a.shape) for name, a in layout.metadata().items()}
@@ -323,7 +324,8 @@ def check_tables(layout) -> None:
         bad.append(f"masks {masks}")
     if bad:
         raise ValueError(
-            f"layout is inconsistent: it says seq_len={n}, kv_len={kv}, table heads={h}, "
+            f"layout is inconsistent: it says seq_len={n}, kv_len={kv}, num_heads={heads}, "
+            f"{'' if batch is None else f'batch={batch}, '}"
             f"block_size={bs} ({nbq} query tiles x {nbk} key tiles per head) but its tables "
             f"are for another geometry: {', '.join(bad)}. Build a layout for each sequence "
             "length and block size with make_layout (layout_arrays for JAX); do not edit the "
