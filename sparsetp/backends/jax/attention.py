@@ -100,7 +100,7 @@ class LayoutArrays:
 
     @property
     def batch(self) -> int | None:
-        """Batch rows of a per-row layout (per-head arrays ``[rows, H, ...]``), else None."""
+        """Batch rows of a per-row layout (per-head arrays ``[batch, H, ...]``), else None."""
         return int(self.q_count.shape[0]) if self.q_count.ndim == 3 else None
 
     @property
@@ -120,7 +120,7 @@ class LayoutArrays:
 
     def metadata(self) -> dict[str, jax.Array]:
         """The arrays by name, as :meth:`BlockLayout.metadata` names them (a per-row layout's
-        per-head arrays flattened to the kernels' ``[rows * H, ...]`` tables)."""
+        per-head arrays flattened to the kernels' ``[batch * H, ...]`` tables)."""
         if self.batch is None:
             return {n: getattr(self, n) for n in _META}
         return {n: (getattr(self, n).reshape(-1, *getattr(self, n).shape[2:])
@@ -194,7 +194,7 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
                                      dtype=None if dtype is None else jnp.dtype(dtype).name)
     q_group, k_group = _schedule.head_groups(layout)
 
-    def arr(name, a):  # a per-row layout's per-head tables as [rows, H, ...]
+    def arr(name, a):  # a per-row layout's per-head tables as [batch, H, ...]
         a = jnp.asarray(a, jnp.int32)
         return a if rows is None or name not in _PER_HEAD else a.reshape(rows, -1, *a.shape[1:])
 
