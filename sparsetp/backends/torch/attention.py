@@ -605,9 +605,13 @@ def naive_sparse_attention(q, k, v, layout: BlockLayout,
     """Block-sparse attention in plain PyTorch: gather listed key tiles, masked softmax, matmul.
 
     Memory is ``O(B * H * N * W * bs * D)`` for the gathered tiles (``W`` = widest row of the
-    layout); differentiable through autograd. Returns ``out`` only.
+    layout); differentiable through autograd. Returns ``out`` only. A per-batch-row layout
+    runs on batch folded into heads, as :func:`sparse_attention` does.
     """
     scale = _check_inputs(q, k, v, layout, scale)
+    if layout.batch is not None:
+        return naive_sparse_attention(_fold(q), _fold(k), _fold(v), layout.flat(),
+                                      scale).reshape(q.shape)
     k, v = _repeat_kv(q, k), _repeat_kv(q, v)
     b, h, n, d = q.shape
     bs = layout.block_size
@@ -644,8 +648,12 @@ def dense_attention(q, k, v, layout: BlockLayout, scale: float | None = None) ->
 
     SDPA returns NaN for rows whose mask is all False; here those rows see every key inside
     SDPA and are then set to 0 (so forward and gradients stay finite: 0 output, 0 gradient).
+    A per-batch-row layout runs on batch folded into heads, as :func:`sparse_attention` does.
     """
     scale = _check_inputs(q, k, v, layout, scale)
+    if layout.batch is not None:
+        return dense_attention(_fold(q), _fold(k), _fold(v), layout.flat(),
+                               scale).reshape(q.shape)
     k, v = _repeat_kv(q, k), _repeat_kv(q, v)
     mask = torch.from_numpy(layout.dense_mask()).to(q.device)  # [H, N, N_kv], True = attend
     has_key = mask.any(-1, keepdim=True)                        # [H, N, 1]
