@@ -98,7 +98,7 @@ def define_target_flags(out: str, n: tuple[str, ...]) -> None:
     flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smoke test only)")
 
 
-_TILE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_preprocess")
+_TILE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
 
 
 def parse_arm(spec: str) -> Arm:
@@ -210,13 +210,15 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def inputs(n: int, h: int, d: int, dtype: str, device: str, seed: int, b: int = 1):
-    """(q, k, v, qg, kg, vg, d_out): standard-normal inputs, and leaf copies that want grads."""
+def inputs(n: int, h: int, d: int, dtype: str, device: str, seed: int, b: int = 1,
+           h_kv: int | None = None):
+    """(q, k, v, qg, kg, vg, d_out): standard-normal inputs, and leaf copies that want grads;
+    k and v with ``h_kv`` heads (GQA; default ``h``)."""
     import torch  # noqa: PLC0415
 
     g = torch.Generator(device=device).manual_seed(seed)
-    q, k, v, d_out = (torch.randn(b, h, n, d, device=device, generator=g).to(getattr(torch, dtype))
-                      for _ in range(4))
+    q, k, v, d_out = (torch.randn(b, hh, n, d, device=device, generator=g)
+                      .to(getattr(torch, dtype)) for hh in (h, h_kv or h, h_kv or h, h))
     return (q, k, v, *(t.clone().requires_grad_() for t in (q, k, v)), d_out)
 
 

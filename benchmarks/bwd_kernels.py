@@ -2,7 +2,7 @@
 
 Runs one forward+backward through the public torch function with every launch recorded (the
 torch launcher's ``run``), then times each recorded launch alone (``do_bench`` median):
-forward, preprocess, dQ, dK/dV, with the tile config each ran. Per pattern and per arm
+forward, dQ (with Delta), dK/dV, with the tile config each ran. Per pattern and per arm
 (``attention_common``'s arm spec: layout block, kernel tile, tile configs, work order), so
 per-kernel costs of tiles and configs can be compared without the other kernels' noise. Each
 arm first passes the float32-reference gate (poisoned outputs).

@@ -3,7 +3,7 @@
 For benchmarks that compare kernel *versions* (``kernel_ab.py``, ``ncu_backward.py``,
 ``kernel_probe.py``, ``ptx_probe.py``): the library runs only its own kernels, so the loader and
 the launches live here. A version is a copy of ``sparsetp/kernels/attention.py`` (for example
-``git show <rev>:sparsetp/kernels/attention.py > /tmp/base.py``, or an edited copy) whose four
+``git show <rev>:sparsetp/kernels/attention.py > /tmp/base.py``, or an edited copy) whose
 kernels keep the tree's argument order (:mod:`sparsetp.kernels.abi`); a version with another
 signature needs its own launcher.
 
@@ -89,28 +89,24 @@ def forward(q, k, v, layout, kernels: Mapping, scale: float):
 
 
 def backward(q, k, v, out, lse, d_out, d_lse, layout, kernels: Mapping, scale: float):
-    """(dq, dk, dv) of ``kernels``: preprocess, dQ, dK/dV (an LSE cotangent enters Delta)."""
+    """(dq, dk, dv) of ``kernels``: dQ (which writes Delta, the LSE cotangent folded in), then
+    dK/dV."""
     kind = tlaunch.device_kind(q)
     dtype = abi.check_dtype(q.dtype)
     meta = tlaunch.metadata(layout, q, kind)
+    lse = lse.contiguous()  # delta is written with lse's strides
     st = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
           "out": out.stride()}
-    pre = abi.bwd_preprocess_call(out, d_out, block_size=int(meta["masks"].shape[1]),
-                                  dtype=dtype, device_kind=kind,
-                                  strides={n: st[n] for n in ("out", "d_out")})
-    (delta,) = _outputs(pre, q.device)
-    launch(pre, kernels, (delta,), kind)
-    if d_lse is not None:  # as the library: rows with no key have P = 0, keep inf out
-        delta = delta - torch.where(torch.isfinite(lse), d_lse.to(delta.dtype), 0.0)
-    ins = (q, k, v, d_out, lse, delta)
-    grads = []
-    for builder in (abi.bwd_dq_call, abi.bwd_dkdv_call):
-        call = builder(*ins, meta, scale=scale, dtype=dtype, device_kind=kind,
-                       strides={n: st[n] for n in ("q", "k", "v", "d_out")})
-        outs = _outputs(call, q.device)
-        launch(call, kernels, outs, kind)
-        grads += outs
-    return tuple(grads)
+    if d_lse is not None:
+        st["d_lse"] = d_lse.stride()
+    kw = dict(scale=scale, dtype=dtype, device_kind=kind, strides=st)
+    dq_call = abi.bwd_dq_call(q, k, v, d_out, lse, out, d_lse, meta, **kw)
+    dq, delta = _outputs(dq_call, q.device)
+    launch(dq_call, kernels, (dq, delta), kind)
+    dkdv_call = abi.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, **kw)
+    dk, dv = _outputs(dkdv_call, q.device)
+    launch(dkdv_call, kernels, (dk, dv), kind)
+    return dq, dk, dv
 
 
 class _VersionFn(torch.autograd.Function):

@@ -22,6 +22,7 @@ tiles 128 and 64 pinned)::
     python benchmarks/launch_ab.py --arms=tiles --out=$OUT/tile_ab.json
     python benchmarks/launch_ab.py --arms='auto;g2:head_group=2' --n=8192 --patterns=causal
     python benchmarks/launch_ab.py --arms='auto;t64:block=64,bwd=32/4/3' --head_dim=64
+    python benchmarks/launch_ab.py --arms=tiles --heads=32 --kv_heads=8 --patterns=causal
 
 On CPU (the interpreter; a smoke test of this script, not a measurement)::
 
@@ -45,6 +46,8 @@ flags.DEFINE_multi_string("arms", ["tiles"], "arm specs or preset names (PRESETS
                           "or the flag repeated; the first arm is the reference of the ratios")
 flags.DEFINE_string("dtype", "bfloat16", "input dtype")
 flags.DEFINE_integer("rounds", 3, "interleaved rounds")
+flags.DEFINE_integer("kv_heads", None, "H_kv of the timed inputs (GQA; default: --heads); the "
+                     "float32 gate runs MHA")
 
 PRESETS = {
     "orders": ["auto", "bh:work_order=longest_first_bh", "hm:work_order=longest_first",
@@ -112,7 +115,7 @@ def main(argv):
         sys.exit(rec.finish())
     alike = [a.name for a in ok.values() if a.tiling() == ref.tiling()]
     for n in map(int, FLAGS.n):
-        tensors = C.inputs(n, h, d, FLAGS.dtype, dev, seed=9)
+        tensors = C.inputs(n, h, d, FLAGS.dtype, dev, seed=9, h_kv=FLAGS.kv_heads)
         for nm in FLAGS.patterns:
             if not _case(rec, f"{nm} N={n} D={d}", nm, n, tensors, ok, alike, ref.name):
                 sys.exit(rec.finish())

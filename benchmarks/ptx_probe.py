@@ -49,7 +49,7 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32", "float
 
 # Arguments by role; anything else that is not a constexpr is an int32 scalar.
 _INPUT = {"Q", "K", "V", "DO", "DQ", "DK", "DV", "Out"}  # the input dtype
-_STATS = {"LSE", "Delta"}  # the statistics dtype (abi.stats_dtype)
+_STATS = {"LSE", "Delta", "DLSE"}  # the statistics dtype (abi.stats_dtype)
 _PTR = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "float64": "*fp64"}
 _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dqd",
                  "stride_dkd", "stride_dvd", "stride_ln", "stride_mw", "stride_ik"}
@@ -85,7 +85,7 @@ def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages
                   "DOT_PRECISION": abi.dot_precision(dtype), "DOT_UPCAST": False,
                   "ORDERED": True, "ALIGNED": True,
                   "SUB_N": sub, "SUB_M": sub, "HEAD_DIM_PAD": abi.head_dim_padded(head_dim),
-                  "GROUPED": False}
+                  "GROUPED": False, "HAS_DLSE": False}
     constexprs = {k: v for k, v in constexprs.items() if k in names}
     constexprs.update({n: 1 for n in names if n in _UNIT_STRIDES})
     sig = {}

@@ -171,7 +171,7 @@ class SideBySideTest(absltest.TestCase):
             "from unittest import mock\n"
             "with mock.patch.object(interpreter, 'launch', wraps=interpreter.launch) as spy:\n"
             "    res = t._torch_attention(layout, q, k, v, d_out)\n"
-            "assert spy.call_count == 4, spy.call_count  # fwd, preprocess, dq, dk/dv\n"
+            "assert spy.call_count == 3, spy.call_count  # fwd, dq, dk/dv\n"
             "t.check_attention(layout, q, k, v, d_out, *res)\n"
             "print('ok')\n",
             TRITON_INTERPRET="1", SPARSETP_INTERPRET="1")
@@ -247,7 +247,7 @@ class ForcedInterpreterTest(absltest.TestCase):
         self.assertEqual(spy.call_count, 0)  # compiled kernels, no interpreter
         with mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}), self._spy() as spy:
             forced = _torch_attention(layout, q, k, v, d_out, device="cuda")
-        self.assertEqual(spy.call_count, 4)  # fwd, preprocess, dQ, dK/dV
+        self.assertEqual(spy.call_count, 3)  # fwd, dQ, dK/dV
         check_attention(layout, q, k, v, d_out, *compiled, tag="compiled")
         check_attention(layout, q, k, v, d_out, *forced, tag="interpreted")
 

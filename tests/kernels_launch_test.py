@@ -25,7 +25,7 @@ def _list_calls(meta, x, **kw):
     """fwd, dQ and dK/dV launch descriptions for q = k = v = ``x`` (shapes only)."""
     stats = x[..., 0]
     return (abi.fwd_call(x, x, x, meta, **kw),
-            abi.bwd_dq_call(x, x, x, x, stats, stats, meta, **kw),
+            abi.bwd_dq_call(x, x, x, x, stats, x, None, meta, **kw),
             abi.bwd_dkdv_call(x, x, x, x, stats, stats, meta, **kw))
 
 
@@ -84,7 +84,6 @@ class WorkOrderTest(absltest.TestCase):
         self.assertEqual(schedule.list_grid(2, 8, 32, 64), (16, 32, 1))  # clipped to B*H
         with self.assertRaisesRegex(ValueError, "divide"):
             schedule.list_grid(2, 8, 32, 0)
-        self.assertEqual(schedule.grid(2, 3, 100, 32), (4, 6, 1))
         meta = {"q_head_group": 2, "k_head_group": None}
         self.assertEqual(schedule.grid_group(meta, "q", 3, 4), 2)
         self.assertEqual(schedule.grid_group(meta, "k", 3, 4), 12)  # None: all pairs
@@ -96,16 +95,29 @@ class WorkOrderTest(absltest.TestCase):
         with options.launch_options(work_order="natural", head_group=4):
             self.assertEqual(schedule.grid_group(meta, "q", 3, 4), 12)  # the option wins
 
-    def test_preprocess_launch(self):
-        """The preprocess kernel's grid (tiles along N, B*H) and its delta output."""
-        out = np.zeros((2, 3, 100, 32), np.float32)
-        call = abi.bwd_preprocess_call(out, out, block_size=32, dtype="float32",
-                                       device_kind="interpreter")
-        self.assertEqual(call.grid, (4, 6, 1))
+    def test_dq_launch_writes_delta(self):
+        """dQ's outputs are dq and delta (lse's shape, stats dtype); the LSE cotangent is a
+        constexpr switch whose slot carries lse when absent, and its strides never decide
+        ALIGNED (a cotangent of lse.sum() is an expanded, stride-0 tensor)."""
+        q = np.zeros((2, 4, 128, 32), np.float32)
+        lse = np.zeros((2, 4, 128), np.float32)
+        meta = make_layout(P.causal(), 128, 4, 32).metadata()
+        kw = dict(scale=0.2, dtype="float32", device_kind="interpreter")
+        call = abi.bwd_dq_call(q, q, q, q, lse, q, None, meta, **kw)
         self.assertEqual([(o.name, o.shape, o.dtype) for o in call.outputs],
-                         [("delta", (2, 3, 100), "float32")])
-        self.assertFalse(call.constexprs["ALIGNED"])  # N % 16 != 0
-        self.assertIs(call.kernel, abi.kernel("bwd_preprocess"))
+                         [("dq", (2, 4, 128, 32), "float32"), ("delta", (2, 4, 128), "float32")])
+        self.assertIs(call.args[6], lse)
+        self.assertFalse(call.constexprs["HAS_DLSE"])
+        self.assertTrue(call.constexprs["ALIGNED"])
+        d_lse = np.zeros((2, 4, 128), np.float32)
+        with_dlse = abi.bwd_dq_call(q, q, q, q, lse, q, d_lse, meta, **kw,
+                                    strides={"d_lse": (0, 0, 0)})
+        self.assertIs(with_dlse.args[6], d_lse)
+        self.assertTrue(with_dlse.constexprs["HAS_DLSE"])
+        self.assertTrue(with_dlse.constexprs["ALIGNED"])
+        self.assertEqual(len(with_dlse.args), len(call.args))
+        self.assertEqual(len(call.args) + len(call.outputs) + len(call.constexprs),
+                         len(call.kernel.arg_names))
 
 
 class HeadGroupsTest(absltest.TestCase):
@@ -207,7 +219,7 @@ class TileConfigTest(absltest.TestCase):
                 tiles.tile_config(args.pop("kernel_name"), **args)
         with self.assertRaisesRegex(ValueError, "kernel must be one of"):
             abi.kernel("fwd_split")
-        self.assertLen({abi.kernel(n) for n in tiles.KERNEL_NAMES}, 4)
+        self.assertLen({abi.kernel(n) for n in tiles.KERNEL_NAMES}, 3)
         for bad, regex in ((dict(block_m=64, block_n=32), "block_m == block_n"),
                            (dict(block_m=48, block_n=48), "block_m"),
                            (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")):
@@ -407,7 +419,7 @@ class RealModelLaunchTest(parameterized.TestCase):
         stats = q[..., 0]
         kw = dict(scale=0.125, dtype="float32", device_kind="cuda")
         fwd = abi.fwd_call(q, kv, kv, meta, **kw)
-        dq = abi.bwd_dq_call(q, kv, kv, q, stats, stats, meta, **kw)
+        dq = abi.bwd_dq_call(q, kv, kv, q, stats, q, None, meta, **kw)
         dkdv = abi.bwd_dkdv_call(q, kv, kv, q, stats, stats, meta, **kw)
         self.assertEqual(fwd.grid, (b * h, 2, 1))
         self.assertEqual(dq.grid, (b * h, 2, 1))
@@ -444,9 +456,8 @@ class RealModelLaunchTest(parameterized.TestCase):
                 for dtype, size in (("bfloat16", 2), ("float32", 4)):
                     cfg = tiles.tile_config(name, head_dim=d, dtype=dtype, block_size=64,
                                             device_kind="cuda")
-                    if name != "bwd_preprocess":
-                        stage_bytes = 2 * cfg.num_stages * cfg.sub * 256 * size
-                        self.assertLessEqual(stage_bytes, 128 * 1024, (name, dtype, cfg))
+                    stage_bytes = 2 * cfg.num_stages * cfg.sub * 256 * size
+                    self.assertLessEqual(stage_bytes, 128 * 1024, (name, dtype, cfg))
             with self.assertRaisesRegex(ValueError, "head dim"):
                 tiles.tile_config("fwd", head_dim=d, dtype="bfloat16", block_size=128,
                                   device_kind="cuda")

@@ -87,12 +87,13 @@ def _calls(lay, batch: int, head_dim: int, dtype: str):
                                 "out": out.stride(), "lse": lse.stride()})
     st = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
           "lse": lse.stride()}
-    dq_call = abi.bwd_dq_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
-                              device_kind="cuda", strides={**st, "dq": dq.stride()})
+    dq_call = abi.bwd_dq_call(q, k, v, d_out, lse, out, None, meta, scale=scale, dtype=dtype,
+                              device_kind="cuda",
+                              strides={**st, "out": out.stride(), "dq": dq.stride()})
     dkdv_call = abi.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype,
                                   device_kind="cuda",
                                   strides={**st, "dk": dk.stride(), "dv": dv.stride()})
-    return {"fwd": (fwd, (out, lse)), "bwd_dq": (dq_call, (dq,)),
+    return {"fwd": (fwd, (out, lse)), "bwd_dq": (dq_call, (dq, delta)),
             "bwd_dkdv": (dkdv_call, (dk, dv))}
 
 

@@ -456,7 +456,8 @@ class DirectLaunchTest(absltest.TestCase):
     def run_once(self, tensors=None):
         tlaunch.run(self.desc, tensors or (self.q, self.k, self.v), (self.out, self.lse), "cuda")
 
-    def test_second_call_goes_direct_with_the_jit_argument_order(self):
+    def _direct_args(self):
+        """The arguments of the one direct launch after a JIT launch: (launcher's 9, kernel's)."""
         self.run_once()
         self.assertLen(self.jit_calls, 1)
         self.assertIs(self.jit_calls[0].args[0], self.q)
@@ -464,19 +465,39 @@ class DirectLaunchTest(absltest.TestCase):
         self.assertLen(self.jit_calls, 1)  # no second JIT launch
         (args,) = self.compiled[0].runs
         grid = self.desc.call.grid
-        hooks = triton.knobs.runtime  # Triton's own hook objects, passed through as the JIT does
-        meta = None if hooks.launch_enter_hook is None else "meta"
-        self.assertEqual(args[:7], (grid[0], grid[1], grid[2], 7, "fn", "packed", meta))
-        self.assertIs(args[7], hooks.launch_enter_hook)
-        self.assertIs(args[8], hooks.launch_exit_hook)
-        launched = args[9:]
-        call = self.desc.call
-        names = call.kernel.arg_names
-        # What JITFunction.run passes: every parameter's value in signature order.
-        self.assertLen(launched, len(names))
+        self.assertEqual(args[:6], (grid[0], grid[1], grid[2], 7, "fn", "packed"))
+        call, names = self.desc.call, self.desc.call.kernel.arg_names
+        self.assertLen(args[9:], len(names))  # JITFunction.run's: every parameter in order
         expect = (self.q, self.k, self.v, *call.args[3:], self.out, self.lse,
                   *(call.constexprs[n] for n in names[len(call.args) + 2:]))
-        for name, got, want in zip(names, launched, expect, strict=True):
+        return args[6:9], list(zip(names, args[9:], expect, strict=True))
+
+    def test_second_call_goes_direct_with_pointers_when_no_hook_runs(self):
+        # Triton's default hooks: empty HookChains (Triton >= 3.6) or None.
+        rt = triton.knobs.runtime
+        for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+            self.assertTrue(hook is None or not hook.calls)
+        launcher, launched = self._direct_args()
+        self.assertEqual(launcher, (None, None, None))  # no metadata, no hooks to call
+        self.assertEqual(self.compiled[0].metadata_calls, 0)
+        for name, got, want in launched:
+            if isinstance(want, torch.Tensor):
+                self.assertIsInstance(got, int, name)
+                self.assertEqual(got, want.data_ptr(), name)
+            elif isinstance(want, (bool, int, float, str)):
+                self.assertEqual(got, want, name)
+            else:  # the fake's metadata are numpy arrays: passed as they are
+                self.assertIs(got, want, name)
+
+    def test_an_enter_hook_gets_metadata_and_the_tensors(self):
+        def hook(meta):
+            return None
+
+        with mock.patch.object(triton.knobs.runtime, "launch_enter_hook", hook):
+            launcher, launched = self._direct_args()
+        self.assertEqual(launcher, ("meta", hook, triton.knobs.runtime.launch_exit_hook))
+        self.assertEqual(self.compiled[0].metadata_calls, 1)
+        for name, got, want in launched:
             if isinstance(want, (bool, int, float, str)):
                 self.assertEqual(got, want, name)
             else:  # tensors and metadata arrays: the very objects
@@ -501,17 +522,17 @@ class DirectLaunchTest(absltest.TestCase):
             self.run_once()
         self.assertLen(self.jit_calls, 5)
 
-    def test_launch_metadata_only_for_an_enter_hook(self):
+    def test_launch_metadata_only_for_an_active_hook(self):
         self.run_once()
-        with mock.patch.object(triton.knobs.runtime, "launch_enter_hook", None):
-            self.run_once()
+        for idle in (None, type(triton.knobs.runtime.launch_enter_hook)()):
+            with mock.patch.object(triton.knobs.runtime, "launch_enter_hook", idle):
+                self.run_once()
         self.assertEqual(self.compiled[0].metadata_calls, 0)
-        self.assertIsNone(self.compiled[0].runs[0][6])
-        with mock.patch.object(triton.knobs.runtime, "launch_enter_hook", lambda m: None):
+        self.assertEqual([r[6:9] for r in self.compiled[0].runs], [(None, None, None)] * 2)
+        with mock.patch.object(triton.knobs.runtime, "launch_exit_hook", lambda m: None):
             self.run_once()
         self.assertEqual(self.compiled[0].metadata_calls, 1)
-        self.assertEqual(self.compiled[0].runs[1][6], "meta")
-
+        self.assertEqual(self.compiled[0].runs[2][6], "meta")
 
 if __name__ == "__main__":
     absltest.main()

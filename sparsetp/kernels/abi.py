@@ -1,9 +1,9 @@
 """The kernels' ABI: argument orders, input checks and launch descriptions both frontends use.
 
 Nothing here imports torch or jax. A frontend turns its arrays into a :class:`KernelCall` with
-one of :func:`fwd_call`, :func:`bwd_preprocess_call`, :func:`bwd_dq_call`,
-:func:`bwd_dkdv_call`, then launches ``call.kernel`` its own way (``backends/torch/launch.py``,
-``backends/jax/launch.py``). The kernel signature is always
+one of :func:`fwd_call`, :func:`bwd_dq_call`, :func:`bwd_dkdv_call`, then launches
+``call.kernel`` its own way (``backends/torch/launch.py``, ``backends/jax/launch.py``).
+The kernel signature is always
 
     (*call.args, *<one pointer per call.outputs entry>, **call.constexprs)
 
@@ -51,8 +51,8 @@ the device and **C-contiguous** (their strides are computed from their shapes), 
 the layout's Python ints ``q_head_group`` / ``k_head_group`` (how launches order heads, see
 :func:`sparsetp.kernels.schedule.grid_group`; missing means all heads interleaved). ``strides`` maps
 tensor names to element strides; a name left out means C-contiguous. Names: ``q k v out lse``
-(forward), ``out d_out delta`` (preprocess), ``q k v d_out lse dq`` (dQ; ``delta`` shares the
-``lse`` strides), ``q k v d_out lse dk dv`` (dK/dV; same). ``lse`` and ``delta`` are
+(forward), ``q k v d_out out lse d_lse dq`` (dQ; its output ``delta`` shares the ``lse``
+strides), ``q k v d_out lse dk dv`` (dK/dV; ``delta`` as in dQ). ``lse`` and ``delta`` are
 ``[B, H, N]`` in :func:`stats_dtype` (float32, or float64 for float64 inputs). ``scale`` is the
 softmax scale (default ``D ** -0.5`` is the frontend's job). All scalars are Python ints/floats
 (``jax_triton`` only recognises those as scalars).
@@ -83,7 +83,7 @@ import numpy as np
 from sparsetp.core.layout import check_tables
 from sparsetp.kernels import attention as _k
 from sparsetp.kernels import options as _options
-from sparsetp.kernels.schedule import grid, grid_group, list_grid
+from sparsetp.kernels.schedule import grid_group, list_grid
 from sparsetp.kernels.tiles import (
     DEVICE_KINDS,
     KERNEL_NAMES,
@@ -102,12 +102,11 @@ __all__ = [
     "check_attention_shapes", "check_scale", "scale_args", "stats_dtype", "dot_precision",
     "dot_upcast",
     "mask_words", "aligned", "contiguous_strides", "head_dim_padded", "fwd_call",
-    "bwd_preprocess_call", "bwd_dq_call", "bwd_dkdv_call",
+    "bwd_dq_call", "bwd_dkdv_call",
 ]
 
 _KERNELS = {
     "fwd": _k._attn_fwd_kernel,
-    "bwd_preprocess": _k._attn_bwd_preprocess_kernel,
     "bwd_dq": _k._attn_bwd_dq_kernel,
     "bwd_dkdv": _k._attn_bwd_dkdv_kernel,
 }
@@ -383,60 +382,64 @@ def fwd_call(q, k, v, meta: Mapping[str, Any], *, scale: float, dtype: str, devi
                       cfg.num_warps, cfg.num_stages)
 
 
-def bwd_preprocess_call(out, d_out, *, block_size: int, dtype: str, device_kind: str,
-                        strides: Mapping[str, Any] | None = None) -> KernelCall:
-    """Backward preprocess: output ``delta`` [B, H, N] = rowsum(d_out * out)."""
-    b, h, n, d, dtype, cfg = _common(out, block_size, dtype, device_kind, "bwd_preprocess")
-    shape, lse_shape = (b, h, n, d), (b, h, n)
-    st = _all_strides(strides, ("out", "d_out"), ("delta",), shape, lse_shape)
-    args = (out, d_out, n, h, *st["out"], *st["d_out"], *st["delta"])
-    return KernelCall("bwd_preprocess", kernel("bwd_preprocess"), grid(b, h, n, block_size),
-                      args, (OutputSpec("delta", lse_shape, stats_dtype(dtype)),),
-                      {"BLOCK": block_size, "HEAD_DIM": d, "ALIGNED": aligned(n, st),
-                       "HEAD_DIM_PAD": head_dim_padded(d)},
-                      cfg.num_warps, cfg.num_stages)
-
-
-def _bwd_list_call(name, major, out_names, sub_name, q, k, v, d_out, lse, delta, meta, scale,
-                   dtype, device_kind, strides) -> KernelCall:
-    """The dQ and dK/dV launches: the same operands, the ``major`` ("q"/"k") lists, and one
-    output per ``out_names`` (in the input dtype, q's shape for dq, k's for dk and dv),
-    appended after the metadata. dQ runs a program per (query tile, b, query head), dK/dV one
-    per (key tile, b, kv head); both read the layout's per-query-head lists."""
+def _bwd_list_call(name, major, tensors, names4, names3, out_names, sub_name, q, k, meta,
+                   scale, dtype, device_kind, strides, unaligned=(), extra=None) -> KernelCall:
+    """The dQ and dK/dV launches: the input ``tensors``, the ``major`` ("q"/"k") lists, the
+    scalars, the strides of the inputs ``names4`` ([B, H(_kv), N(_kv), D]) and ``names3``
+    ([B, H, N]), the metadata strides, those of the [B, H, N, D] outputs; outputs
+    ``out_names`` (q's shape for dq, k's for dk and dv, in the input dtype; ``delta`` in the
+    stats dtype, sharing the ``lse`` strides). dQ runs a program per (query tile, b, query
+    head), dK/dV one per (key tile, b, kv head); both read the layout's per-query-head lists.
+    ``ALIGNED`` ignores the strides of ``unaligned`` (the kernel never assumes them 16-divisible);
+    ``extra``: more constexprs.
+    """
     bs = _block_size(meta)
     b, h, n, d, dtype, cfg = _common(q, bs, dtype, device_kind, name)
     n_kv, group, kv_shape = _kv(q, k)
     tiles = -(-(n if major == "q" else n_kv) // bs)
     arrays, meta_strides = _check_meta(meta, major, h, tiles, bs)
     shape, lse_shape = (b, h, n, d), (b, h, n)
-    st = _all_strides(strides, ("q", "k", "v", "d_out", *out_names), ("lse",), shape, lse_shape,
-                      kv_shape)
-    args = (q, k, v, d_out, lse, delta, *arrays, *scale_args(scale), n, n_kv, h, group,
-            *st["q"], *st["k"], *st["v"], *st["d_out"], *st["lse"], *meta_strides,
-            *(x for o in out_names for x in st[o]))
+    outs4 = [o for o in out_names if o != "delta"]
+    st = _all_strides(strides, (*names4, *outs4), names3, shape, lse_shape, kv_shape)
+    args = (*tensors, *arrays, *scale_args(scale), n, n_kv, h, group,
+            *(x for nm in (*names4, *names3) for x in st[nm]), *meta_strides,
+            *(x for o in outs4 for x in st[o]))
     heads = h if major == "q" else h // group  # the programs' heads: query or kv heads
-    constexprs = _constexprs(bs, d, dtype, device_kind, cfg, sub_name, aligned(n, st, n_kv))
+    constexprs = _constexprs(bs, d, dtype, device_kind, cfg, sub_name,
+                             aligned(n, {nm: x for nm, x in st.items() if nm not in unaligned},
+                                     n_kv))
     if major == "k":
         constexprs["GROUPED"] = group > 1
+    constexprs.update(extra or {})
+    outputs = tuple(OutputSpec(o, lse_shape, stats_dtype(dtype)) if o == "delta" else
+                    OutputSpec(o, kv_shape if o in _KV_NAMES else shape, dtype)
+                    for o in out_names)
     return KernelCall(name, _KERNELS[name],
                       list_grid(b, heads, tiles, grid_group(meta, major, b, heads)), args,
-                      tuple(OutputSpec(o, kv_shape if o in _KV_NAMES else shape, dtype)
-                            for o in out_names),
-                      constexprs, cfg.num_warps, cfg.num_stages)
+                      outputs, constexprs, cfg.num_warps, cfg.num_stages)
 
 
-def bwd_dq_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
+def bwd_dq_call(q, k, v, d_out, lse, out, d_lse, meta: Mapping[str, Any], *, scale: float,
                 dtype: str, device_kind: str,
                 strides: Mapping[str, Any] | None = None) -> KernelCall:
-    """dQ launch (query-major lists): output ``dq`` [B, H, N, D] in the input dtype."""
-    return _bwd_list_call("bwd_dq", "q", ("dq",), "SUB_N", q, k, v, d_out, lse, delta, meta,
-                          scale, dtype, device_kind, strides)
+    """dQ launch (query-major lists): outputs ``dq`` [B, H, N, D] in the input dtype and
+    ``delta`` [B, H, N] = rowsum(d_out * out) - d_lse (d_lse only on rows with a finite lse),
+    which :func:`bwd_dkdv_call` reads; ``delta`` shares the ``lse`` strides (allocate it
+    alike). ``d_lse``, the LSE cotangent (any strides), may be None: its slot then carries
+    ``lse``, never read."""
+    return _bwd_list_call("bwd_dq", "q", (q, k, v, d_out, lse, out,
+                                          lse if d_lse is None else d_lse),
+                          ("q", "k", "v", "d_out", "out"), ("lse", "d_lse"), ("dq", "delta"),
+                          "SUB_N", q, k, meta, scale, dtype, device_kind, strides,
+                          unaligned=("d_lse",), extra={"HAS_DLSE": d_lse is not None})
 
 
 def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
                   dtype: str, device_kind: str,
                   strides: Mapping[str, Any] | None = None) -> KernelCall:
     """dK/dV launch (key-major lists): outputs ``dk``, ``dv`` [B, H_kv, N_kv, D] in the input
-    dtype (GQA: summed over each kv head's group of query heads, in the kernel)."""
-    return _bwd_list_call("bwd_dkdv", "k", ("dk", "dv"), "SUB_M", q, k, v, d_out, lse, delta,
-                          meta, scale, dtype, device_kind, strides)
+    dtype (GQA: summed over each kv head's group of query heads, in the kernel). ``delta`` is
+    :func:`bwd_dq_call`'s, with the ``lse`` strides."""
+    return _bwd_list_call("bwd_dkdv", "k", (q, k, v, d_out, lse, delta),
+                          ("q", "k", "v", "d_out"), ("lse",), ("dk", "dv"), "SUB_M", q, k, meta,
+                          scale, dtype, device_kind, strides)

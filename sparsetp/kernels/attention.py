@@ -6,7 +6,7 @@ interpreter on CPU) launch the *same* kernel objects. The argument order of ever
 default tile configs live in :mod:`sparsetp.kernels.abi`; read its docstring before calling a
 kernel by hand.
 
-Conventions shared by the four kernels
+Conventions shared by the three kernels
 --------------------------------------
 * Tensors are ``[B, H, N, D]`` (Q, Out, dO, dQ) and ``[B, H / GROUP, N_KV, D]`` (K, V, dK,
   dV) with arbitrary strides (passed as ``stride_<tensor><dim>``); ``LSE`` and ``Delta`` are
@@ -14,11 +14,12 @@ Conventions shared by the four kernels
   attention; 1 for multi-head): query head ``h`` reads kv head ``h // GROUP``, K and V are never
   repeated. ``N`` counts queries, ``N_KV`` keys (the layout aligns the two, see
   :mod:`sparsetp.core.layout`).
-* One program per (tile, batch, head): it owns query tile ``i`` (forward, dQ, preprocess) of
-  batch ``b``, query head ``h``, or key tile ``i`` (dK/dV) of batch ``b``, kv head ``g`` (which
-  sums over the query heads of its group in a fixed order: no atomics). The preprocess grid is
-  ``(num_tiles, B * H)``; the other kernels map their program ids through :func:`_program`
-  (optionally a per-head longest-first work order, optionally head-fastest dispatch).
+* One program per (tile, batch, head): it owns query tile ``i`` (forward, dQ) of batch ``b``,
+  query head ``h``, or key tile ``i`` (dK/dV) of batch ``b``, kv head ``g`` (which sums over
+  the query heads of its group in a fixed order: no atomics). Program ids map through
+  :func:`_program` (optionally a per-head longest-first work order, optionally head-fastest
+  dispatch). The backward is two launches: dQ (which also writes ``Delta``, the softmax
+  backward's row term) then dK/dV (which reads it).
 * Block-sparse structure reaches the kernels as *tensors* (pointers + strides), never as
   constexprs: a new pattern with the same shapes reuses the compiled kernel. See the docstring of
   :mod:`sparsetp.core.layout`: per (head, tile) an ELL row lists ``count`` tiles, the first
@@ -29,8 +30,8 @@ Conventions shared by the four kernels
   the number of int32 mask words per tile row (``MASK_WORDS``), the tl.dot input precision,
   ``DOT_UPCAST`` (an interpreter-only bf16 workaround, see :func:`_dot`), the work-order
   switch ``ORDERED`` (:func:`_program`), ``ALIGNED`` (:func:`_hint16`), ``HEAD_DIM_PAD`` (the
-  head dim rounded up to a power of two, :func:`_cols_ok`) and, in dK/dV, ``GROUPED``
-  (GROUP > 1). None depends on the
+  head dim rounded up to a power of two, :func:`_cols_ok`), in dK/dV ``GROUPED``
+  (GROUP > 1) and in dQ ``HAS_DLSE`` (an LSE cotangent to fold into Delta). None depends on the
   pattern's values, so a new pattern never recompiles. (How heads are interleaved, which the
   layout decides, is read off the grid's shape at run time: see :func:`_program`.)
 * Every kernel bounds its loads by ``N`` (queries) and ``N_KV`` (keys): full tiles of the ragged
@@ -48,7 +49,6 @@ import triton.language as tl
 
 __all__ = [
     "_attn_fwd_kernel",
-    "_attn_bwd_preprocess_kernel",
     "_attn_bwd_dq_kernel",
     "_attn_bwd_dkdv_kernel",
 ]
@@ -342,43 +342,6 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _attn_bwd_preprocess_kernel(
-    Out, DO,
-    N, H,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_dob, stride_doh, stride_don, stride_dod,
-    stride_lb, stride_lh, stride_ln,
-    Delta,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ALIGNED: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-):
-    """Delta = rowsum(dO * O), the softmax-backward correction term.
-
-    Out, DO: [B, H, N, HEAD_DIM]; Delta: [B, H, N] (fp32, or fp64 for fp64 inputs), strides
-    stride_l*. Grid (cdiv(N, BLOCK), B*H).
-    """
-    tl.static_assert(HEAD_DIM >= 16, "head dims below 16 are not supported")
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    N = _hint16(N, ALIGNED)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = (off_bh % H).to(tl.int64)
-    offs_m = start_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    in_range = (offs_m[:, None] < N) & _cols_ok(offs_d, HEAD_DIM, HEAD_DIM_PAD)[None, :]
-    o = tl.load(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h * _hint16(stride_oh, ALIGNED)
-                + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
-                mask=in_range, other=0.0)
-    do = tl.load(DO + off_b * _hint16(stride_dob, ALIGNED) + off_h * _hint16(stride_doh, ALIGNED)
-                 + offs_m[:, None] * _hint16(stride_don, ALIGNED) + offs_d[None, :] * stride_dod,
-                 mask=in_range, other=0.0)
-    # Accumulate in the Delta dtype (fp32 or fp64), never in fp16/bf16.
-    delta = tl.sum(o.to(Delta.dtype.element_ty) * do.to(Delta.dtype.element_ty), 1)
-    tl.store(Delta + off_b * _hint16(stride_lb, ALIGNED) + off_h * _hint16(stride_lh, ALIGNED)
-             + offs_m * stride_ln, delta, mask=offs_m < N)
-
-
-@triton.jit
 def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, d_ok, N_KV, qk_scale,
              stride_kn, stride_kd, stride_vn, stride_vd,
              masks, mask_id, stride_mu, stride_mr, stride_mw,
@@ -408,28 +371,36 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, sub, offs_d, d_ok, N_KV
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta,
+    Q, K, V, DO, LSE, Out, DLSE,
     q_count, q_partial, q_index, q_mask_id, masks, q_order,
     sm_scale, sm_scale_lo, N, N_KV, H, GROUP,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_don, stride_dod,
+    stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
+    stride_dlb, stride_dlh, stride_dln,
     stride_ch, stride_cm,
     stride_ih, stride_im, stride_ik,
     stride_mu, stride_mr, stride_mw,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-    DQ,
+    DQ, Delta,
     BLOCK: tl.constexpr, SUB_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ORDERED: tl.constexpr, ALIGNED: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
-    """dQ = sm_scale * sum_j dS_ij K_j with dS = P * (dO V^T - Delta), over the query-major lists.
+    """dQ = sm_scale * sum_j dS_ij K_j with dS = P * (dO V^T - Delta), over the query-major
+    lists; also writes Delta for the dK/dV kernel.
 
-    Q, DO, DQ: [B, H, N, HEAD_DIM]; K, V: [B, H / GROUP, N_KV, HEAD_DIM] (kv head h // GROUP,
-    as in the forward); LSE, Delta: [B, H, N] sharing strides stride_l*;
-    q_* lists and masks as in :func:`_attn_fwd_kernel`. The program keeps the [BLOCK, HEAD_DIM]
+    Q, DO, Out, DQ: [B, H, N, HEAD_DIM]; K, V: [B, H / GROUP, N_KV, HEAD_DIM] (kv head
+    h // GROUP, as in the forward); LSE, Delta: [B, H, N] sharing strides stride_l*; DLSE: the
+    LSE cotangent [B, H, N] (strides stride_dl*, any), read only when HAS_DLSE; q_* lists and
+    masks as in :func:`_attn_fwd_kernel`. Delta = rowsum(dO * Out) - DLSE (DLSE only on rows
+    with a finite LSE: a row with no key has P = 0, and inf - inf must not reach the sums),
+    computed here because every query tile has exactly one dQ program (the grid covers all
+    tiles), which saves the launch of a separate pass. The program keeps the [BLOCK, HEAD_DIM]
     tiles q, do and dq and walks each listed key tile in sub-tiles of SUB_N keys (one flattened
     loop, as in the forward), so only [SUB_N, HEAD_DIM] K and V tiles are live per step.
     """
@@ -459,7 +430,17 @@ def _attn_bwd_dq_kernel(
     l_off = off_b * _hint16(stride_lb, ALIGNED) + off_h64 * _hint16(stride_lh, ALIGNED) \
         + offs_m * stride_ln
     lse = tl.load(LSE + l_off, mask=row_ok, other=float("-inf"))
-    delta = tl.load(Delta + l_off, mask=row_ok, other=0.0)
+    o = tl.load(Out + off_b * _hint16(stride_ob, ALIGNED) + off_h64 * _hint16(stride_oh, ALIGNED)
+                + offs_m[:, None] * _hint16(stride_on, ALIGNED) + offs_d[None, :] * stride_od,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    # Accumulate in the Delta dtype (fp32 or fp64), never in fp16/bf16.
+    delta = tl.sum(o.to(Delta.dtype.element_ty) * do.to(Delta.dtype.element_ty), 1)
+    if HAS_DLSE:
+        d_lse = tl.load(DLSE + off_b * stride_dlb + off_h64 * stride_dlh + offs_m * stride_dln,
+                        mask=row_ok, other=0.0)
+        finite = (lse > float("-inf")) & (lse < float("inf"))
+        delta = delta - tl.where(finite, d_lse.to(delta.dtype), 0.0)
+    tl.store(Delta + l_off, delta, mask=row_ok)
     # Base-2 LSE. Rows with no key (LSE = -inf) get +inf so that P = exp2(s - inf) = 0 and
     # their gradient is exactly 0 (exp2(s + inf) would be inf, and inf * 0 NaN).
     lse2 = tl.where(lse == float("-inf"), float("inf"),

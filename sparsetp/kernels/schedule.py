@@ -36,7 +36,7 @@ from sparsetp.kernels.tiles import (
     check_dtype,
 )
 
-__all__ = ["CONCURRENT_PROGRAMS", "HEAD_MAJOR_TAIL", "head_group", "head_groups", "grid",
+__all__ = ["CONCURRENT_PROGRAMS", "HEAD_MAJOR_TAIL", "head_group", "head_groups",
            "list_grid", "grid_group", "kernel_layout"]
 
 # Head order of a launch. Heads one after another keep the programs running together on one
@@ -93,12 +93,6 @@ def head_groups(layout) -> tuple[int, int]:
         p = CONCURRENT_PROGRAMS.get(whole.block_size, CONCURRENT_PROGRAMS[64])
         hit = _HEAD_GROUPS[whole] = (head_group(whole.q_count, p), head_group(whole.k_count, p))
     return hit
-
-
-def grid(batch: int, heads: int, seq_len: int, block_size: int) -> tuple[int, int, int]:
-    """Launch grid of the preprocess and merge kernels: (tiles along N, B * H, 1)."""
-    tiles = -(-int(seq_len) // int(block_size))
-    return (tiles, int(batch) * int(heads), 1)
 
 
 def list_grid(batch: int, heads: int, ranks: int, group: int) -> tuple[int, int, int]:

@@ -32,7 +32,7 @@ SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
 LARGE_HEAD_DIM = 128
 LARGE_HEAD_DIM_MAX_BLOCK = 64
 SUPPORTED_DTYPES = DTYPES
-KERNEL_NAMES = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
+KERNEL_NAMES = ("fwd", "bwd_dq", "bwd_dkdv")
 DEVICE_KINDS = ("cuda", "interpreter")
 
 
@@ -127,8 +127,6 @@ def tile_config(kernel_name: str, *, head_dim: int, dtype: str, block_size: int,
         return TileConfig(block_size, block_size, 1, 1)
     wide = dtype in ("float32", "float64")
     bs = block_size
-    if kernel_name == "bwd_preprocess":
-        return TileConfig(bs, bs, 4, 1)
     if head_dim > LARGE_HEAD_DIM:
         # D = 144..256 (padded to 256), FlashAttention-2's 64-row tiles. Half precision at
         # block 64, swept on an H200 (KERNEL_NOTES.md, "Session 14"): the forward walks 32 keys

@@ -4,8 +4,8 @@
 ``sparse_attention(q, k, v, layout)`` takes ``q`` ``[B, H, N, D]``, ``k, v`` ``[B, H_kv, N_kv, D]``
 (GQA/MQA when ``H_kv < H``; ``N_kv`` keys, the layout's ``kv_len``) and a layout, and returns the
 attention output ``[B, H, N, D]``. The forward launches ``_attn_fwd_kernel``; the backward (a
-``custom_vjp`` rule, since jax-triton does not differentiate) launches the preprocess, dQ and
-dK/dV kernels. Launches go through :func:`sparsetp.backends.jax.launch.per_platform`: on GPU
+``custom_vjp`` rule, since jax-triton does not differentiate) launches the dQ and dK/dV
+kernels. Launches go through :func:`sparsetp.backends.jax.launch.per_platform`: on GPU
 ``jax_triton``; on CPU the native path :mod:`sparsetp.backends.jax.cpu` (plain ``jax.numpy``, so
 ``jit``, ``grad`` and ``vmap`` work as for any XLA code), or with ``SPARSETP_INTERPRET=1`` the
 kernels in Triton's interpreter through ``buffer_callback``.
@@ -339,17 +339,12 @@ def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest):
 
 
 def _kernel_backward(q, k, v, out, lse, d_out, d_lse, meta, scale, kind):
-    """The preprocess, dQ and dK/dV kernels on the path ``kind``."""
+    """The dQ and dK/dV kernels on the path ``kind``. dQ also writes Delta = rowsum(dO * O) -
+    d_lse (an LSE cotangent enters dS = P * (dP - Delta) that way; zeros when only ``out`` is
+    used), which dK/dV reads."""
     dtype = jnp.dtype(q.dtype).name
-    (delta,) = _launch.run_call(_abi.bwd_preprocess_call(
-        out, d_out, block_size=int(meta["masks"].shape[1]), dtype=dtype, device_kind=kind),
-        kind)
-    # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as Delta - d_lse
-    # (as in the torch frontend). Rows with no key (lse = -inf) have P = 0: mask them so no
-    # inf - inf NaN reaches the kernels. When only ``out`` is used, d_lse is zeros.
-    delta = delta - jnp.where(jnp.isfinite(lse), d_lse.astype(delta.dtype), 0.0)
-    (dq,) = _launch.run_call(_abi.bwd_dq_call(
-        q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), kind)
+    dq, delta = _launch.run_call(_abi.bwd_dq_call(
+        q, k, v, d_out, lse, out, d_lse, meta, scale=scale, dtype=dtype, device_kind=kind), kind)
     dk, dv = _launch.run_call(_abi.bwd_dkdv_call(
         q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), kind)
     return dq, dk, dv

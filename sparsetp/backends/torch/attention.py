@@ -132,51 +132,50 @@ class _Plan:
             with torch.autocast("cpu", enabled=False):  # as in forward
                 return _cpu.backward(q, k, v, out, lse, d_out, d_lse, layout, scale,
                                      new_output=_launch.new_output)
-        b, h, n, _ = q.shape
-        delta = _launch.new_output((b, h, n), lse.dtype, q.device)
+        if not lse.is_contiguous():  # the kernels write delta with lse's strides
+            lse = lse.contiguous()
+        delta = _launch.new_output(lse.shape, lse.dtype, q.device)
         dq = _launch.new_output(q.shape, q.dtype, q.device)
         dk = _launch.new_output(k.shape, k.dtype, k.device)
         dv = _launch.new_output(v.shape, v.dtype, v.device)
-        key = (d_out.stride(), out.stride(), lse.stride())
+        key = (d_out.stride(), out.stride(), lse.stride(),
+               None if d_lse is None else d_lse.stride())
         descs = self.bwd.get(key)
         if descs is None:
             descs = self.bwd[key] = self._backward_descriptions(
-                q, k, v, out, lse, d_out, delta, dq, dk, dv)
-        pre, dq_desc, dkdv_desc = descs
-        _launch.run(pre, (out, d_out), (delta,), kind)
-        if d_lse is not None:
-            # d lse_i / d s_ij = p_ij, so an LSE cotangent enters dS = P * (dP - Delta) as
-            # Delta - d_lse. Rows with no key have P = 0, so their (possibly inf) entries are
-            # moot; mask them so no inf - inf NaN ever reaches the kernels.
-            delta = delta - torch.where(torch.isfinite(lse), d_lse.to(delta.dtype), 0.0)
-        ins = (q, k, v, d_out, lse, delta)
-        _launch.run(dq_desc, ins, (dq,), kind)
-        _launch.run(dkdv_desc, ins, (dk, dv), kind)
+                q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv)
+        dq_desc, dkdv_desc = descs
+        # dQ also writes delta = rowsum(dO * O) - d_lse, which dK/dV reads.
+        _launch.run(dq_desc, (q, k, v, d_out, lse, out, lse if d_lse is None else d_lse),
+                    (dq, delta), kind)
+        _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), (dk, dv), kind)
         return dq, dk, dv
 
-    def _backward_descriptions(self, q, k, v, out, lse, d_out, delta, dq, dk, dv):
-        """The preprocess, dQ and dK/dV descriptions, their kernels compiled together (in
-        threads) on their first use."""
+    def _backward_descriptions(self, q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv):
+        """The dQ and dK/dV descriptions, their kernels compiled together (in threads) on their
+        first use."""
         kind, meta = self.kind, self.meta
-        dtype = abi.check_dtype(q.dtype)
-        kw = dict(scale=self.scale, dtype=dtype, device_kind=kind)
+        kw = dict(scale=self.scale, dtype=abi.check_dtype(q.dtype), device_kind=kind)
         strides = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
                    "lse": lse.stride()}
-        ins = (q, k, v, d_out, lse, delta)
-        pre = _launch.describe(abi.bwd_preprocess_call, (out, d_out), None,
-                               {"out": out.stride(), "d_out": d_out.stride(),
-                                "delta": delta.stride()},
-                               block_size=int(meta["masks"].shape[1]), dtype=dtype,
-                               device_kind=kind)
-        dq_desc = _launch.describe(abi.bwd_dq_call, ins, meta, {**strides, "dq": dq.stride()},
-                                   **kw)
-        dkdv_desc = _launch.describe(abi.bwd_dkdv_call, ins, meta,
+        dq_ins = (q, k, v, d_out, lse, out, lse if d_lse is None else d_lse)
+        dq_desc = _launch.describe(
+            _dq_call_without_dlse if d_lse is None else abi.bwd_dq_call, dq_ins, meta,
+            {**strides, "out": out.stride(), "dq": dq.stride(),
+             **({} if d_lse is None else {"d_lse": d_lse.stride()})}, **kw)
+        dkdv_ins = (q, k, v, d_out, lse, delta)
+        dkdv_desc = _launch.describe(abi.bwd_dkdv_call, dkdv_ins, meta,
                                      {**strides, "dk": dk.stride(), "dv": dv.stride()}, **kw)
-        if not (pre.compiled and dq_desc.compiled and dkdv_desc.compiled):
-            _launch.compile_together(((pre.with_tensors((out, d_out)), (delta,)),
-                                      (dq_desc.with_tensors(ins), (dq,)),
-                                      (dkdv_desc.with_tensors(ins), (dk, dv))), kind)
-        return pre, dq_desc, dkdv_desc
+        if not (dq_desc.compiled and dkdv_desc.compiled):
+            _launch.compile_together(((dq_desc.with_tensors(dq_ins), (dq, delta)),
+                                      (dkdv_desc.with_tensors(dkdv_ins), (dk, dv))), kind)
+        return dq_desc, dkdv_desc
+
+
+def _dq_call_without_dlse(q, k, v, d_out, lse, out, lse_again, meta, **kw):
+    """``abi.bwd_dq_call`` with no LSE cotangent, taking the tensors as launched (lse fills the
+    cotangent's slot, so a cached description's tensors are the call's leading arguments)."""
+    return abi.bwd_dq_call(q, k, v, d_out, lse, out, None, meta, **kw)
 
 
 def _plan(q, k, v, layout, scale) -> _Plan:

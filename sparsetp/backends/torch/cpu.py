@@ -225,7 +225,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, layout: BlockLayout, scale: float,
     tables, cdt, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, layout)
     dot = _tiles(d_out, nt, bs, cdt)
     lse = lse.to(cdt)
-    # Delta_i = sum_d dO_id O_id (the kernels' preprocess); an LSE cotangent enters
+    # Delta_i = sum_d dO_id O_id (as the dQ kernel computes it); an LSE cotangent enters
     # dS = P * (dP - Delta) as Delta - d_lse (d lse_i / d s_ij = p_ij), zero on rows with no key.
     delta = (d_out.to(cdt) * out.to(cdt)).sum(-1)
     if d_lse is not None:

@@ -175,6 +175,22 @@ def _current_stream(device: int) -> int:
     return _STREAM_OF(device)
 
 
+def _launch_hooks():
+    """Triton's (enter, exit) launch hooks, or None when no hook would run. Triton >= 3.6 keeps
+    them as ``HookChain`` objects that are never None, empty unless a profiler adds a hook; an
+    empty chain passed on would cost a launch-metadata dict and two calls per launch, and the
+    tensors' pointer queries."""
+    rt = triton.knobs.runtime
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    if _idle(enter) and _idle(leave):
+        return None
+    return enter, leave
+
+
+def _idle(hook) -> bool:
+    return hook is None or getattr(hook, "calls", None) == []
+
+
 def run(desc: _Description, tensors: tuple, outputs: tuple, kind: str) -> None:
     """Launch ``desc`` with this call's ``tensors`` (same shapes/strides/dtypes/device as the
     description's) writing ``outputs``. On CUDA, once Triton has compiled the description for
@@ -196,18 +212,18 @@ def run(desc: _Description, tensors: tuple, outputs: tuple, kind: str) -> None:
         # call and a driver pointer query per argument (the tensors' devices were checked when
         # the description was built, and this one is the current device).
         stream = _current_stream(device)
-        enter = triton.knobs.runtime.launch_enter_hook
-        leave = triton.knobs.runtime.launch_exit_hook
         grid = desc.call.grid
         n = len(tensors)
-        if enter is None:
+        hooks = _launch_hooks()
+        if hooks is None:
             args = (*ptrs[:n], *desc.tail_ptrs, *ptrs[n:], *desc.constexpr_values)
-            meta = None
+            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
+                         compiled.packed_metadata, None, None, None, *args)
         else:  # launch hooks (profilers) read the tensors themselves
             args = (*tensors, *desc.tail, *outputs, *desc.constexpr_values)
-            meta = compiled.launch_metadata(grid, stream, *args)
-        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
-                     compiled.packed_metadata, meta, enter, leave, *args)
+            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
+                         compiled.packed_metadata, compiled.launch_metadata(grid, stream, *args),
+                         *hooks, *args)
         return
     compiled = _launch(desc.with_tensors(tensors), outputs, kind)
     if compiled is not None:
