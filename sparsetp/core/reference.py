@@ -331,13 +331,14 @@ def _gpt_parts(params, tokens, config):
     return tokens, {n: np.asarray(a, np.float64) for n, a in outer.items()}, blocks
 
 
-def gpt_forward(params, tokens, config):
+def gpt_forward(params, tokens, config, document_lengths=None):
     """Logits ``[B, N, vocab_size]`` (float64) of the GPT of :mod:`sparsetp.core.model` on
-    integer ``tokens [B, N]``: ``LN_f(blocks(embed[tokens] + pos[:N])) @ head``."""
+    integer ``tokens [B, N]``: ``LN_f(blocks(embed[tokens] + pos[:N])) @ head``; every block
+    gets ``document_lengths`` (:func:`hybrid_block`; positions stay absolute)."""
     tokens, o, blocks = _gpt_parts(params, tokens, config)
     x = o["embed.weight"][tokens] + o["pos.weight"][: tokens.shape[1]]
     for bp in blocks:
-        x = hybrid_block(bp, x, config.block)
+        x = hybrid_block(bp, x, config.block, document_lengths)
     h = layer_norm(x, o["ln_f.weight"], o["ln_f.bias"], config.block.norm_eps)
     return h @ o["head.weight"]
 
@@ -360,7 +361,7 @@ def gpt_loss(logits, targets, mask=None):
     return float((nll * mask).sum() / max(mask.sum(), 1.0))
 
 
-def gpt_value_and_grad(params, tokens, targets, mask, config):
+def gpt_value_and_grad(params, tokens, targets, mask, config, document_lengths=None):
     """``(loss, grads)``: :func:`gpt_loss` of :func:`gpt_forward` and its gradient w.r.t. every
     canonical parameter (same names and shapes), by hand through
     :func:`hybrid_block_value_and_grad` (float64)."""
@@ -370,7 +371,7 @@ def gpt_value_and_grad(params, tokens, targets, mask, config):
     n, eps = tokens.shape[1], config.block.norm_eps
     xs = [o["embed.weight"][tokens] + o["pos.weight"][:n]]
     for bp in blocks:
-        xs.append(hybrid_block(bp, xs[-1], config.block))
+        xs.append(hybrid_block(bp, xs[-1], config.block, document_lengths))
     h = layer_norm(xs[-1], o["ln_f.weight"], o["ln_f.bias"], eps)
     logits = h @ o["head.weight"]
     loss = gpt_loss(logits, targets, mask)
@@ -384,7 +385,8 @@ def gpt_value_and_grad(params, tokens, targets, mask, config):
     dx, g["ln_f.weight"], g["ln_f.bias"] = layer_norm_grad(xs[-1], o["ln_f.weight"], eps, dh)
     block_grads = [None] * len(blocks)
     for i in reversed(range(len(blocks))):
-        _, dx, block_grads[i] = hybrid_block_value_and_grad(blocks[i], xs[i], config.block, dx)
+        _, dx, block_grads[i] = hybrid_block_value_and_grad(blocks[i], xs[i], config.block, dx,
+                                                            document_lengths)
     g["embed.weight"] = np.zeros_like(o["embed.weight"])
     np.add.at(g["embed.weight"], tokens.reshape(-1), dx.reshape(-1, dx.shape[-1]))
     g["pos.weight"] = np.zeros_like(o["pos.weight"])
