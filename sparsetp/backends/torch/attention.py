@@ -450,6 +450,27 @@ def _flat_handle(handle: str) -> str:
     return flat.handle
 
 
+# Per per-row layout, the (shapes, dtypes, devices, scale) keys already checked as given: the
+# folded call's plan caches everything else, so a repeated call costs no check (host time).
+_PER_ROW_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_per_row(q, k, v, layout, scale) -> None:
+    """:func:`_check_inputs` on the call as given (B = ``layout.batch``), once per key."""
+    try:
+        key = (scale, q.shape, q.dtype, q.device, k.shape, k.dtype, k.device, v.shape,
+               v.dtype, v.device)
+        seen = _PER_ROW_CHECKED.setdefault(layout, set())
+    except (AttributeError, TypeError):  # not tensors / not a layout: the checks name them
+        key = seen = None
+    if seen is None or key not in seen:
+        _check_inputs(q, k, v, layout, scale)
+        if seen is not None:
+            if len(seen) >= _PLANS_PER_LAYOUT:
+                seen.clear()
+            seen.add(key)
+
+
 def _per_row_attention(q, k, v, layout, scale, return_lse):
     """:func:`sparse_attention` with a per-row layout: checked as given (B = rows), then run
     on batch folded into heads with the layout's flat view, and unfolded."""
@@ -457,7 +478,7 @@ def _per_row_attention(q, k, v, layout, scale, return_lse):
         out, lse = _traced_attention(_fold(q), _fold(k), _fold(v), _flat_handle(layout.handle),
                                      scale)
     else:
-        _check_inputs(q, k, v, layout, scale)
+        _check_per_row(q, k, v, layout, scale)
         out, lse = sparse_attention(_fold(q), _fold(k), _fold(v), layout.flat(), scale=scale,
                                     return_lse=True)
     out, lse = out.reshape(q.shape), lse.reshape(q.shape[:3])
