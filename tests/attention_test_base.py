@@ -319,6 +319,11 @@ class AttentionTestBase(parameterized.TestCase):
                     schedule.kernel_layout(layout.flat(), self.device_kind).block_size, 64)
             self._check_forward(layout, q, k, v, None, "float32", "per-row tile 64")
             self._check_backward(layout, q, k, v, None, "float32", d_out, "per-row tile 64")
+        # The GPU's cost model ("auto") reads the flat layout's pattern per table head: same
+        # token mask at whatever tile it picks (host-only, so checked on every class).
+        flat = layout.flat()
+        chosen = schedule.kernel_layout(flat, "cuda", head_dim=16, dtype="float32")
+        np.testing.assert_array_equal(chosen.dense_mask(), flat.dense_mask())
 
     def test_gqa_matches_repeated_kv_and_is_deterministic(self):
         """GQA equals multi-head attention on k, v repeated per group (same layout), with dk,
