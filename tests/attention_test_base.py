@@ -252,6 +252,79 @@ class AttentionTestBase(parameterized.TestCase):
                 self._check_forward(layout, q, k, v, None, "float32", tag)
                 self._check_backward(layout, q, k, v, None, "float32", d_out, tag)
 
+    # (per-row lengths, N_q, N_kv, block, H, H_kv): each batch row its own packing in one call
+    # (boundaries inside tiles; a one-document row; a row of equal documents), under GQA; then
+    # queries != keys (lengths sum to N_kv, the pattern aligned to the end of the keys).
+    PER_ROW_CASES = (
+        (((7, 40, 1, 52), (100,), (50, 50)), 100, 100, 32, 4, 2),
+        (((30, 70), (1, 99)), 40, 100, 16, 2, 1),
+    )
+
+    def _per_row_case(self, lengths, n, n_kv, bs, h, h_kv, seed):
+        layout = make_layout(P.documents(lengths) & P.causal(), n, h, bs, kv_len=n_kv)
+        self.assertEqual((layout.batch, layout.num_heads), (len(lengths), h))
+        b = len(lengths)
+        q, d_out = tu.random_inputs(seed, (b, h, n, 16), "float32", 2)
+        k, v = tu.random_inputs(seed + 1, (b, h_kv, n_kv, 16), "float32", 2)
+        return layout, q, k, v, d_out
+
+    @parameterized.parameters(*PER_ROW_CASES)
+    def test_per_row_documents(self, lengths, n, n_kv, bs, h, h_kv):
+        """Per-batch-row documents (``P.documents`` with one list per row, ``layout.batch = B``)
+        in one call: out, LSE, dq, dk, dv vs the oracle (row b under its own packing), outputs
+        poisoned where the backend can; each row equals a call with that row's packing alone;
+        then another packing of the same total in the same process."""
+        layout, q, k, v, d_out = self._per_row_case(lengths, n, n_kv, bs, h, h_kv, n + h)
+        tag = f"per-row documents {lengths}"
+        poison = self.poison_outputs() if self.poisons_outputs else contextlib.nullcontext()
+        with poison:
+            out, _ = self._check_forward(layout, q, k, v, None, "float32", tag)
+            grads = self._check_backward(layout, q, k, v, None, "float32", d_out, tag)
+        for r, row in enumerate(lengths):
+            alone = make_layout(P.documents(row) & P.causal(), n, h, bs, kv_len=n_kv)
+            sl = slice(r, r + 1)
+            out_r, _ = self.forward(q[sl], k[sl], v[sl], alone, None, "float32")
+            tu.assert_close(out[sl], out_r, "float32", what=f"{tag} row {r} vs alone")
+            grads_r = self.backward(q[sl], k[sl], v[sl], alone, None, "float32", d_out[sl])
+            for name, g, g_r in zip(("dq", "dk", "dv"), grads, grads_r, strict=True):
+                tu.assert_close(np.asarray(g)[sl], g_r, "float32", grad=True,
+                                reduced=h // h_kv, what=f"{tag} row {r} {name} vs alone")
+        other = [tuple(reversed(row)) for row in lengths]
+        layout2 = make_layout(P.documents(other) & P.causal(), n, h, bs, kv_len=n_kv)
+        self._check_forward(layout2, q, k, v, None, "float32", f"per-row documents {other}")
+
+    def test_per_row_documents_head_slice_and_strides(self):
+        """A per-row layout's head slice (what a tensor-parallel rank holds: heads [1, 3) of
+        every row) on [B, H, N, D] views of [B, N, H, D] buffers (batch cannot fold into heads
+        as a view: the frontends copy), vs the oracle of the slice."""
+        lengths = ((20, 44), (64,), (1, 62, 1))
+        b, h, n, d = 3, 4, 64, 16
+        layout = make_layout(P.documents(lengths) & P.causal(), n, h, 16).heads(1, 3)
+        self.assertEqual((layout.batch, layout.num_heads), (3, 2))
+        rng = np.random.default_rng(5)
+        q, k, v, d_out = (np.swapaxes(rng.standard_normal((b, n, 2, d)).astype(np.float32), 1, 2)
+                          for _ in range(4))
+        self.assertFalse(q.flags.c_contiguous)
+        self._check_forward(layout, q, k, v, None, "float32", "per-row slice")
+        self._check_backward(layout, q, k, v, None, "float32", d_out, "per-row slice")
+
+    def test_per_row_documents_larger_kernel_tile(self):
+        """A per-row layout launched at kernel tile 64 (its flat layout rebuilt from the rows'
+        patterns at the larger block, schedule.kernel_layout), vs the oracle of the layout."""
+        layout, q, k, v, d_out = self._per_row_case(((10, 90), (33, 33, 34)), 100, 100, 16,
+                                                    2, 2, seed=8)
+        with options.launch_options(kernel_tile=64):
+            if self.device_kind != "cpu":  # the native CPU path runs the layout as is
+                self.assertEqual(
+                    schedule.kernel_layout(layout.flat(), self.device_kind).block_size, 64)
+            self._check_forward(layout, q, k, v, None, "float32", "per-row tile 64")
+            self._check_backward(layout, q, k, v, None, "float32", d_out, "per-row tile 64")
+        # The GPU's cost model ("auto") reads the flat layout's pattern per table head: same
+        # token mask at whatever tile it picks (host-only, so checked on every class).
+        flat = layout.flat()
+        chosen = schedule.kernel_layout(flat, "cuda", head_dim=16, dtype="float32")
+        np.testing.assert_array_equal(chosen.dense_mask(), flat.dense_mask())
+
     def test_gqa_matches_repeated_kv_and_is_deterministic(self):
         """GQA equals multi-head attention on k, v repeated per group (same layout), with dk,
         dv the group sums of the repeated run's; two GQA runs agree bitwise (the group sum
@@ -408,11 +481,14 @@ class AttentionTestBase(parameterized.TestCase):
                               v_shape=(1, 2, 64, 272)), r"head dim"),
         ("head_dim_200", dict(q_shape=(1, 2, 64, 200), k_shape=(1, 2, 64, 200),
                               v_shape=(1, 2, 64, 200)), r"head dim"),
+        ("layout_rows", dict(layout_rows=3), r"layout is per-batch-row for batch=3 .* B=1"),
     )
     def test_bad_inputs(self, spec, regex):
         shape = (1, 2, 64, 16)
-        layout = make_layout(example_pattern("causal", spec.get("layout_n", 64), 32),
-                             spec.get("layout_n", 64), spec.get("layout_h", 2), 32)
+        pattern = example_pattern("causal", spec.get("layout_n", 64), 32)
+        if "layout_rows" in spec:  # per-row documents for another batch size
+            pattern = P.documents([[32, 32]] * spec["layout_rows"]) & pattern
+        layout = make_layout(pattern, spec.get("layout_n", 64), spec.get("layout_h", 2), 32)
         if "layout_obj" in spec:
             layout = spec["layout_obj"]
         rng = np.random.default_rng(0)

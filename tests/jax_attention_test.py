@@ -395,6 +395,48 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
         grad(q, k, v, jattn.layout_arrays(other), d_out)
         self.assertLen(traces, 3)
 
+    def test_per_batch_row_layout_arrays(self):
+        """Per-row documents as LayoutArrays operands: per-head arrays [B, H, ...]; a second
+        packing with the same metadata shapes shares the jitted trace; shard_map with the rows
+        over one mesh axis and the heads over another (partition_specs(axis, batch_axis)) and
+        the static heads() slice of every row, each vs the oracle."""
+        n, h, bs = 64, 4, 16
+        layouts = [make_layout(PT.documents(rows) & PT.causal(), n, h, bs)
+                   for rows in ([[20, 44], [64]], [[64], [20, 44]])]
+        q, d_out = tu.random_inputs(2, (2, h, n, 16), "float32", 2)
+        k, v = tu.random_inputs(3, (2, 2, n, 16), "float32", 2)
+        traces = []
+
+        def fwd(q, k, v, lay):
+            traces.append(1)
+            return jattn.sparse_attention(q, k, v, lay)
+
+        fwd = jax.jit(fwd)
+        for lay in layouts:
+            la = jattn.layout_arrays(lay)
+            self.assertEqual((la.batch, la.num_heads, la.q_count.shape[:2]), (2, h, (2, h)))
+            tu.assert_close(fwd(q, k, v, la), reference.attention(q, k, v, lay)[0], "float32",
+                            what="per-row LayoutArrays out")
+        self.assertLen(traces, 1)
+        layout = layouts[0]
+        la = jattn.layout_arrays(layout)
+        mesh = jax.make_mesh((2, 2), ("data", "tp"), devices=jax.devices("cpu")[:4],
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        spec = P("data", "tp")
+        fn = jax.jit(jax.shard_map(
+            functools.partial(jattn.sparse_attention, return_lse=True), mesh=mesh,
+            in_specs=(spec, spec, spec, la.partition_specs("tp", "data")),
+            out_specs=(spec, spec), check_vma=True))
+        (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, la), q, k, v)
+        grads = vjp((jnp.asarray(d_out), jnp.zeros(lse.shape, lse.dtype)))
+        self._check(layout, q, k, v, d_out, out, lse, grads, tag="per-row data x tp")
+        sub = la.heads(2, 4)
+        self.assertEqual((sub.batch, sub.num_heads), (2, 2))
+        tu.assert_close(jattn.sparse_attention(q[:, 2:], k[:, 1:], v[:, 1:], sub),
+                        reference.attention(q[:, 2:], k[:, 1:], v[:, 1:],
+                                            layout.heads(2, 4))[0],
+                        "float32", what="per-row LayoutArrays.heads")
+
     def test_lse_cotangent(self):
         """A cotangent on LSE flows into q and k (d lse_i / d s_ij = p_ij), float64 by hand."""
         layout, q, k, v, d_out = _per_head_case(n=70, bs=16, b=1, h=2, seed=8, name="bigbird")

@@ -198,14 +198,15 @@ class HybridBlockTest(parameterized.TestCase):
                             (2, self.seq_len, config.d_model))
         return params, x, dy
 
-    def _run(self, params, x, dy, config, tp):
+    def _run(self, params, x, dy, config, tp, **kw):
         mesh = None if tp is None else jtu.mesh(tp)
         p = params if mesh is None else B.shard_params(params, config, mesh)
         if mesh is not None:
             for name, a in p.items():  # placed as the torch ranks shard them
                 self.assertEqual(a.sharding.spec, B.param_specs(config)[name], name)
-        fn = jax.jit(B.hybrid_block, static_argnames=("config", "mesh", "axis_name"))
-        y, vjp = jax.vjp(lambda p, x: fn(p, x, config, mesh=mesh), p, x)
+        fn = jax.jit(B.hybrid_block, static_argnames=("config", "mesh", "axis_name",
+                                                      "document_lengths"))
+        y, vjp = jax.vjp(lambda p, x: fn(p, x, config, mesh=mesh, **kw), p, x)
         gp, gx = vjp(jax.device_put(dy, y.sharding))
         return np.asarray(y), np.asarray(gx), B.export_params(gp)
 
@@ -233,6 +234,71 @@ class HybridBlockTest(parameterized.TestCase):
         assert_close(dx, ref_dx, "float32", grad=True, what="dx")
         for name in ref_grads:
             assert_close(grads[name], ref_grads[name], "float32", grad=True, what=f"d {name}")
+
+    def _check_oracle(self, got, params, x, dy, config, lengths, tag):
+        y, dx, grads = got
+        assert_close(y, reference.hybrid_block(params, x, config, lengths), "float32",
+                     what=f"{tag} y")
+        ref_dx, ref_grads = reference.hybrid_block_grad(params, x, config, dy, lengths)
+        assert_close(dx, ref_dx, "float32", grad=True, what=f"{tag} dx")
+        for name in ref_grads:
+            assert_close(grads[name], ref_grads[name], "float32", grad=True,
+                         what=f"{tag} d {name}")
+
+    @parameterized.named_parameters(
+        ("per_row_unsharded", ((10, 50, 36), (96,)), None),
+        ("per_row_tp2", ((10, 50, 36), (96,)), 2),
+        ("shared_tp2", (40, 1, 55), 2),
+    )
+    def test_document_lengths_match_oracle(self, lengths, tp):
+        """document_lengths per call (per row: each batch row its own packing; or shared),
+        composed with the config's pattern (GQA, 2 kv heads): y, dx and every parameter
+        gradient vs the float64 oracle with the same lengths, unsharded and on 2 shards (the
+        per-row layout's heads split with the query heads); then another packing of the same
+        total."""
+        config = _block_config(pattern="causal", num_kv_heads=2)
+        params, x, dy = self._problem(config, seed=5)
+        tag = f"documents {lengths} tp={tp}"
+        got = self._run(params, x, dy, config, tp, document_lengths=lengths)
+        self._check_oracle(got, params, x, dy, config, lengths, tag)
+        # The documents matter: without them the output differs by O(1).
+        self.assertGreater(np.abs(got[0] - reference.hybrid_block(params, x, config)).max(),
+                           0.1)
+        other = tuple(tuple(reversed(r)) for r in lengths) if isinstance(lengths[0], tuple) \
+            else tuple(reversed(lengths))
+        got = self._run(params, x, dy, config, tp, document_lengths=other)
+        self._check_oracle(got, params, x, dy, config, other, f"documents {other} tp={tp}")
+
+    def test_per_row_documents_data_and_model_parallel(self):
+        """Per-row documents on a 2 x 2 (data x model) mesh: the per-row layout's rows split
+        over "data" like x's batch, its heads over "model"; y vs the oracle."""
+        config = _block_config(pattern="causal", num_kv_heads=2)
+        params, x, _ = self._problem(config, seed=6)
+        x = np.concatenate([x, x[::-1] * 0.5])  # B=4: two rows per data shard
+        lengths = ((96,), (3, 93), (50, 46), (1, 1, 94))
+        mesh = B.make_2d_mesh(2, 2, devices=jtu.devices(4))
+        fn = jax.jit(functools.partial(B.hybrid_block, config=config, mesh=mesh,
+                                       axis_name="model", batch_axis="data",
+                                       document_lengths=lengths))
+        y = fn(B.shard_params(params, config, mesh, axis_name="model"), B.shard_batch(x, mesh))
+        assert_close(np.asarray(y), reference.hybrid_block(params, x, config, lengths),
+                     "float32", what="y dp2 x tp2")
+
+    def test_document_lengths_bad_inputs(self):
+        """Lengths that do not cover N, a per-row count other than B, non-positive or
+        non-int lengths: ValueError naming document_lengths."""
+        config = _block_config(pattern="causal")
+        params, x, _ = self._problem(config)
+        for lengths, regex in (
+                ((50, 40), r"document_lengths sums to 90 but x has N=96"),
+                (((96,), (90,)), r"document_lengths\[1\] sums to 90 but x has N=96"),
+                (((96,),) * 3, r"document_lengths has 3 rows .* B=2"),
+                ((0, 96), r"document_lengths must hold positive"),
+                ((48.0, 48), r"document_lengths\[0\] must be an int"),
+                (96, r"document_lengths must be a sequence")):
+            with self.subTest(lengths=lengths):
+                with self.assertRaisesRegex(ValueError, regex):
+                    B.hybrid_block(params, x, config, document_lengths=lengths)
 
     # The biased case checks one mesh size (test_matches_oracle covers bias on every size):
     # a row-parallel bias added per shard instead of once after the all-reduce shows at any tp.

@@ -228,6 +228,51 @@ class PatternTest(parameterized.TestCase):
         self.assertEqual(b.q_index.shape[-1] % 16, 0)
         self.assertEqual(P.documents([1, 2]), P.documents((1, 2)))
 
+    def test_per_batch_row_documents(self):
+        """Per-row documents (one list of lengths per batch row): a layout with ``batch = B``
+        whose tables are the rows' own layouts stacked row-major (B * H table heads), up to the
+        ELL width; ``dense_mask`` is [B, H, N, N]; a head slice keeps those heads of every row;
+        ``flat()`` is the same tables as an ordinary layout of B * H heads."""
+        rows = ((7, 40, 1, 52), (100,), (50, 50))
+        causal_rows = [P.documents(r) & P.causal() for r in rows]
+        for pattern, alone in ((P.documents(rows) & P.causal(), causal_rows),
+                               (P.per_batch_row(causal_rows) | P.global_tokens(3),
+                                [p | P.global_tokens(3) for p in causal_rows])):
+            with self.subTest(pattern=pattern):
+                lay = make_layout(pattern, 100, 2, 32)
+                self.assertEqual((lay.batch, lay.num_heads, lay.table_heads), (3, 2, 6))
+                singles = [make_layout(p, 100, 2, 32) for p in alone]
+                dense = lay.dense_mask()
+                self.assertEqual(dense.shape, (3, 2, 100, 100))
+                for r, single in enumerate(singles):
+                    np.testing.assert_array_equal(dense[r], single.dense_mask())
+                    rows_r = slice(2 * r, 2 * r + 2)
+                    for name in ("block_mask", "q_count", "q_partial", "k_count", "k_partial",
+                                 "q_order", "k_order"):
+                        np.testing.assert_array_equal(getattr(lay, name)[rows_r],
+                                                      getattr(single, name), err_msg=name)
+                    w = single.q_index.shape[-1]
+                    np.testing.assert_array_equal(lay.q_index[rows_r, :, :w], single.q_index)
+                part = lay.heads(1, 2)
+                self.assertEqual((part.batch, part.num_heads), (3, 1))
+                np.testing.assert_array_equal(part.dense_mask(), dense[:, 1:2])
+                flat = lay.flat()
+                self.assertIs(flat, lay.flat())
+                self.assertEqual((flat.batch, flat.num_heads), (None, 6))
+                np.testing.assert_array_equal(flat.dense_mask(), dense.reshape(6, 100, 100))
+                # The flat layout's pattern rebuilds it (schedule.kernel_layout does so at
+                # another block), as does the flat view of a head slice.
+                again = make_layout(flat.pattern, 100, 6, 32)
+                np.testing.assert_array_equal(again.dense_mask(), flat.dense_mask())
+                np.testing.assert_array_equal(
+                    make_layout(part.flat().pattern, 100, 3, 16).dense_mask(),
+                    dense[:, 1].reshape(3, 100, 100))
+        # Rows with equal patterns share masks and metadata: one row's worth of mask table.
+        same = make_layout(P.documents([[30, 70]] * 4) & P.causal(), 100, 1, 32)
+        one = make_layout(P.documents([30, 70]) & P.causal(), 100, 1, 32)
+        self.assertEqual(same.masks.shape, one.masks.shape)
+        self.assertIn("batch=4", repr(same))
+
     def test_random_shapes_and_combinations(self):
         rng = np.random.default_rng(0)
         names = [x for x in SPECS if not x.startswith("documents")]  # those depend on n
@@ -413,6 +458,17 @@ class ValueSemanticsTest(absltest.TestCase):
             (lambda: make_layout("causal", 64, 1, 16), "pattern"),
             (lambda: make_layout(P.random_blocks(5, 16, 0), 64, 1, 16), "per_row"),
             (lambda: make_layout(P.causal() | P.random_blocks(5, 16, 0), 64, 1, 16), "per_row"),
+            (lambda: make_layout(P.documents([[32, 32], [30, 30]]), 64, 1, 16),
+             r"batch row 1: document lengths sum to 60"),
+            (lambda: P.documents([[32, 32], 64]), r"lengths must be one list"),
+            (lambda: P.documents([[32, 32], [0, 64]]), r"lengths\[0\]"),
+            (lambda: P.documents([[64]] * 2) & P.documents([[64]] * 3), r"batch rows.*\[2, 3\]"),
+            (lambda: P.per_head([P.documents([[64]] * 2), P.documents([[64]] * 3)]),
+             r"per_head patterns"),
+            (lambda: P.per_batch_row([P.documents([[64]] * 2)]), r"patterns\[0\].*nest"),
+            (lambda: P.per_batch_row([P.causal(), "causal"]), r"patterns\[1\]"),
+            (lambda: P.per_batch_row([]), r"patterns"),
+            (lambda: P.documents([[64]] * 2).token_mask(0, 1, 1, 64), r"make_layout"),
         ]
         for fn, name in cases:
             with self.subTest(name=name):

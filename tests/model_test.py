@@ -168,19 +168,28 @@ class _FrameworkOracleMixin:
     """torch and JAX against the float64 oracle at float32 (the suite's tolerance table;
     parameter gradients sum over B*N tokens: ``reduced``)."""
 
-    def _run(self, params, tokens, targets, mask):
+    def _run(self, params, tokens, targets, mask, document_lengths=None):
         """(logits, loss, grads) as numpy."""
         raise NotImplementedError
 
     def test_against_oracle(self):
+        self._check_oracle(None)
+
+    def test_per_row_documents_against_oracle(self):
+        """Packed documents per batch row (each row its own packing), passed to every block."""
+        self._check_oracle(((40, 56), (96,)))
+
+    def _check_oracle(self, lengths):
+        """Logits, loss and every parameter gradient vs the oracle."""
         params = init_gpt_params(CFG, seed=2)
         tokens, targets, _ = _batch(batch_size=2)
         # Score every position (not only the questions) so every weight gets a gradient.
         mask = np.ones(targets.shape, bool)
-        logits, loss, grads = self._run(params, tokens, targets, mask)
-        ref = reference.gpt_forward(params, tokens, CFG)
+        logits, loss, grads = self._run(params, tokens, targets, mask, lengths)
+        ref = reference.gpt_forward(params, tokens, CFG, lengths)
         assert_close(logits, ref, "float32", what="logits")
-        ref_loss, ref_grads = reference.gpt_value_and_grad(params, tokens, targets, mask, CFG)
+        ref_loss, ref_grads = reference.gpt_value_and_grad(params, tokens, targets, mask, CFG,
+                                                           lengths)
         assert_close(loss, ref_loss, "float32", what="loss")
         self.assertEqual(sorted(grads), sorted(ref_grads))
         t = tokens.size
@@ -201,9 +210,9 @@ class _FrameworkOracleMixin:
 
 
 class TorchGPTTest(_FrameworkOracleMixin, parameterized.TestCase):
-    def _run(self, params, tokens, targets, mask):
+    def _run(self, params, tokens, targets, mask, document_lengths=None):
         model = GPT.from_params(CFG, params)
-        logits = model(torch.from_numpy(tokens))
+        logits = model(torch.from_numpy(tokens), document_lengths=document_lengths)
         loss = torch_loss(logits, torch.from_numpy(targets), torch.from_numpy(mask))
         loss.backward()
         grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
@@ -239,11 +248,11 @@ class TorchGPTTest(_FrameworkOracleMixin, parameterized.TestCase):
 
 
 class JaxGPTTest(_FrameworkOracleMixin, parameterized.TestCase):
-    def _run(self, params, tokens, targets, mask):
+    def _run(self, params, tokens, targets, mask, document_lengths=None):
         p = load_gpt_params(params, CFG)
 
         def f(p):
-            logits = gpt(p, tokens, CFG)
+            logits = gpt(p, tokens, CFG, document_lengths=document_lengths)
             return jax_loss(logits, targets, mask), logits
 
         (loss, logits), grads = jax.value_and_grad(f, has_aux=True)(p)

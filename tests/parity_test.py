@@ -27,6 +27,15 @@ of a TP size given with ``--tp_sizes`` runs on that many GPUs when there are tha
 ``tests/dist_utils.py``, ``tests/jax_test_utils.py``), with ``--device=gpu`` it fails saying
 how many GPUs it needs. Every report row names its device.
 
+Real-model attention: ``--kv_heads`` (grouped-query k/v; 0 = as many as the query heads),
+``--kv_lens`` (N_k keys for N queries, the diagonal aligned to the end of the keys; 0 = N),
+``--documents`` (``none``, ``shared``: one packing for every batch row, ``per_row``: each row its
+own; lengths drawn from ``--seed``, boundaries inside tiles) and head dims up to 256 multiply the
+attention cases; ``--kv_heads`` and ``--documents`` the HybridBlock cases too (combinations
+where H_kv does not divide H, or the TP size H_kv, are left out and listed in the report).
+``test_real_model_attention`` / ``test_real_model_block`` run a small fixed set of those
+(GQA, N_q != N_k, packed documents per row, D=256) whatever the flags, so pytest covers them.
+
 A failure names the backend, pattern, shape and tensor, and gives the max abs/rel error and
 where it is. ``--report=path.json`` writes every case's errors (for the docs).
 """
@@ -67,6 +76,7 @@ from sparsetp.core import (  # noqa: E402
     reference,
     unshard_param,
 )
+from sparsetp.core.config import document_lengths_key  # noqa: E402
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern  # noqa: E402
 from sparsetp.kernels import schedule  # noqa: E402
 
@@ -78,7 +88,13 @@ flags.DEFINE_list("patterns", _DEFAULT_PATTERNS.split(","),
 flags.DEFINE_list("seq_lens", None, "sequence lengths (not multiples of the block: ragged; "
                   "default: the device's, see _DEFAULTS)")
 flags.DEFINE_list("num_heads", None, "head counts (default: the device's)")
-flags.DEFINE_list("head_dims", None, "head dims (16, 32, 64, 128; default: the device's)")
+flags.DEFINE_list("head_dims", None, "head dims (multiples of 16 up to 256; default: the "
+                  "device's)")
+flags.DEFINE_list("kv_heads", ["0"], "key/value heads (GQA/MQA; must divide the query heads; "
+                  "0: as many as the query heads)")
+flags.DEFINE_list("kv_lens", ["0"], "key lengths N_k of the attention cases (0: N_k = N)")
+flags.DEFINE_list("documents", ["none"], "packed documents: none, shared (one packing for every "
+                  "batch row), per_row (each batch row its own)")
 flags.DEFINE_list("block_sizes", None, "layout block sizes (16, 32, 64, 128; default: the "
                   "device's)")
 flags.DEFINE_list("dtypes", ["float32"], "float32, bfloat16, float16")
@@ -156,7 +172,8 @@ def _write_report():
         with open(FLAGS.report, "w") as f:
             json.dump(dict(flags={k: str(getattr(FLAGS, k)) for k in (
                 "backends", "patterns", "seq_lens", "num_heads", "head_dims", "block_sizes",
-                "dtypes", "tp_sizes", "batch", "seed", "atol_scale", "device")},
+                "dtypes", "tp_sizes", "batch", "seed", "atol_scale", "device", "kv_heads",
+                "kv_lens", "documents")},
                 torch=torch.__version__, jax=jax.__version__, gpus_torch=n_torch,
                 gpus_jax=n_jax, cases=_REPORT), f, indent=1)
 
@@ -204,6 +221,32 @@ def _compare(actual, expected, *, dtype, grad, case, tensor, against, failures, 
                         f" (atol={atol:g}, rtol={rtol:g})")
 
 
+_DOCUMENT_MODES = ("none", "shared", "per_row")
+
+
+def document_lengths(mode: str, n: int, batch: int, seed: int):
+    """Packed documents of ``mode`` for ``n`` tokens: None, one list (``shared``) or ``batch``
+    lists (``per_row``), each of 1-4 documents cut at points drawn from ``seed`` (so
+    boundaries fall inside tiles)."""
+    if mode not in _DOCUMENT_MODES:
+        raise AssertionError(f"--documents takes {_DOCUMENT_MODES}, got {mode!r}")
+    if mode == "none":
+        return None
+    rng = np.random.default_rng(seed)
+
+    def one():
+        cuts = np.unique(rng.integers(1, n, size=int(rng.integers(0, 4))))
+        return [int(x) for x in np.diff(np.concatenate([[0], cuts, [n]]))]
+
+    return one() if mode == "shared" else [one() for _ in range(batch)]
+
+
+def _with_documents(pattern, lengths):
+    from sparsetp.core import patterns as P  # noqa: PLC0415
+
+    return pattern if lengths is None else P.documents(lengths) & pattern
+
+
 # ---------------------------------------------------------------------------------------------
 # Backends on numpy in, numpy (float64) out.
 
@@ -242,11 +285,12 @@ def jax_attention(q, k, v, d_out, layout, dtype, dev):
 
 
 def torch_layout_arrays(layout, head_dim, dtype, dev):
-    """The metadata the torch frontend launches for q [*, *, *, head_dim] of ``dtype``."""
+    """The metadata the torch frontend launches for q [*, *, *, head_dim] of ``dtype`` (a
+    per-row layout's flat view: batch folded into heads)."""
     q = torch.empty((1, 1, 1, head_dim), dtype=_TORCH_DT[dtype], device=_torch_device(dev))
     kind = torch_launch.device_kind(q)
     return {n: t if isinstance(t, int) else t.cpu().numpy()  # ints: the head order
-            for n, t in torch_launch.metadata(layout, q, kind).items()}
+            for n, t in torch_launch.metadata(layout.flat(), q, kind).items()}
 
 
 def jax_layout_arrays(layout, head_dim, dtype, dev):
@@ -261,39 +305,41 @@ def kernel_layout(layout, head_dim, dtype, dev):
     return schedule.kernel_layout(layout, kind, head_dim=head_dim, dtype=dtype)
 
 
-def _torch_block_rank(rank, world, config, params, x, dy, device):
+def _torch_block_rank(rank, world, config, params, x, dy, device, lengths=None):
     """One torch rank: returns y, dx and this rank's gradient shards (canonical names)."""
     dev = torch.device(f"cuda:{rank}") if device == "gpu" else torch.device("cpu")
     if device == "gpu":
         torch.cuda.set_device(dev)
     block = HybridBlock.from_params(config, params).to(dev)
     xt = torch.tensor(x, dtype=_TORCH_DT[config.dtype], device=dev, requires_grad=True)
-    y = block(xt)
+    y = block(xt, document_lengths=lengths)
     y.backward(torch.tensor(dy, dtype=y.dtype, device=dev))
     grads = {n: p.grad.float().cpu().numpy() for n, p in block.named_parameters()}
     exported = block.export_params()
     return y.detach().float().cpu().numpy(), xt.grad.float().cpu().numpy(), grads, exported
 
 
-def torch_block(config, params, x, dy, tp, dev):
+def torch_block(config, params, x, dy, tp, dev, lengths=None):
     backend = "nccl" if dev == "gpu" else "gloo"
     if tp == 1:  # no process group: a single process
-        results = [_torch_block_rank(0, 1, config, params, x, dy, dev)]
+        results = [_torch_block_rank(0, 1, config, params, x, dy, dev, lengths)]
     else:
         results = dist_utils.run_distributed(_torch_block_rank, tp, config, params, x, dy,
-                                             dev, backend=backend, timeout=600)
+                                             dev, lengths, backend=backend, timeout=600)
     y, dx = results[0][0], results[0][1]
     grads = {n: (unshard_param(n, [r[2][n] for r in results]) if partition_dim(n) is not None
                  else results[0][2][n]) for n in params}
     return y, dx, grads, results[0][3]
 
 
-def jax_block(config, params, x, dy, tp, dev):
+def jax_block(config, params, x, dy, tp, dev, lengths=None):
     devices = jax.devices(dev)
     if len(devices) < tp:
         raise AssertionError(f"JAX has {len(devices)} {dev} devices, tp={tp} needs more")
     mesh = jblock.make_mesh(tp, "tp", devices=devices[:tp]) if tp > 1 else None
-    fn = jax.jit(lambda p, x: jblock.hybrid_block(p, x, config, mesh=mesh))
+    lengths = document_lengths_key(lengths)  # static under jit: hashable tuples
+    fn = jax.jit(lambda p, x: jblock.hybrid_block(p, x, config, mesh=mesh,
+                                                  document_lengths=lengths))
     with jax.default_device(devices[0]):  # every array of the case on ``dev``
         p = (jblock.shard_params(params, config, mesh, "tp") if mesh is not None
              else jblock.load_params(params, config))
@@ -322,60 +368,105 @@ class ParityTest(absltest.TestCase):
     def _attention_cases(self, dev):
         f = _flags()
         return itertools.product(f.patterns, sizes("seq_lens", dev), sizes("num_heads", dev),
-                                 sizes("head_dims", dev), sizes("block_sizes", dev), f.dtypes)
+                                 sizes("head_dims", dev), sizes("block_sizes", dev), f.dtypes,
+                                 [int(x) for x in f.kv_heads], [int(x) for x in f.kv_lens],
+                                 f.documents)
 
     def test_attention(self):
-        f = _flags()
         failures = []
         dev = device()
-        for name, n, heads, hd, bs, dtype in self._attention_cases(dev):
-            case = dict(op="attention", pattern=name, seq_len=n, num_heads=heads, head_dim=hd,
-                        block_size=bs, dtype=dtype, batch=f.batch, device=dev)
-            layout = make_layout(example_pattern(name, n, bs), n, heads, bs)
-            rng = np.random.default_rng(f.seed)
-            shape = (f.batch, heads, n, hd)
-            q, k, v, d_out = (round_to_dtype(rng.standard_normal(shape), dtype) for _ in range(4))
-            ref_out, ref_lse = reference.attention(q, k, v, layout)
-            refs = [ref_out, ref_lse, *reference.attention_grad(q, k, v, layout, d_out)]
-            names = ["out", "lse", "dq", "dk", "dv"]
-            got = {}
-            meta = {}
-            for b in self.backends:
-                got[b] = ATTENTION[b](q, k, v, d_out, layout, dtype, dev)
-                meta[b] = LAYOUT_ARRAYS[b](layout, hd, dtype, dev)
-            launched = kernel_layout(layout, hd, dtype, dev)
-            case["kernel_block"] = launched.block_size
-            try:
-                for b in self.backends:
-                    for nm, val, ref in zip(names, got[b], refs, strict=True):
-                        _compare(val, ref, dtype=dtype, grad=nm.startswith("d"),
-                                 case=dict(case, backend=b), tensor=nm,
-                                 against="float64 oracle", failures=failures)
-                    for nm, arr in launched.metadata().items():
-                        if not np.array_equal(meta[b][nm], arr) or meta[b][nm].dtype != np.int32:
-                            raise AssertionError(f"[{case}] {b} kernel metadata {nm} differs "
-                                                 f"from the kernel layout's")
-                    groups = dict(zip(("q_head_group", "k_head_group"),
-                                      schedule.head_groups(launched), strict=True))
-                    for nm, want in groups.items():
-                        if meta[b][nm] != want:
-                            raise AssertionError(f"[{case}] {b} launches {nm}={meta[b][nm]}, "
-                                                 f"the kernel layout's schedule says {want}")
-                for a, b in itertools.combinations(self.backends, 2):
-                    for nm, va, vb in zip(names, got[a], got[b], strict=True):
-                        _compare(va, vb, dtype=dtype, grad=nm.startswith("d"),
-                                 case=dict(case, backend=a), tensor=nm, against=b,
-                                 failures=failures)
-                    for nm in meta[a]:
-                        np.testing.assert_array_equal(meta[a][nm], meta[b][nm], err_msg=nm)
-            except AssertionError as e:
-                failures.append(str(e))
+        for name, n, heads, hd, bs, dtype, h_kv, n_kv, docs in self._attention_cases(dev):
+            self._attention_case(dev, name, n, n_kv or n, heads, h_kv or heads, hd, bs, dtype,
+                                 docs, failures)
         self.assertEmpty(failures, "\n".join(failures))
 
+    # (pattern, N, N_k, H, H_kv, head dim, block, documents): what test_real_model_attention
+    # runs whatever the flags: GQA 4:2 and MQA, more keys than queries and fewer, packed
+    # documents per batch row and shared, head dims 80 and 256; CPU sizes (the interpreter pays
+    # per element), on a GPU the same cases.
+    _REAL_MODEL_CASES = (
+        ("causal", 100, 100, 4, 2, 32, 32, "per_row"),
+        ("bigbird", 100, 100, 4, 1, 32, 32, "shared"),
+        ("causal", 40, 100, 4, 2, 32, 16, "per_row"),
+        ("local", 100, 60, 2, 2, 16, 32, "none"),
+        ("causal", 40, 40, 2, 1, 256, 16, "per_row"),
+        ("per_head_mix", 50, 50, 2, 2, 80, 16, "shared"),
+    )
+
+    def test_real_model_attention(self):
+        """GQA/MQA, N_q != N_k, packed documents (per row and shared), head dims 80 and 256:
+        torch vs JAX vs the oracle (the flags' sweep covers more, see the module docstring)."""
+        failures = []
+        dev = device()
+        for name, n, n_kv, heads, h_kv, hd, bs, docs in self._REAL_MODEL_CASES:
+            self._attention_case(dev, name, n, n_kv, heads, h_kv, hd, bs, "float32", docs,
+                                 failures)
+        self.assertEmpty(failures, "\n".join(failures))
+
+    def _attention_case(self, dev, name, n, n_kv, heads, h_kv, hd, bs, dtype, docs, failures):
+        """One attention case: every backend vs the float64 oracle and each other, and the
+        kernel metadata each launches vs the kernel layout's; failures appended."""
+        f = _flags()
+        case = dict(op="attention", pattern=name, seq_len=n, kv_len=n_kv, num_heads=heads,
+                    kv_heads=h_kv, head_dim=hd, block_size=bs, dtype=dtype, documents=docs,
+                    batch=f.batch, device=dev)
+        if heads % h_kv:
+            _REPORT.append(dict(case, left_out=f"H_kv={h_kv} does not divide H={heads}"))
+            return
+        virtual = max(n, n_kv)  # the sequence the pattern (and the documents) cover
+        lengths = document_lengths(docs, virtual, f.batch, f.seed + n)
+        case["document_lengths"] = lengths
+        pattern = _with_documents(example_pattern(name, virtual, bs), lengths)
+        layout = make_layout(pattern, n, heads, bs, kv_len=n_kv)
+        rng = np.random.default_rng(f.seed)
+        q, d_out = (round_to_dtype(rng.standard_normal((f.batch, heads, n, hd)), dtype)
+                    for _ in range(2))
+        k, v = (round_to_dtype(rng.standard_normal((f.batch, h_kv, n_kv, hd)), dtype)
+                for _ in range(2))
+        ref_out, ref_lse = reference.attention(q, k, v, layout)
+        refs = [ref_out, ref_lse, *reference.attention_grad(q, k, v, layout, d_out)]
+        names = ["out", "lse", "dq", "dk", "dv"]
+        got = {}
+        meta = {}
+        for b in self.backends:
+            got[b] = ATTENTION[b](q, k, v, d_out, layout, dtype, dev)
+            meta[b] = LAYOUT_ARRAYS[b](layout, hd, dtype, dev)
+        # A per-row layout launches its flat view (batch folded into heads).
+        launched = kernel_layout(layout.flat(), hd, dtype, dev)
+        case["kernel_block"] = launched.block_size
+        group = heads // h_kv  # dk, dv sum over a group of query heads
+        try:
+            for b in self.backends:
+                for nm, val, ref in zip(names, got[b], refs, strict=True):
+                    _compare(val, ref, dtype=dtype, grad=nm.startswith("d"),
+                             case=dict(case, backend=b), tensor=nm,
+                             against="float64 oracle", failures=failures,
+                             reduced=group if nm in ("dk", "dv") else 1)
+                for nm, arr in launched.metadata().items():
+                    if not np.array_equal(meta[b][nm], arr) or meta[b][nm].dtype != np.int32:
+                        raise AssertionError(f"[{case}] {b} kernel metadata {nm} differs "
+                                             f"from the kernel layout's")
+                groups = dict(zip(("q_head_group", "k_head_group"),
+                                  schedule.head_groups(launched), strict=True))
+                for nm, want in groups.items():
+                    if meta[b][nm] != want:
+                        raise AssertionError(f"[{case}] {b} launches {nm}={meta[b][nm]}, "
+                                             f"the kernel layout's schedule says {want}")
+            for a, b in itertools.combinations(self.backends, 2):
+                for nm, va, vb in zip(names, got[a], got[b], strict=True):
+                    _compare(va, vb, dtype=dtype, grad=nm.startswith("d"),
+                             case=dict(case, backend=a), tensor=nm, against=b,
+                             failures=failures, reduced=group if nm in ("dk", "dv") else 1)
+                for nm in meta[a]:
+                    np.testing.assert_array_equal(meta[a][nm], meta[b][nm], err_msg=nm)
+        except AssertionError as e:
+            failures.append(str(e))
+
     def _block_cases(self):
-        """(device, pattern, N, heads, head_dim, block, dtype, tp): each TP size on the device
-        :func:`block_device` gives it, at that device's sizes. The GPU's default TP sizes are
-        those its GPUs hold (1 on one GPU: its CPU fallback would add ~45 s there)."""
+        """(device, pattern, N, heads, head_dim, block, dtype, tp, kv heads, documents): each TP
+        size on the device :func:`block_device` gives it, at that device's sizes. The GPU's
+        default TP sizes are those its GPUs hold (1 on one GPU: its CPU fallback would add
+        ~45 s there)."""
         f = _flags()
         dev = device()
         tp_sizes = sizes("tp_sizes", dev)
@@ -385,53 +476,78 @@ class ParityTest(absltest.TestCase):
             dev = block_device(tp)
             yield from itertools.product(
                 [dev], f.block_patterns, sizes("seq_lens", dev), sizes("num_heads", dev),
-                sizes("head_dims", dev), sizes("block_sizes", dev), f.dtypes, [tp])
+                sizes("head_dims", dev), sizes("block_sizes", dev), f.dtypes, [tp],
+                [int(x) for x in f.kv_heads], f.documents)
 
     def test_hybrid_block(self):
-        f = _flags()
         failures = []
-        for dev, name, n, heads, hd, bs, dtype, tp in self._block_cases():
-            d = heads * hd
-            config = HybridConfig(d_model=d, num_heads=heads, d_ff=2 * d,
-                                  pattern=example_pattern(name, n, bs), block_size=bs,
-                                  dtype=dtype)
-            case = dict(op="hybrid_block", pattern=name, seq_len=n, num_heads=heads, head_dim=hd,
-                        block_size=bs, dtype=dtype, tp=tp, batch=f.batch, device=dev)
-            params = {k: round_to_dtype(v, dtype) for k, v in init_params(config, f.seed).items()}
-            rng = np.random.default_rng(f.seed + 1)
-            x, dy = (round_to_dtype(rng.standard_normal((f.batch, n, d)), dtype)
-                     for _ in range(2))
-            y_ref = reference.hybrid_block(params, x, config)
-            dx_ref, dp_ref = reference.hybrid_block_grad(params, x, config, dy)
-            got = {b: BLOCK[b](config, params, x, dy, tp, dev) for b in self.backends}
-            tokens = f.batch * n  # every parameter gradient sums over all tokens
-            try:
-                for b in self.backends:
-                    y, dx, dp, exported = got[b]
-                    c = dict(case, backend=b)
-                    _compare(y, y_ref, dtype=dtype, grad=False, case=c, tensor="y",
-                             against="float64 oracle", failures=failures)
-                    _compare(dx, dx_ref, dtype=dtype, grad=True, case=c, tensor="dx",
-                             against="float64 oracle", failures=failures)
-                    for pn in params:
-                        _compare(dp[pn], dp_ref[pn], dtype=dtype, grad=True, case=c,
-                                 tensor=f"d[{pn}]", against="float64 oracle", failures=failures,
-                                 reduced=tokens)
-                        if not np.array_equal(exported[pn].astype(np.float32), params[pn]):
-                            raise AssertionError(f"[{c}] exported {pn} is not bitwise the "
-                                                 f"loaded weight")
-                for a, b in itertools.combinations(self.backends, 2):
-                    c = dict(case, backend=a)
-                    for i, nm in enumerate(("y", "dx")):
-                        _compare(got[a][i], got[b][i], dtype=dtype, grad=i > 0, case=c,
-                                 tensor=nm, against=b, failures=failures)
-                    for pn in params:
-                        _compare(got[a][2][pn], got[b][2][pn], dtype=dtype, grad=True, case=c,
-                                 tensor=f"d[{pn}]", against=b, failures=failures,
-                                 reduced=tokens)
-            except AssertionError as e:
-                failures.append(str(e))
+        for case in self._block_cases():
+            self._block_case(*case, failures)
         self.assertEmpty(failures, "\n".join(failures))
+
+    def test_real_model_block(self):
+        """The block with GQA (2 kv heads of 4) and per-row document lengths per call, on CPU
+        at the largest of --tp_sizes (default 2), on a GPU at TP 1: torch vs JAX vs the
+        oracle."""
+        failures = []
+        dev = device()
+        tp = sizes("tp_sizes", dev)[-1] if dev == "cpu" else 1
+        dev = block_device(tp)
+        self._block_case(dev, "causal", sizes("seq_lens", dev)[0], 4, sizes("head_dims", dev)[0],
+                         sizes("block_sizes", dev)[0], "float32", tp, 2, "per_row", failures)
+        self.assertEmpty(failures, "\n".join(failures))
+
+    def _block_case(self, dev, name, n, heads, hd, bs, dtype, tp, h_kv, docs, failures):
+        """One HybridBlock case: every backend's y, dx and parameter gradients vs the float64
+        oracle and each other, weights exported bitwise; failures appended."""
+        f = _flags()
+        h_kv = h_kv or heads
+        case = dict(op="hybrid_block", pattern=name, seq_len=n, num_heads=heads, kv_heads=h_kv,
+                    head_dim=hd, block_size=bs, dtype=dtype, tp=tp, documents=docs,
+                    batch=f.batch, device=dev)
+        if heads % h_kv or h_kv % tp:
+            _REPORT.append(dict(case, left_out=f"H_kv={h_kv} must divide H={heads} and be "
+                                               f"divisible by tp={tp}"))
+            return
+        d = heads * hd
+        config = HybridConfig(d_model=d, num_heads=heads, d_ff=2 * d,
+                              pattern=example_pattern(name, n, bs), block_size=bs,
+                              dtype=dtype, num_kv_heads=h_kv)
+        lengths = document_lengths(docs, n, f.batch, f.seed + n)
+        case["document_lengths"] = lengths
+        params = {k: round_to_dtype(v, dtype) for k, v in init_params(config, f.seed).items()}
+        rng = np.random.default_rng(f.seed + 1)
+        x, dy = (round_to_dtype(rng.standard_normal((f.batch, n, d)), dtype) for _ in range(2))
+        y_ref = reference.hybrid_block(params, x, config, lengths)
+        dx_ref, dp_ref = reference.hybrid_block_grad(params, x, config, dy, lengths)
+        got = {b: BLOCK[b](config, params, x, dy, tp, dev, lengths) for b in self.backends}
+        tokens = f.batch * n  # every parameter gradient sums over all tokens
+        try:
+            for b in self.backends:
+                y, dx, dp, exported = got[b]
+                c = dict(case, backend=b)
+                _compare(y, y_ref, dtype=dtype, grad=False, case=c, tensor="y",
+                         against="float64 oracle", failures=failures)
+                _compare(dx, dx_ref, dtype=dtype, grad=True, case=c, tensor="dx",
+                         against="float64 oracle", failures=failures)
+                for pn in params:
+                    _compare(dp[pn], dp_ref[pn], dtype=dtype, grad=True, case=c,
+                             tensor=f"d[{pn}]", against="float64 oracle", failures=failures,
+                             reduced=tokens)
+                    if not np.array_equal(exported[pn].astype(np.float32), params[pn]):
+                        raise AssertionError(f"[{c}] exported {pn} is not bitwise the "
+                                             f"loaded weight")
+            for a, b in itertools.combinations(self.backends, 2):
+                c = dict(case, backend=a)
+                for i, nm in enumerate(("y", "dx")):
+                    _compare(got[a][i], got[b][i], dtype=dtype, grad=i > 0, case=c,
+                             tensor=nm, against=b, failures=failures)
+                for pn in params:
+                    _compare(got[a][2][pn], got[b][2][pn], dtype=dtype, grad=True, case=c,
+                             tensor=f"d[{pn}]", against=b, failures=failures,
+                             reduced=tokens)
+        except AssertionError as e:
+            failures.append(str(e))
 
     def test_weight_interchange_round_trip(self):
         """torch export -> JAX load/export -> torch load/export: bitwise at every step."""

@@ -153,6 +153,25 @@ class RecompileTest(parameterized.TestCase):
                     self.assertEqual(key[kernel]["signature"], first[kernel]["signature"],
                                      f"{name} vs {first_name}")
 
+    @parameterized.parameters(*SHAPES)
+    def test_per_batch_row_packings_share_one_compile_key(self, b, h, n, d, bs, dtype):
+        """Per-row documents (each of B rows its own packing) launch as ``layout.flat()``, the
+        B * H table heads, with batch folded into heads (``[1, B * H, N, D]``): new per-row
+        lengths of the same total are new table data under one compile key, however the
+        packings' longest rows differ."""
+        packings = ([[7, n // 2, 1, n - n // 2 - 8], [n]],
+                    [[bs] * (n // bs) + [n % bs] * (n % bs > 0), [n // 3 + 1, n - n // 3 - 1]],
+                    [[1, n - 1], [n - 5, 5]])
+        keys, widths = [], set()
+        for lengths in packings:
+            lay = make_layout(P.documents(lengths) & P.causal(), n, h, bs)
+            self.assertEqual(lay.batch, 2)
+            widths.add(int(lay.q_count.max()))
+            keys.append(_compile_keys(lay.flat(), 1, d, dtype))
+        self.assertGreater(len(widths), 1, widths)
+        for key in keys[1:]:
+            self.assertEqual(key, keys[0])
+
     def test_padded_widths_differ_but_specialise_alike(self):
         """At 32 tiles per side the padded ELL widths are 16 and 32: the arrays differ in
         shape, yet every stride keeps the same specialisation."""

@@ -159,6 +159,39 @@ class _PerDevice:
             for g_name, t, r in zip(("dq", "dk", "dv"), (tq, tk, tv), refs, strict=True):
                 tu.assert_close(_np(t.grad), r, dtype, grad=True, what=f"{which} {g_name}")
 
+        @parameterized.parameters("naive", "dense")
+        def test_baseline_per_batch_row_documents(self, which):
+            """The baselines on a per-batch-row layout (each row its own packing, GQA): batch
+            folded into heads as in sparse_attention; out and grads vs the oracle."""
+            fn = tattn.naive_sparse_attention if which == "naive" else tattn.dense_attention
+            n, bs, h = 100, 32, 4
+            layout = make_layout(P.documents([[30, 70], [100], [1, 98, 1]]) & P.causal(), n, h,
+                                 bs)
+            q, d_out = tu.random_inputs(6, (3, h, n, 32), "float32", 2)
+            k, v = tu.random_inputs(7, (3, 2, n, 32), "float32", 2)
+            tq, tk, tv = (self._to(x, "float32", requires_grad=True) for x in (q, k, v))
+            out = fn(tq, tk, tv, layout)
+            out.backward(self._to(d_out, "float32"))
+            tu.assert_close(_np(out), reference.attention(q, k, v, layout)[0], "float32",
+                            what=f"{which} out")
+            refs = reference.attention_grad(q, k, v, layout, d_out)
+            for g_name, t, r in zip(("dq", "dk", "dv"), (tq, tk, tv), refs, strict=True):
+                tu.assert_close(_np(t.grad), r, "float32", grad=True,
+                                reduced=1 if g_name == "dq" else 2, what=f"{which} {g_name}")
+
+        def test_per_batch_row_checks_after_a_good_call(self):
+            """A per-row layout's checks are cached per (shapes, dtypes, devices, scale): after
+            a good call, calls with another batch, dtype or head count still raise by name."""
+            layout = make_layout(P.documents([[20, 44], [64]]) & P.causal(), 64, 2, 32)
+            q = self._to(np.random.default_rng(0).standard_normal((2, 2, 64, 16)), "float32")
+            self.assertEqual(tuple(tattn.sparse_attention(q, q, q, layout).shape), (2, 2, 64, 16))
+            with self.assertRaisesRegex(ValueError, r"per-batch-row for batch=2 but q has B=1"):
+                tattn.sparse_attention(q[:1], q[:1], q[:1], layout)
+            with self.assertRaisesRegex(ValueError, r"\bk has dtype"):
+                tattn.sparse_attention(q, q.double(), q, layout)
+            with self.assertRaisesRegex(ValueError, r"layout is for num_heads=2 but q has H=1"):
+                tattn.sparse_attention(q[:, :1], q[:, :1], q[:, :1], layout)
+
         def test_gradcheck_float64(self):
             """torch.autograd.gradcheck in float64 (fp64 dots in the kernels), out and LSE."""
             layout = make_layout(P.local(20, 3), seq_len=40, num_heads=1, block_size=16)

@@ -53,11 +53,11 @@ def _fwd_bwd(fn, q, k, v, g):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def _block_fwd_bwd(block, x, g, autocast=False):
+def _block_fwd_bwd(block, x, g, autocast=False, **kw):
     x = x.detach().clone().requires_grad_(True)
     block.zero_grad(set_to_none=True)
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
-        y = block(x)
+        y = block(x, **kw)
     (y.float() * g).sum().backward()
     return [y.detach(), x.grad] + [p.grad.clone() for _, p in block.named_parameters()]
 
@@ -118,6 +118,33 @@ class _CompileTestBase(parameterized.TestCase):
         self.assert_bitwise(_block_fwd_bwd(compiled, x, g, autocast),
                             _block_fwd_bwd(block, x, g, autocast))
         self.assertEqual(counter.frame_count, 1)
+
+    def test_per_batch_row_layout_is_one_graph(self):
+        """A per-batch-row layout (each row its own packed documents): batch folded into heads
+        inside the graph, one graph, bitwise the eager result (forward and gradients)."""
+        lay = make_layout(P.documents([[30, 66], [96]]) & _PATTERN, 96, 2, 32)
+        q, k, v, g = _inputs((2, 2, 96, 32), self.device, seed=3)
+
+        def fn(q, k, v):
+            return sparse_attention(q, k, v, lay)
+
+        compiled, counter = self._compile(fn)
+        self.assert_bitwise(_fwd_bwd(compiled, q, k, v, g), _fwd_bwd(fn, q, k, v, g))
+        self.assertEqual(counter.frame_count, 1)
+
+    def test_hybrid_block_document_lengths(self):
+        """HybridBlock(x, document_lengths=...) compiles to one graph per lengths value (Python
+        ints are graph constants: a new packing is a new graph, never a new kernel), each
+        bitwise the eager block; a repeated value reuses its graph."""
+        cfg = HybridConfig(d_model=64, num_heads=2, d_ff=128, pattern=_PATTERN, block_size=32)
+        block = HybridBlock.from_params(cfg, init_params(cfg, seed=0)).to(self.device)
+        x, g = (t[:, 0] for t in _inputs((2, 1, 96, 64), self.device, grad=False)[:2])
+        compiled, counter = self._compile(block)
+        packings = ([[30, 66], [96]], [40, 56], [[30, 66], [96]])
+        for lengths in packings:
+            self.assert_bitwise(_block_fwd_bwd(compiled, x, g, document_lengths=lengths),
+                                _block_fwd_bwd(block, x, g, document_lengths=lengths))
+        self.assertEqual(counter.frame_count, 2)
 
     def test_inductor_matches_eager(self):
         lay = make_layout(_PATTERN, seq_len=96, num_heads=2, block_size=32)

@@ -91,11 +91,11 @@ def _agree(actual, expected, dtype, what, grad=False, reduced=1):
                                rtol=atol / 10, err_msg=what)
 
 
-def _fwd_bwd(module, x, dy):
+def _fwd_bwd(module, x, dy, **kw):
     """Output, input gradient and every parameter gradient of one forward+backward."""
     module.zero_grad(set_to_none=True)
     xt = x.detach().clone().requires_grad_(True)
-    y = module(xt)
+    y = module(xt, **kw)
     y.backward(dy)
     return [y.detach(), xt.grad] + [p.grad for p in module.parameters()]
 
@@ -306,6 +306,28 @@ def _check_block(rank, world, dtype, overlap_both):
     return _np(runs[True][0])
 
 
+def _check_block_documents(rank, world):
+    """SP block with per-row document lengths (each of 2 rows its own packing over all N
+    tokens, while each rank holds N / tp of them) vs the oracle given the same lengths."""
+    cfg = _block_config()
+    params = init_params(cfg, 13)
+    rng = np.random.default_rng(14)
+    b_, n = 2, 64
+    lengths = [[5, 40, 19], [64]]
+    x, dy = rng.standard_normal((b_, n, cfg.d_model)), rng.standard_normal((b_, n, cfg.d_model))
+    y_ref, dx_ref, dparams_ref = reference.hybrid_block_value_and_grad(params, x, cfg, dy,
+                                                                       lengths)
+    block = HybridBlock.from_params(cfg, params, sequence_parallel=True)
+    x_shard, dy_shard = (_t(_seq_shard(a, rank, world), "float32") for a in (x, dy))
+    got = _fwd_bwd(block, x_shard, dy_shard, document_lengths=lengths)
+    _oracle(got[0], _seq_shard(y_ref, rank, world), "float32", "SP documents y")
+    _oracle(got[1], _seq_shard(dx_ref, rank, world), "float32", "SP documents dx", grad=True)
+    for (name, _), p_grad in zip(block.named_parameters(), got[2:], strict=True):
+        _oracle(p_grad, shard_param(name, dparams_ref[name], cfg, rank, world), "float32",
+                f"SP documents d{name}", True, b_ * n)
+    return True
+
+
 def _check_all(rank, world):
     """One spawn per TP size (spawning costs ~1-5 s on 2 cores): every check above."""
     _check_comm(rank, world)
@@ -458,6 +480,12 @@ class DistributedSequenceParallelTest(parameterized.TestCase):
         and the bad-size errors; overlap vs no overlap bitwise (MLP; block at TP 2)."""
         results = dist_utils.run_distributed(_check_all, world, timeout=240)
         self.assertLen(results, world)
+
+
+    def test_block_document_lengths(self):
+        """Per-row document lengths (over all N tokens) through the SP block at TP 2."""
+        self.assertEqual(dist_utils.run_distributed(_check_block_documents, 2, timeout=240),
+                         [True, True])
 
 
 class CollectivesTest(absltest.TestCase):

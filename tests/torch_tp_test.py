@@ -237,11 +237,13 @@ def _block_problem(cfg):
     return params, x, dy
 
 
-def _check_block(rank, world, bias, num_kv_heads=None):
+def _check_block(rank, world, bias, num_kv_heads=None, document_lengths=None):
     cfg = _block_config(bias, num_kv_heads=num_kv_heads)
     params, x, dy = _block_problem(cfg)
-    y_ref = reference.hybrid_block(params, x, cfg)
-    dx_ref, dparams_ref = reference.hybrid_block_grad(params, x, cfg, dy)
+    y_ref = reference.hybrid_block(params, x, cfg, document_lengths)
+    dx_ref, dparams_ref = reference.hybrid_block_grad(params, x, cfg, dy, document_lengths)
+    if document_lengths is not None:  # the documents matter: O(1) away from the plain block
+        assert np.abs(y_ref - reference.hybrid_block(params, x, cfg)).max() > 0.1
 
     block = HybridBlock.from_params(cfg, params)
     exported = block.export_params()  # gathered back bitwise (a collective: every rank calls)
@@ -250,7 +252,7 @@ def _check_block(rank, world, bias, num_kv_heads=None):
         assert exported[name].dtype == np.float32 and np.array_equal(exported[name], params[name])
 
     xt = _t(x, "float32", grad=True)
-    y = block(xt)
+    y = block(xt, document_lengths=document_lengths)
     _close(y, y_ref, "float32", msg="block y")
     y.backward(_t(dy, "float32"))
     _close(xt.grad, dx_ref, "float32", grad=True, msg="block dx")
@@ -261,7 +263,7 @@ def _check_block(rank, world, bias, num_kv_heads=None):
         assert tuple(p.shape) == want.shape, (name, p.shape, want.shape)
         _close(p.grad, want, "float32", grad=True, msg=f"block d{name} shard")
     with torch.no_grad():  # determinism: bitwise the same output again
-        assert torch.equal(block(xt), y)
+        assert torch.equal(block(xt, document_lengths=document_lengths), y)
     return y.detach().cpu().numpy(), xt.grad.cpu().numpy()
 
 
@@ -467,6 +469,19 @@ class DistributedBlockTest(parameterized.TestCase):
         query heads, one key and value head: the qkv weight's group-major columns) and checks
         y, dx and its qkv/out weight-grad shards against the float64 oracle."""
         dist_utils.run_distributed(_check_block, 2, True, 2, timeout=180)
+
+
+    @parameterized.named_parameters(
+        ("per_row_tp1", 1, ((10, 90, 28), (128,))),
+        ("per_row_tp2", 2, ((10, 90, 28), (128,))),
+        ("shared_tp2", 2, (64, 1, 63)),
+    )
+    def test_block_document_lengths(self, world, lengths):
+        """document_lengths per call (per batch row, or shared) composed with the config's
+        BigBird, GQA (2 kv heads of 4): every rank checks y, dx and its weight-grad shards
+        against the float64 oracle given the same lengths (at TP 2 each rank's per-row layout
+        holds its heads of every row)."""
+        dist_utils.run_distributed(_check_block, world, True, 2, lengths, timeout=180)
 
 
 class HarnessTest(absltest.TestCase):

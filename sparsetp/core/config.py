@@ -55,12 +55,14 @@ from typing import Any
 
 import numpy as np
 
+from sparsetp.core import patterns as _patterns
 from sparsetp.core.layout import SUPPORTED_BLOCK_SIZES
 from sparsetp.core.patterns import Pattern
 
 __all__ = [
     "DTYPES", "HybridConfig", "PARAM_NAMES", "param_shapes", "init_params", "partition_dim",
     "check_tp_size", "shard_param", "shard_params", "unshard_param", "check_seed",
+    "document_lengths_key", "with_documents",
 ]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -291,3 +293,65 @@ def unshard_param(name: str, shards: Sequence[np.ndarray]) -> np.ndarray:
     if dim is None:
         return np.asarray(shards[0])
     return np.concatenate([np.asarray(s) for s in shards], axis=dim)
+
+
+def document_lengths_key(document_lengths: Any) -> tuple | None:
+    """``document_lengths`` of a block call as nested tuples of ints (hashable: a cache key and
+    a static argument under ``jax.jit``): None; one tuple (every batch row packed alike); or
+    one tuple per batch row. Anything else raises ValueError naming ``document_lengths``.
+
+    >>> document_lengths_key([3, 5]), document_lengths_key(np.array([[8], [8]]))
+    ((3, 5), ((8,), (8,)))
+    """
+    if document_lengths is None:
+        return None
+
+    def seq(x):
+        return hasattr(x, "__iter__") and not isinstance(x, (str, bytes, dict))
+
+    def ints(row, where):
+        out = []
+        for k, v in enumerate(row):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{where}[{k}] must be an int (a document length), got {v!r}")
+            out.append(int(v))
+        return tuple(out)
+
+    if not seq(document_lengths):
+        raise ValueError("document_lengths must be a sequence of document lengths (every batch "
+                         "row packed alike) or one such sequence per batch row, got "
+                         f"{type(document_lengths).__name__}")
+    rows = list(document_lengths)
+    if rows and all(seq(r) for r in rows):
+        return tuple(ints(r, f"document_lengths[{i}]") for i, r in enumerate(rows))
+    return ints(rows, "document_lengths")
+
+
+def with_documents(pattern: Pattern, document_lengths: Any = None, *, batch: int,
+                   seq_len: int) -> Pattern:
+    """The attention pattern of one block call on ``[batch, seq_len]`` tokens: ``pattern``
+    (the config's), or ``P.documents(document_lengths) & pattern`` (the pattern within each
+    packed document). ``document_lengths``: None, one sequence of lengths (shared
+    by every batch row) or ``batch`` sequences (each row its own packing, a per-batch-row
+    layout); every sequence sums to ``seq_len``. Bad lengths raise ValueError naming
+    ``document_lengths``.
+
+    >>> from sparsetp.core import patterns as P
+    >>> with_documents(P.causal(), [[10, 22], [32]], batch=2, seq_len=32).batch
+    2
+    """
+    key = document_lengths_key(document_lengths)
+    if key is None:
+        return pattern
+    rows = key if key and isinstance(key[0], tuple) else None
+    if rows is not None and len(rows) != batch:
+        raise ValueError(f"document_lengths has {len(rows)} rows (one list of lengths per batch "
+                         f"row) but x has B={batch}")
+    for i, row in enumerate(rows if rows is not None else (key,)):
+        where = "document_lengths" if rows is None else f"document_lengths[{i}]"
+        if not row or min(row) < 1:
+            raise ValueError(f"{where} must hold positive document lengths, got {row}")
+        if sum(row) != seq_len:
+            raise ValueError(f"{where} sums to {sum(row)} but x has N={seq_len} tokens: the "
+                             "lengths must cover the sequence")
+    return _patterns.documents(key) & pattern

@@ -27,6 +27,23 @@ Grouped-query attention (GQA/MQA)
     atomics, deterministic). Keeping the layout per query head means a per-head pattern still
     gives every query head of a group its own mask; the layout never needs to know ``H_kv``.
 
+Per-batch-row layouts (``batch``)
+    A pattern that differs per batch row (:func:`~sparsetp.core.patterns.per_batch_row`, or
+    ``documents`` with one list of lengths per row: each row its own packing) gives a layout
+    with ``batch = B``: every table holds ``B * num_heads`` heads, row-major (table head
+    ``r * num_heads + h`` is head ``h`` of batch row ``r``), and serves exactly a
+    ``[B, H, N, D]`` call. The frontends fold batch into heads (``[B, H, N, D]`` ->
+    ``[1, B * H, N, D]``, a view for contiguous inputs; kv heads fold alike, since
+    ``(r * H + h) // G == r * H_kv + h // G``) and launch :meth:`BlockLayout.flat`, the same
+    tables as an ordinary layout of ``B * num_heads`` heads: no kernel knows about rows, and a
+    new set of per-row lengths is new table data, never a new kernel. ``batch`` is None for a
+    layout every batch row shares.
+
+        >>> from sparsetp.core import patterns as P
+        >>> lay = make_layout(P.documents([[64, 192], [256]]) & P.causal(), 256, 2, 64)
+        >>> lay.batch, lay.num_heads, lay.q_count.shape, lay.flat().num_heads
+        (2, 2, (4, 4), 4)
+
 Query-major lists (forward and dQ), padded ("ELL") so every array has a static shape:
     ``q_count[h, I]`` key tiles listed for query tile ``I``; ``q_partial[h, I]`` how many of them,
     listed *first*, are partial; ``q_index[h, I, k]`` the key tile; ``q_mask_id[h, I, k]`` the
@@ -77,7 +94,7 @@ import weakref
 
 import numpy as np
 
-from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern
+from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern, validate_batch_rows
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
@@ -132,6 +149,9 @@ class BlockLayout:
     head_offset: int = 0
     # Number of keys (``N_k``); None means ``seq_len`` (self-attention). See the module docstring.
     kv_len: int | None = None
+    # Batch rows of a per-row layout (tables hold batch * num_heads heads, row-major); None: one
+    # layout for every batch row. See the module docstring.
+    batch: int | None = None
     # Process-unique id of this object (:func:`layout_from_handle`); not part of the value.
     handle: str = dataclasses.field(init=False, repr=False, compare=False, default="")
 
@@ -150,6 +170,26 @@ class BlockLayout:
         # A hand-built (or dataclasses.replace'd) layout whose fields disagree with its tables
         # fails here, naming the geometry, not later in a kernel check naming a table.
         check_tables(self)
+
+    @property
+    def table_heads(self) -> int:
+        """Heads the tables hold: ``batch * num_heads`` (``num_heads`` unless per-row)."""
+        return self.num_heads * (self.batch or 1)
+
+    def flat(self) -> BlockLayout:
+        """The layout a launch runs for a per-row layout: the same tables as an ordinary
+        layout of ``batch * num_heads`` heads (for ``[1, B * H, N, D]``, batch folded into
+        heads); ``self`` when not per-row. One object per layout (kernel caches key on it)."""
+        if self.batch is None:
+            return self
+        flat = self.__dict__.get("_flat")
+        if flat is None:
+            pattern = None if self.pattern is None else _BatchHeads(
+                tuple(self.pattern._batch_row(r) for r in range(self.batch)), self.num_heads)
+            flat = dataclasses.replace(self, pattern=pattern, num_heads=self.table_heads,
+                                       batch=None, source=None, head_offset=0)
+            object.__setattr__(self, "_flat", flat)
+        return flat
 
     @property
     def num_blocks(self) -> int:
@@ -183,7 +223,8 @@ class BlockLayout:
         return {n: getattr(self, n) for n in names}
 
     def tile_mask(self, h: int, qi: int, kj: int) -> np.ndarray:
-        """bool[bs, bs] element mask of one tile (rows queries), including padding as False."""
+        """bool[bs, bs] element mask of one tile (rows queries), including padding as False;
+        ``h`` is a table head (``r * num_heads + h`` for head ``h`` of row ``r``)."""
         bs = self.block_size
         kind = self.block_mask[h, qi, kj]
         rows = qi * bs + np.arange(bs) < self.seq_len
@@ -197,8 +238,9 @@ class BlockLayout:
         return _unpack(self.masks[self.q_mask_id[h, qi, k]], bs)
 
     def dense_mask(self) -> np.ndarray:
-        """bool[H, N_q, N_k] expanded from the tiles (for tests and references; O(N^2))."""
-        h_n, nb, bs = self.num_heads, self.num_blocks, self.block_size
+        """bool[H, N_q, N_k] expanded from the tiles (for tests and references; O(N^2));
+        bool[rows, H, N_q, N_k] for a per-row layout."""
+        h_n, nb, bs = self.table_heads, self.num_blocks, self.block_size
         nbk = self.num_kv_blocks
         out = np.zeros((h_n, nb * bs, nbk * bs), bool)
         view = out.reshape(h_n, nb, bs, nbk, bs)
@@ -209,31 +251,40 @@ class BlockLayout:
             for k in range(self.q_partial[h, i]):
                 view[h, i, :, self.q_index[h, i, k], :] = _unpack(
                     self.masks[self.q_mask_id[h, i, k]], bs)
-        return out[:, :self.seq_len, :self.kv_len].copy()
+        out = out[:, :self.seq_len, :self.kv_len]
+        return out.copy() if self.batch is None else out.reshape(self.batch, self.num_heads,
+                                                                 *out.shape[1:]).copy()
 
     def heads(self, start: int, stop: int) -> BlockLayout:
         """The layout of heads ``[start, stop)`` (what one tensor-parallel rank holds).
 
         Equal to building the layout for those heads alone, except that list widths and the
         mask table stay those of the whole layout (so every rank launches the same shapes).
+        A per-row layout keeps heads ``[start, stop)`` of every row.
         """
         if not (0 <= start < stop <= self.num_heads):
             raise ValueError(
                 f"heads(start, stop) needs 0 <= start < stop <= num_heads={self.num_heads}, got "
                 f"({start}, {stop})")
-        sl = slice(start, stop)
+        rows = self.batch or 1
+
+        def sl(a):  # heads [start, stop) of each row of a [rows * H, ...] table
+            a = a.reshape(rows, self.num_heads, *a.shape[1:])[:, start:stop]
+            return a.reshape(rows * (stop - start), *a.shape[2:])
+
         return dataclasses.replace(
             self,
             pattern=_HeadSlice(self.pattern, start) if self.pattern is not None else None,
             num_heads=stop - start,
             source=self.source if self.source is not None else self,
             head_offset=self.head_offset + start,
-            **{name: getattr(self, name)[sl] for name in (
+            **{name: sl(getattr(self, name)) for name in (
                 "block_mask", "q_count", "q_partial", "q_index", "q_mask_id", "k_count",
                 "k_partial", "k_index", "k_mask_id", "q_order", "k_order")})
 
     def __repr__(self):
         kv = "" if self.kv_len == self.seq_len else f"kv_len={self.kv_len}, "
+        kv += "" if self.batch is None else f"batch={self.batch}, "
         return (f"BlockLayout(pattern={self.pattern!r}, seq_len={self.seq_len}, {kv}"
                 f"num_heads={self.num_heads}, block_size={self.block_size}, "
                 f"density={self.density:.4f}, masks={self.masks.shape[0]})")
@@ -243,14 +294,17 @@ def check_tables(layout) -> None:
     """ValueError unless ``layout``'s tables have the shapes its geometry gives.
 
     ``layout`` is a :class:`BlockLayout` or anything with ``seq_len``, ``kv_len``,
-    ``num_heads``, ``block_size`` and ``metadata()`` (the JAX frontend's ``LayoutArrays``):
+    ``num_heads``, ``block_size`` and ``metadata()`` (the JAX frontend's ``LayoutArrays``), and
+    optionally ``batch`` (a per-batch-row layout's tables hold ``batch * num_heads`` heads):
     the query-major tables must be ``[num_heads, ceil(seq_len / block_size), ...]``, the
     key-major ones ``[num_heads, ceil(kv_len / block_size), ...]`` and the mask table
     ``[U, block_size, words]``. The frontends call it on every layout they are given, so a
     layout edited after :func:`make_layout` (another ``seq_len`` or ``block_size`` on old
     tables) is refused by name rather than as a mismatched internal table.
     """
-    bs, n, h = int(layout.block_size), int(layout.seq_len), int(layout.num_heads)
+    bs, n, heads = int(layout.block_size), int(layout.seq_len), int(layout.num_heads)
+    batch = getattr(layout, "batch", None)
+    h = heads * int(batch or 1)  # the tables' heads
     kv = int(getattr(layout, "kv_len", None) or n)
     nbq, nbk = -(-n // bs), -(-kv // bs)
     shapes = {name: tuple(int(x) for x in a.shape) for name, a in layout.metadata().items()}
@@ -270,7 +324,8 @@ def check_tables(layout) -> None:
         bad.append(f"masks {masks}")
     if bad:
         raise ValueError(
-            f"layout is inconsistent: it says seq_len={n}, kv_len={kv}, num_heads={h}, "
+            f"layout is inconsistent: it says seq_len={n}, kv_len={kv}, num_heads={heads}, "
+            f"{'' if batch is None else f'batch={batch}, '}"
             f"block_size={bs} ({nbq} query tiles x {nbk} key tiles per head) but its tables "
             f"are for another geometry: {', '.join(bad)}. Build a layout for each sequence "
             "length and block size with make_layout (layout_arrays for JAX); do not edit the "
@@ -316,6 +371,50 @@ class _HeadSlice(Pattern):
 
     def _validate(self, seq_len):
         self.base._validate(seq_len)
+
+    @property
+    def batch(self):
+        return self.base.batch
+
+    def _batch_row(self, r):
+        return self if self.batch is None else _HeadSlice(self.base._batch_row(r), self.start)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _BatchHeads(Pattern):
+    """Per-row patterns as one pattern of ``len(row_patterns) * heads`` heads: head
+    ``r * heads + h`` is head ``h`` of ``row_patterns[r]`` (what :meth:`BlockLayout.flat`
+    runs)."""
+
+    row_patterns: tuple
+    heads: int
+
+    def _at(self, h):
+        return self.row_patterns[h // self.heads], h % self.heads
+
+    def _token(self, h, i, j, n):
+        p, hh = self._at(h)
+        return p._token(hh, i, j, n)
+
+    def block_kinds(self, h, block_size, n):
+        p, hh = self._at(h)
+        return p.block_kinds(hh, block_size, n)
+
+    def _sparse_tiles(self, h, block_size, n):
+        p, hh = self._at(h)
+        return p._sparse_tiles(hh, block_size, n)
+
+    def _tile_classes(self, h, block_size, n, qi, kj):
+        p, hh = self._at(h)
+        return p._tile_classes(hh, block_size, n, qi, kj)
+
+    def head_key(self, h):
+        # Rows with equal patterns share their heads' masks; the row's value is the key.
+        p, hh = self._at(h)
+        return (p, p.head_key(hh))
+
+    def _validate(self, seq_len):
+        validate_batch_rows(self.row_patterns, seq_len)
 
 
 def _unpack(words: np.ndarray, bs: int) -> np.ndarray:
@@ -504,6 +603,8 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
     ``num_heads`` counts *query* heads (GQA: the kv heads are the kernels' business, see the
     module docstring). ``kv_len``: number of keys when it differs from the number of queries
     ``seq_len``; the pattern's diagonal is aligned to the end of the keys (module docstring).
+    A per-row pattern (``pattern.batch = B``) gives a per-row layout of ``B`` rows of
+    ``num_heads`` heads (module docstring, "Per-batch-row layouts").
 
     Cost is O(H' * nb^2) for the tile classification (``H'`` distinct head masks, ``nb`` tiles
     per side) plus O(bs^2) per class of partial tiles; no N x N array is ever built. A pattern
@@ -529,14 +630,18 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
             f"block_size must be an int, one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
     block_size = int(block_size)
     geom = _Geometry(seq_len, kv_len)
-    pattern._validate(geom.n)
+    rows = pattern.batch
+    # A per-row pattern is laid out as one pattern of rows * num_heads heads (row-major).
+    flat = pattern if rows is None else _BatchHeads(
+        tuple(pattern._batch_row(r) for r in range(rows)), num_heads)
+    flat._validate(geom.n)
     mask_ids: dict[bytes, int] = {}
     by_key: dict = {}
     per_head = []
-    for h in range(num_heads):
-        key = pattern.head_key(h)
+    for h in range(num_heads * (rows or 1)):
+        key = flat.head_key(h)
         if key not in by_key:
-            qi, kj, kind, mid = _head_tiles(pattern, h, block_size, geom, mask_ids)
+            qi, kj, kind, mid = _head_tiles(flat, h, block_size, geom, mask_ids)
             nbq, nbk = -(-seq_len // block_size), -(-kv_len // block_size)
             kinds = np.zeros((nbq, nbk), np.int8)
             kinds[qi, kj] = kind
@@ -550,7 +655,7 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
     else:  # a valid pointer for kernels that never read it
         masks = np.zeros((1, block_size, w), np.int32)
     return BlockLayout(
-        pattern=pattern, seq_len=seq_len, kv_len=kv_len, num_heads=num_heads,
+        pattern=pattern, seq_len=seq_len, kv_len=kv_len, num_heads=num_heads, batch=rows,
         block_size=block_size,
         block_mask=np.stack([p[0] for p in per_head]),
         q_count=np.stack([p[2][0] for p in per_head]),

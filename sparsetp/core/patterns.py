@@ -44,7 +44,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 __all__ = [
     "Pattern", "dense", "causal", "local", "block_diagonal", "fixed", "strided", "random_blocks",
     "global_tokens", "block_local", "bigbird", "longformer", "neighborhood", "grid_tiling",
-    "per_head", "documents", "EMPTY", "PARTIAL", "FULL",
+    "per_head", "per_batch_row", "documents", "EMPTY", "PARTIAL", "FULL",
 ]
 
 
@@ -187,6 +187,16 @@ class Pattern:
     def _validate(self, seq_len: int) -> None:
         """Raise ValueError if the pattern cannot be applied to ``seq_len`` tokens."""
 
+    @property
+    def batch(self) -> int | None:
+        """Batch rows of a per-row pattern (:func:`per_batch_row`, nested :func:`documents`);
+        None for a pattern every batch row shares."""
+        return None
+
+    def _batch_row(self, r: int) -> Pattern:
+        """The pattern of batch row ``r`` (itself unless per-row)."""
+        return self
+
     def __or__(self, other: Pattern) -> Pattern:
         return _combine(_Union, self, other)
 
@@ -205,7 +215,17 @@ def _combine(cls, a, b):
     parts = []
     for p in (a, b):
         parts.extend(p.parts if type(p) is cls else (p,))  # not isinstance: & subclasses |
+    _common_rows(parts, "patterns combined with | or &")
     return cls(tuple(parts))
+
+
+def _common_rows(parts, what: str) -> int | None:
+    """The batch rows of ``parts`` (None when none is per-row); ValueError if they differ."""
+    rows = {p.batch for p in parts} - {None}
+    if len(rows) > 1:
+        raise ValueError(f"{what} must be per-row for one number of batch rows, got "
+                         f"{sorted(rows)} rows")
+    return rows.pop() if rows else None
 
 
 _frozen = functools.partial(dataclasses.dataclass, frozen=True, slots=True)
@@ -620,8 +640,27 @@ class BlockLocal(Pattern):
         return _relative_classes(self.block, block_size, n, qi, kj)
 
 
+class _OfMembers(Pattern):
+    """``batch`` / ``_batch_row`` of a pattern built from a tuple of patterns (its field
+    ``_MEMBERS``): per-row when a member is, and rebuilt from the members' rows."""
+
+    __slots__ = ()
+    _MEMBERS = ""  # the field holding the members
+    _WHAT = ""  # how errors name them
+
+    @property
+    def batch(self):
+        return _common_rows(getattr(self, self._MEMBERS), self._WHAT)
+
+    def _batch_row(self, r):
+        if self.batch is None:
+            return self
+        return type(self)(tuple(p._batch_row(r) for p in getattr(self, self._MEMBERS)))
+
+
 @_frozen
-class _Union(Pattern):
+class _Union(_OfMembers):
+    _MEMBERS, _WHAT = "parts", "patterns combined with | or &"
     parts: tuple
 
     def _token(self, h, i, j, n):
@@ -651,9 +690,10 @@ class _Intersection(_Union):
 
 
 @_frozen
-class PerHead(Pattern):
+class PerHead(_OfMembers):
     """Head ``h`` uses ``patterns[h % len(patterns)]`` (which still sees the true ``h``)."""
 
+    _MEMBERS, _WHAT = "patterns", "per_head patterns"
     patterns: tuple
 
     def __post_init__(self):
@@ -662,6 +702,7 @@ class PerHead(Pattern):
         for p in self.patterns:
             if not isinstance(p, Pattern):
                 raise ValueError(f"patterns must hold Pattern values, got {p!r}")
+        _ = self.batch  # members for different batch sizes raise here
 
     def _pick(self, h):
         return self.patterns[h % len(self.patterns)]
@@ -684,6 +725,48 @@ class PerHead(Pattern):
     def _validate(self, seq_len):
         for p in self.patterns:
             p._validate(seq_len)
+
+
+@_frozen
+class PerBatchRow(Pattern):
+    """Batch row ``r`` uses ``patterns[r]`` (:func:`per_batch_row`). Only a layout can evaluate it:
+    :func:`~sparsetp.core.layout.make_layout` lays out each row's pattern (``_batch_row``)."""
+
+    patterns: tuple
+
+    def __post_init__(self):
+        if len(self.patterns) == 0:
+            raise ValueError("patterns must hold one pattern per batch row, got none")
+        for r, p in enumerate(self.patterns):
+            if not isinstance(p, Pattern):
+                raise ValueError(f"patterns[{r}] must be a Pattern, got {p!r}")
+            if p.batch is not None:
+                raise ValueError(f"patterns[{r}] is itself per-row; per_batch_row does not nest")
+
+    @property
+    def batch(self):
+        return len(self.patterns)
+
+    def _batch_row(self, r):
+        return self.patterns[r]
+
+    def _token(self, *args):
+        raise ValueError("a per-row pattern has no token mask of its own: lay it out with "
+                         "make_layout (one row of heads per batch row), or take ._batch_row(r)")
+
+    block_kinds = _sparse_tiles = _tile_classes = _token
+
+    def _validate(self, seq_len):
+        validate_batch_rows(self.patterns, seq_len)
+
+
+def validate_batch_rows(patterns, seq_len: int) -> None:
+    """Each batch row's pattern validated for ``seq_len``; errors say which row."""
+    for r, p in enumerate(patterns):
+        try:
+            p._validate(seq_len)
+        except ValueError as e:
+            raise ValueError(f"batch row {r}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1202,7 +1285,11 @@ def longformer(window: int, global_n: int) -> Pattern:
     return local(window // 2, window // 2) | global_tokens(global_n)
 
 
-def documents(lengths: Sequence[int]) -> Pattern:
+def _is_sequence(x) -> bool:
+    return hasattr(x, "__iter__") and not isinstance(x, (str, bytes, Pattern))
+
+
+def documents(lengths: Sequence[int] | Sequence[Sequence[int]]) -> Pattern:
     """Packed documents (sequence packing): token ``i`` may attend to token ``j`` iff both lie in
     the same document, the documents being ``lengths`` tokens long, end to end from token 0.
     The lengths must sum to the (key) sequence length and be positive; boundaries need not be
@@ -1213,11 +1300,26 @@ def documents(lengths: Sequence[int]) -> Pattern:
     >>> p = documents([3, 5]) & causal()
     >>> bool(p.token_mask(0, 4, 2, n=8)), bool(p.token_mask(0, 4, 3, n=8))
     (False, True)
+
+    Per batch row: a sequence of ``B`` length lists (each row its own packing, every row
+    summing to N; a 2-D numpy array works too) is ``per_batch_row([documents(l) for l in
+    lengths])``; its layout holds ``B`` rows of heads and serves a ``[B, H, N, D]`` call:
+
+    >>> documents([[3, 5], [8]]).batch
+    2
     """
     # Only iterables become tuples; anything else reaches Documents' own check, which names
     # ``lengths`` (tuple(5) would raise Python's "'int' object is not iterable").
-    iterable = hasattr(lengths, "__iter__") and not isinstance(lengths, (str, bytes))
-    return Documents(tuple(lengths) if iterable else lengths)
+    if not _is_sequence(lengths):
+        return Documents(lengths)
+    lengths = list(lengths)
+    nested = [_is_sequence(x) for x in lengths]
+    if lengths and all(nested):
+        return PerBatchRow(tuple(Documents(tuple(row)) for row in lengths))
+    if any(nested):
+        raise ValueError("lengths must be one list of document lengths or one list per batch "
+                         f"row, not a mix: got {lengths!r}")
+    return Documents(tuple(lengths))
 
 
 def per_head(patterns: Sequence[Pattern]) -> Pattern:
@@ -1233,6 +1335,22 @@ def per_head(patterns: Sequence[Pattern]) -> Pattern:
         raise TypeError(f"patterns must be a sequence of Patterns, got "
                         f"{type(patterns).__name__}{hint}")
     return PerHead(tuple(patterns))
+
+
+def per_batch_row(patterns: Sequence[Pattern]) -> Pattern:
+    """Batch row ``r`` uses ``patterns[r]``: one ``sparse_attention`` call over ``[B, H, N, D]``
+    with a different pattern per row (``B = len(patterns)``). Composes with ``&``, ``|`` and
+    :func:`per_head` like any pattern (``per_batch_row(ps) & causal()`` is ``ps[r] & causal()`` in
+    row ``r``). Its layout (:func:`~sparsetp.core.layout.make_layout`) has ``batch = B``.
+
+    >>> p = per_batch_row([documents([3, 5]), documents([8])]) & causal()
+    >>> p.batch, p._batch_row(1) == documents([8]) & causal()
+    (2, True)
+    """
+    if isinstance(patterns, (Pattern, str, bytes)) or not hasattr(patterns, "__iter__"):
+        raise TypeError(f"patterns must be a sequence of Patterns, one per batch row, got "
+                        f"{type(patterns).__name__}")
+    return PerBatchRow(tuple(patterns))
 
 
 def neighborhood(grid, kernel_size, dilation=1, causal=False, tile_shape=None) -> Pattern:

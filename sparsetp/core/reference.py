@@ -7,7 +7,8 @@ Conventions: attention tensors are ``[B, H, N, D]``; a row with no allowed key h
 log-sum-exp ``-inf`` and passes no gradient (never NaN). ``k`` and ``v`` may be
 ``[B, H_kv, N_k, D]``: grouped-query attention (``H % H_kv == 0``, query head ``h`` uses kv
 head ``h // (H // H_kv)``; dK/dV sum over each group) and ``N_k`` keys for ``N_q`` queries
-(the layout's ``kv_len``; its docstring states the bottom-right alignment).
+(the layout's ``kv_len``; its docstring states the bottom-right alignment). A per-row layout
+(``layout.batch = B``, e.g. per-row packed documents) gives batch row ``b`` its own mask.
 
 >>> import numpy as np
 >>> from sparsetp.core import patterns as P, make_layout, reference
@@ -56,7 +57,8 @@ def _reduce(x, group):
 
 
 def _probs(q, k, layout: BlockLayout, scale):
-    mask = layout.dense_mask()[None]  # [1, H, N_q, N_k]
+    mask = layout.dense_mask()  # [H, N_q, N_k], or [B, H, N_q, N_k] for a per-row layout
+    mask = mask if layout.batch is not None else mask[None]
     s = q @ _t(k) * scale
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -83,6 +85,9 @@ def _check(q, k, v, layout):
                          f"{q.shape}")
     if k.shape[2] != layout.kv_len:
         raise ValueError(f"layout is for kv_len={layout.kv_len}, got k of shape {k.shape}")
+    if layout.batch is not None and layout.batch != q.shape[0]:
+        raise ValueError(f"layout is per-batch-row for batch={layout.batch}, got q of shape "
+                         f"{q.shape}")
 
 
 def attention(q, k, v, layout: BlockLayout, scale: float | None = None):
@@ -205,9 +210,11 @@ def mlp_grad(params_or_arrays, x, dy):
     return dx, (dw1, db1, dw2, db2)
 
 
-def _block_layout(config, seq_len):
-    from sparsetp.core.layout import make_layout  # local: keeps the module header untouched
-    return make_layout(config.pattern, seq_len, config.num_heads, config.block_size)
+def _block_layout(config, batch, seq_len, document_lengths=None):
+    from sparsetp.core.config import with_documents  # local: keeps the module header untouched
+    from sparsetp.core.layout import make_layout
+    pattern = with_documents(config.pattern, document_lengths, batch=batch, seq_len=seq_len)
+    return make_layout(pattern, seq_len, config.num_heads, config.block_size)
 
 
 def _split_heads(qkv, config):
@@ -234,13 +241,13 @@ def _merge_heads(o):
     return o.transpose(0, 2, 1, 3).reshape(b, n, h * hd)
 
 
-def _block_forward(params, x, config):
+def _block_forward(params, x, config, document_lengths=None):
     """Forward with every intermediate the backward needs."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     (x,) = _f64(x)
     if x.ndim != 3 or x.shape[-1] != config.d_model:
         raise ValueError(f"x must be [B, N, d_model={config.d_model}], got {x.shape}")
-    layout = _block_layout(config, x.shape[1])
+    layout = _block_layout(config, x.shape[0], x.shape[1], document_lengths)
     scale = config.head_dim ** -0.5
     eps = config.norm_eps
     h1 = layer_norm(x, p["ln1.weight"], p["ln1.bias"], eps)
@@ -257,28 +264,29 @@ def _block_forward(params, x, config):
                    h2=h2, f=f, a=a)
 
 
-def hybrid_block(params, x, config):
+def hybrid_block(params, x, config, document_lengths=None):
     """Pre-norm hybrid block ``y = y1 + MLP(LN2(y1))``, ``y1 = x + Attn(LN1(x))``, float64.
 
     ``params``: canonical unsharded dict (see :mod:`sparsetp.core.config`); ``x``: ``[B, N, d]``.
     Attention uses ``make_layout(config.pattern, N, num_heads, config.block_size)`` and scale
-    ``head_dim ** -0.5``.
+    ``head_dim ** -0.5``; with ``document_lengths`` (one list shared by the rows, or one list per
+    row) the pattern is ``P.documents(lengths) & config.pattern`` (``core.config.with_documents``).
     """
-    return _block_forward(params, x, config)[0]
+    return _block_forward(params, x, config, document_lengths)[0]
 
 
-def hybrid_block_grad(params, x, config, dy):
+def hybrid_block_grad(params, x, config, dy, document_lengths=None):
     """``(dx, dparams)`` of :func:`hybrid_block` for cotangent ``dy``, by hand (float64).
 
     ``dparams`` has the canonical names and unsharded shapes of ``params``.
     """
-    return hybrid_block_value_and_grad(params, x, config, dy)[1:]
+    return hybrid_block_value_and_grad(params, x, config, dy, document_lengths)[1:]
 
 
-def hybrid_block_value_and_grad(params, x, config, dy):
+def hybrid_block_value_and_grad(params, x, config, dy, document_lengths=None):
     """``(y, dx, dparams)``: :func:`hybrid_block` and :func:`hybrid_block_grad` sharing one
     forward pass."""
-    y, c = _block_forward(params, x, config)
+    y, c = _block_forward(params, x, config, document_lengths)
     p, eps = c["p"], config.norm_eps
     (dy,) = _f64(dy)
     has_b = config.bias
@@ -323,13 +331,14 @@ def _gpt_parts(params, tokens, config):
     return tokens, {n: np.asarray(a, np.float64) for n, a in outer.items()}, blocks
 
 
-def gpt_forward(params, tokens, config):
+def gpt_forward(params, tokens, config, document_lengths=None):
     """Logits ``[B, N, vocab_size]`` (float64) of the GPT of :mod:`sparsetp.core.model` on
-    integer ``tokens [B, N]``: ``LN_f(blocks(embed[tokens] + pos[:N])) @ head``."""
+    integer ``tokens [B, N]``: ``LN_f(blocks(embed[tokens] + pos[:N])) @ head``; every block
+    gets ``document_lengths`` (:func:`hybrid_block`; positions stay absolute)."""
     tokens, o, blocks = _gpt_parts(params, tokens, config)
     x = o["embed.weight"][tokens] + o["pos.weight"][: tokens.shape[1]]
     for bp in blocks:
-        x = hybrid_block(bp, x, config.block)
+        x = hybrid_block(bp, x, config.block, document_lengths)
     h = layer_norm(x, o["ln_f.weight"], o["ln_f.bias"], config.block.norm_eps)
     return h @ o["head.weight"]
 
@@ -352,7 +361,7 @@ def gpt_loss(logits, targets, mask=None):
     return float((nll * mask).sum() / max(mask.sum(), 1.0))
 
 
-def gpt_value_and_grad(params, tokens, targets, mask, config):
+def gpt_value_and_grad(params, tokens, targets, mask, config, document_lengths=None):
     """``(loss, grads)``: :func:`gpt_loss` of :func:`gpt_forward` and its gradient w.r.t. every
     canonical parameter (same names and shapes), by hand through
     :func:`hybrid_block_value_and_grad` (float64)."""
@@ -362,7 +371,7 @@ def gpt_value_and_grad(params, tokens, targets, mask, config):
     n, eps = tokens.shape[1], config.block.norm_eps
     xs = [o["embed.weight"][tokens] + o["pos.weight"][:n]]
     for bp in blocks:
-        xs.append(hybrid_block(bp, xs[-1], config.block))
+        xs.append(hybrid_block(bp, xs[-1], config.block, document_lengths))
     h = layer_norm(xs[-1], o["ln_f.weight"], o["ln_f.bias"], eps)
     logits = h @ o["head.weight"]
     loss = gpt_loss(logits, targets, mask)
@@ -376,7 +385,8 @@ def gpt_value_and_grad(params, tokens, targets, mask, config):
     dx, g["ln_f.weight"], g["ln_f.bias"] = layer_norm_grad(xs[-1], o["ln_f.weight"], eps, dh)
     block_grads = [None] * len(blocks)
     for i in reversed(range(len(blocks))):
-        _, dx, block_grads[i] = hybrid_block_value_and_grad(blocks[i], xs[i], config.block, dx)
+        _, dx, block_grads[i] = hybrid_block_value_and_grad(blocks[i], xs[i], config.block, dx,
+                                                            document_lengths)
     g["embed.weight"] = np.zeros_like(o["embed.weight"])
     np.add.at(g["embed.weight"], tokens.reshape(-1), dx.reshape(-1, dx.shape[-1]))
     g["pos.weight"] = np.zeros_like(o["pos.weight"])

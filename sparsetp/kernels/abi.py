@@ -183,6 +183,11 @@ def check_attention_shapes(q_shape, k_shape, v_shape, layout, scale) -> float:
         raise ValueError(f"layout is for num_heads={layout.num_heads} but q has H={h}")
     if b == 0:
         raise ValueError("q has batch size 0")
+    rows = getattr(layout, "batch", None)
+    if rows and rows != b:
+        raise ValueError(f"layout is per-batch-row for batch={rows} but q has B={b}: a per-row "
+                         "pattern (per_batch_row, documents with one list per row) needs one "
+                         "entry per batch row")
     check_scale(scale)
     check_head_dim(d, "q")
     return (d ** -0.5) if scale is None else float(scale)

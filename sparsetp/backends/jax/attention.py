@@ -65,6 +65,11 @@ class LayoutArrays:
     A pytree: the eleven int32 arrays are leaves (operands of the kernels), ``seq_len`` is static.
     ``num_heads`` and ``block_size`` are read off the array shapes, so a head slice of the arrays
     (inside ``shard_map``) is itself a valid :class:`LayoutArrays` of its heads.
+
+    Per-row layouts (``BlockLayout.batch = B``, e.g. per-row packed documents): the per-head
+    arrays are ``[B, H, ...]`` (``batch`` = their leading size), so ``shard_map`` can split rows
+    over a data axis and heads over a model axis (:meth:`partition_specs`); :meth:`metadata`
+    gives the kernels' flat ``[B * H, ...]`` tables.
     """
 
     q_count: jax.Array
@@ -94,8 +99,16 @@ class LayoutArrays:
             object.__setattr__(self, "kv_len", self.seq_len)
 
     @property
+    def batch(self) -> int | None:
+        """Batch rows of a per-row layout (per-head arrays ``[batch, H, ...]``), else None."""
+        return int(self.q_count.shape[0]) if self.q_count.ndim == 3 else None
+
+    @property
     def num_heads(self) -> int:
-        return int(self.q_count.shape[0])
+        return int(self.q_count.shape[-2])
+
+    def _head_axis(self) -> int:
+        return 0 if self.batch is None else 1
 
     @property
     def block_size(self) -> int:
@@ -106,11 +119,18 @@ class LayoutArrays:
         return int(self.q_count.shape[1])
 
     def metadata(self) -> dict[str, jax.Array]:
-        """The arrays by name, as :meth:`BlockLayout.metadata` names them."""
-        return {n: getattr(self, n) for n in _META}
+        """The arrays by name, as :meth:`BlockLayout.metadata` names them (a per-row layout's
+        per-head arrays flattened to the kernels' ``[batch * H, ...]`` tables)."""
+        if self.batch is None:
+            return {n: getattr(self, n) for n in _META}
+        return {n: (getattr(self, n).reshape(-1, *getattr(self, n).shape[2:])
+                    if n in _PER_HEAD else getattr(self, n)) for n in _META}
 
-    def partition_specs(self, axis_name: str | None) -> LayoutArrays:
-        """``shard_map`` in/out specs: per-head arrays split over ``axis_name``, masks replicated.
+    def partition_specs(self, axis_name: str | None,
+                        batch_axis: str | None = None) -> LayoutArrays:
+        """``shard_map`` in/out specs: per-head arrays split over ``axis_name``, masks replicated;
+        a per-row layout's rows split over ``batch_axis`` too (None: replicated), as ``x``'s
+        batch is.
 
         >>> spec = layout_arrays(lay).partition_specs("tp")    # doctest: +SKIP
         >>> jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"),) * 3 + (spec,),
@@ -118,15 +138,18 @@ class LayoutArrays:
         """
         from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-        return dataclasses.replace(
-            self, **{n: P(axis_name) for n in _PER_HEAD}, masks=P())
+        spec = P(axis_name) if self.batch is None else P(batch_axis, axis_name)
+        return dataclasses.replace(self, **{n: spec for n in _PER_HEAD}, masks=P())
 
     def heads(self, start: int, stop: int) -> LayoutArrays:
-        """Heads ``[start, stop)`` (static bounds), like :meth:`BlockLayout.heads`."""
+        """Heads ``[start, stop)`` (static bounds), like :meth:`BlockLayout.heads` (of every
+        row of a per-row layout)."""
         if not 0 <= start < stop <= self.num_heads:
             raise ValueError(f"heads(start, stop) needs 0 <= start < stop <= num_heads="
                              f"{self.num_heads}, got ({start}, {stop})")
-        return dataclasses.replace(self, **{n: getattr(self, n)[start:stop] for n in _PER_HEAD})
+        ax = self._head_axis()
+        return dataclasses.replace(self, **{
+            n: jax.lax.slice_in_dim(getattr(self, n), start, stop, axis=ax) for n in _PER_HEAD})
 
     def local_heads(self, axis_name: str) -> LayoutArrays:
         """Inside ``shard_map``: this shard's contiguous slice of heads along mesh axis
@@ -137,8 +160,9 @@ class LayoutArrays:
                              f"mesh axis {axis_name!r}")
         per = self.num_heads // n
         start = jax.lax.axis_index(axis_name) * per
+        ax = self._head_axis()
         return dataclasses.replace(self, **{
-            name: jax.lax.dynamic_slice_in_dim(getattr(self, name), start, per, axis=0)
+            name: jax.lax.dynamic_slice_in_dim(getattr(self, name), start, per, axis=ax)
             for name in _PER_HEAD})
 
 
@@ -164,10 +188,17 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
     if not isinstance(layout, BlockLayout):
         raise ValueError(f"layout must be a sparsetp BlockLayout or LayoutArrays, got "
                          f"{type(layout).__name__}")
-    layout = _schedule.kernel_layout(layout, _launch.layout_device_kind(), head_dim=head_dim,
+    rows = layout.batch
+    layout = _schedule.kernel_layout(layout.flat(), _launch.layout_device_kind(),
+                                     head_dim=head_dim,
                                      dtype=None if dtype is None else jnp.dtype(dtype).name)
     q_group, k_group = _schedule.head_groups(layout)
-    return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
+
+    def arr(name, a):  # a per-row layout's per-head tables as [batch, H, ...]
+        a = jnp.asarray(a, jnp.int32)
+        return a if rows is None or name not in _PER_HEAD else a.reshape(rows, -1, *a.shape[1:])
+
+    return LayoutArrays(**{n: arr(n, a) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
                         kv_len=layout.kv_len, widest_row=layout.widest_row)
 
@@ -267,11 +298,23 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     unsupported dtype or head dim, or a layout for another head count / sequence length.
 
     >>> out = sparse_attention(q, k, v, make_layout(P.causal(), 1024, 8))   # doctest: +SKIP
+
+    Per-row documents (``layout.batch`` must equal B): each batch row its own packing, in one
+    call; batch is folded into heads for the launch, as in the torch frontend::
+
+    >>> lay = make_layout(P.documents([[100, 28], [128]]) & P.causal(), 128, 8)  # doctest: +SKIP
+    >>> out = sparse_attention(q2, k2, v2, lay)     # q2 [2, 8, 128, D]        # doctest: +SKIP
     """
     lay, scale = _check_inputs(q, k, v, layout, scale)
+    shape = q.shape
+    if lay.batch is not None:
+        # A per-row layout: batch folded into heads; table head r * H + h is row r's head h
+        # (GQA folds alike), so the flat tables of metadata() serve [1, B * H, N, D].
+        q, k, v = (t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v))
     out, lse = _attention(q, k, v, lay.metadata(), scale=scale,
                           head_groups=(lay.q_head_group, lay.k_head_group),
                           widest=lay.widest_row)
+    out, lse = out.reshape(shape), lse.reshape(shape[:3])
     return (out, lse) if return_lse else out
 
 

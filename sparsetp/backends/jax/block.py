@@ -79,8 +79,10 @@ from sparsetp.backends.jax.layers import (
 from sparsetp.core.config import (
     HybridConfig,
     check_tp_size,
+    document_lengths_key,
     param_shapes,
     partition_dim,
+    with_documents,
 )
 from sparsetp.core.layout import BlockLayout, make_layout
 
@@ -318,10 +320,22 @@ def _gather_host(a):
     return jax.device_get(a)
 
 
+def block_layout(config: HybridConfig, seq_len: int, document_lengths=None, *,
+                 batch: int | None = None) -> BlockLayout:
+    """The attention layout of ``config`` for ``seq_len`` tokens (cached; all heads); with
+    ``document_lengths`` (one list, or one per batch row: then ``batch`` rows) that of
+    ``P.documents(document_lengths) & config.pattern``, cached per lengths."""
+    key = document_lengths_key(document_lengths)
+    per_row = bool(key) and isinstance(key[0], tuple)
+    # Only per-row lengths depend on the batch (their count must match it).
+    batch = (len(key) if batch is None else batch) if per_row else 1
+    return _block_layout(config, seq_len, key, batch)
+
+
 @functools.lru_cache(maxsize=64)
-def block_layout(config: HybridConfig, seq_len: int) -> BlockLayout:
-    """The attention layout of ``config`` for ``seq_len`` tokens (cached; all heads)."""
-    return make_layout(config.pattern, seq_len, config.num_heads, config.block_size)
+def _block_layout(config: HybridConfig, seq_len: int, key, batch) -> BlockLayout:
+    pattern = with_documents(config.pattern, key, batch=batch, seq_len=seq_len)
+    return make_layout(pattern, seq_len, config.num_heads, config.block_size)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(3,))
@@ -362,7 +376,8 @@ def _block_local(p: Mapping[str, jax.Array], x: jax.Array, lay: LayoutArrays,
 
 def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, *,
                  mesh: jax.sharding.Mesh | None = None, axis_name: str = "tp",
-                 sequence_parallel: bool = False, batch_axis: str | None = None) -> jax.Array:
+                 sequence_parallel: bool = False, batch_axis: str | None = None,
+                 document_lengths=None) -> jax.Array:
     """The hybrid block on ``x [B, N, d_model]``; see the module docstring.
 
     Args:
@@ -385,6 +400,14 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
         replicated parameter on sharded data is a ``psum`` over ``batch_axis``): the
         single-device gradient, with no separate all-reduce to write. Needs a ``mesh``;
         combines with ``sequence_parallel``.
+      document_lengths: packed documents of this call (Python ints; static under ``jit``:
+        pass tuples and list it in ``static_argnames``, each new value traces again): one
+        sequence of lengths for every batch row, or one per row (each its own packing), each
+        summing to ``N``. Attention runs ``P.documents(document_lengths) & config.pattern``
+        (:func:`sparsetp.core.config.with_documents`, as the float64 oracle's
+        ``reference.hybrid_block(..., document_lengths)``); layouts are cached per lengths. Per
+        row lengths give a per-batch-row layout, split over ``batch_axis`` like ``x`` and over
+        ``axis_name`` like the heads.
 
     Returns ``[B, N, d_model]`` in ``config.dtype`` (replicated over the mesh; with
     ``sequence_parallel``, split along ``N`` over it: ``PartitionSpec(None, axis_name, None)``;
@@ -414,8 +437,9 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
         raise ValueError("config.dtype='float64' needs jax.config.update('jax_enable_x64', True)")
     x = jnp.asarray(x, dtype)
     p = {n: jnp.asarray(a, dtype) for n, a in params.items()}
-    lay = layout_arrays(block_layout(config, int(x.shape[1])), head_dim=config.head_dim,
-                        dtype=dtype)
+    lay = layout_arrays(block_layout(config, int(x.shape[1]), document_lengths,
+                                     batch=int(x.shape[0])),
+                        head_dim=config.head_dim, dtype=dtype)
     if mesh is None:
         if sequence_parallel:
             # Not a silent no-op: a caller asking for SP without a mesh has a bug somewhere.
@@ -442,7 +466,7 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
                              f"over {dp} data shards: B must be divisible by it")
     specs = param_specs(config, axis_name)
     x_spec = P(batch_axis, axis_name if sequence_parallel else None, None)
-    in_specs = ({n: specs[n] for n in p}, x_spec, lay.partition_specs(axis_name))
+    in_specs = ({n: specs[n] for n in p}, x_spec, lay.partition_specs(axis_name, batch_axis))
     args = (p, x, lay)
     explicit = jax.sharding.AxisType.Explicit
     if any(t == explicit for t in mesh.axis_types):

@@ -75,7 +75,8 @@ def _check_tokens(tokens, config: GPTConfig) -> None:
 
 
 def gpt(params: Mapping[str, Any], tokens, config: GPTConfig, *,
-        mesh: jax.sharding.Mesh | None = None, axis_name: str = "tp") -> jax.Array:
+        mesh: jax.sharding.Mesh | None = None, axis_name: str = "tp",
+        document_lengths=None) -> jax.Array:
     """Logits ``[B, N, vocab_size]`` (in ``config.block.dtype``) of the GPT on ``tokens``.
 
     Args:
@@ -86,6 +87,8 @@ def gpt(params: Mapping[str, Any], tokens, config: GPTConfig, *,
       config: the :class:`~sparsetp.core.model.GPTConfig` (static under ``jit``).
       mesh, axis_name: passed to every :func:`hybrid_block` (tensor parallelism over
         ``axis_name``; None: one device).
+      document_lengths: packed documents of this call, passed to every :func:`hybrid_block`
+        (static under ``jit``: tuples; positions stay absolute).
 
     Bad input raises ValueError naming the argument. Differentiable w.r.t. ``params``.
     """
@@ -98,7 +101,8 @@ def gpt(params: Mapping[str, Any], tokens, config: GPTConfig, *,
     tokens = jnp.asarray(tokens)
     x = jnp.take(o["embed.weight"], tokens, axis=0) + o["pos.weight"][: tokens.shape[1]]
     for bp in blocks:
-        x = hybrid_block(bp, x, config.block, mesh=mesh, axis_name=axis_name)
+        x = hybrid_block(bp, x, config.block, mesh=mesh, axis_name=axis_name,
+                         document_lengths=document_lengths)
     h = _layer_norm(x, o["ln_f.weight"], o["ln_f.bias"], config.block.norm_eps)
     return linear(h, o["head.weight"])  # fp32: full precision (no TF32 on GPUs), as torch
 

@@ -315,6 +315,12 @@ def _traced_layout_handle(pattern, seq_len, num_heads, block_size, heads, kv_len
     return layout.handle
 
 
+@torch.compiler.assume_constant_result
+def _traced_batch(pattern) -> int:
+    """``pattern.batch`` (0 when shared by every row), a constant of the traced graph."""
+    return _as_pattern(pattern).batch or 0
+
+
 @torch.library.custom_op("sparsetp::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,7 +410,19 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     >>> q, k, v = torch.randn(1, 8, 16, 32), torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32)
     >>> sparse_attention(q, k, v, lay).shape
     torch.Size([1, 8, 16, 32])
+
+    Per-row documents: a layout with ``batch = B`` (``P.documents`` with one list of lengths per
+    batch row, or ``P.per_batch_row``) gives each row its own mask in one call; B must equal
+    ``layout.batch``. Batch is folded into heads for the launch (``[B, H, N, D]`` ->
+    ``[1, B * H, N, D]``, a view when ``stride(0) == H * stride(1)``, else a copy)::
+
+    >>> lay = make_layout(P.documents([[10, 22], [32]]) & P.causal(), 32, 2, 16)
+    >>> q = k = v = torch.randn(2, 2, 32, 16)
+    >>> sparse_attention(q, k, v, lay).shape
+    torch.Size([2, 2, 32, 16])
     """
+    if getattr(layout, "batch", None) is not None:
+        return _per_row_attention(q, k, v, layout, scale, return_lse)
     if torch.compiler.is_compiling():
         out, lse = _traced_attention(q, k, v, layout.handle, scale)
     else:
@@ -414,6 +432,56 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
             out, lse = _SparseAttentionFn.apply(q, k, v, layout, plan)
         else:  # nothing to differentiate: the autograd Function's own host cost is saved
             out, lse = plan.forward(q, k, v, layout)
+    return (out, lse) if return_lse else out
+
+
+def _fold(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, D]`` -> ``[1, B * H, N, D]``: batch row ``b``'s head ``h`` becomes head
+    ``b * H + h``, the table head a per-row layout gives it (GQA folds alike)."""
+    return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+@torch.compiler.assume_constant_result
+def _flat_handle(handle: str) -> str:
+    """The handle of the flat layout (:meth:`BlockLayout.flat`) of the layout ``handle``, a
+    constant of the traced graph; the flat layout is kept for the graph's lifetime."""
+    flat = layout_from_handle(handle).flat()
+    _TRACED_LAYOUTS[flat.handle] = flat
+    return flat.handle
+
+
+# Per per-row layout, the (shapes, dtypes, devices, scale) keys already checked as given: the
+# folded call's plan caches everything else, so a repeated call costs no check (host time).
+_PER_ROW_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_per_row(q, k, v, layout, scale) -> None:
+    """:func:`_check_inputs` on the call as given (B = ``layout.batch``), once per key."""
+    try:
+        key = (scale, q.shape, q.dtype, q.device, k.shape, k.dtype, k.device, v.shape,
+               v.dtype, v.device)
+        seen = _PER_ROW_CHECKED.setdefault(layout, set())
+    except (AttributeError, TypeError):  # not tensors / not a layout: the checks name them
+        key = seen = None
+    if seen is None or key not in seen:
+        _check_inputs(q, k, v, layout, scale)
+        if seen is not None:
+            if len(seen) >= _PLANS_PER_LAYOUT:
+                seen.clear()
+            seen.add(key)
+
+
+def _per_row_attention(q, k, v, layout, scale, return_lse):
+    """:func:`sparse_attention` with a per-row layout: checked as given (B = rows), then run
+    on batch folded into heads with the layout's flat view, and unfolded."""
+    if torch.compiler.is_compiling():
+        out, lse = _traced_attention(_fold(q), _fold(k), _fold(v), _flat_handle(layout.handle),
+                                     scale)
+    else:
+        _check_per_row(q, k, v, layout, scale)
+        out, lse = sparse_attention(_fold(q), _fold(k), _fold(v), layout.flat(), scale=scale,
+                                    return_lse=True)
+    out, lse = out.reshape(q.shape), lse.reshape(q.shape[:3])
     return (out, lse) if return_lse else out
 
 
@@ -440,6 +508,9 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_heads = operator.index(q.shape[1]) if num_heads is None else num_heads
     if torch.compiler.is_compiling():
         handle = _traced_layout_handle(pattern, n, num_heads, block_size, heads, kv_len)
+        if _traced_batch(pattern):  # a per-row layout: batch folded into heads
+            return _traced_attention(_fold(q), _fold(k), _fold(v), _flat_handle(handle),
+                                     scale)[0].reshape(q.shape)
         return _traced_attention(q, k, v, handle, scale)[0]
     layout = cached_layout(_as_pattern(pattern), n, num_heads, block_size, heads, kv_len=kv_len)
     return sparse_attention(q, k, v, layout, scale=scale)
@@ -554,9 +625,13 @@ def naive_sparse_attention(q, k, v, layout: BlockLayout,
     """Block-sparse attention in plain PyTorch: gather listed key tiles, masked softmax, matmul.
 
     Memory is ``O(B * H * N * W * bs * D)`` for the gathered tiles (``W`` = widest row of the
-    layout); differentiable through autograd. Returns ``out`` only.
+    layout); differentiable through autograd. Returns ``out`` only. A per-batch-row layout
+    runs on batch folded into heads, as :func:`sparse_attention` does.
     """
     scale = _check_inputs(q, k, v, layout, scale)
+    if layout.batch is not None:
+        return naive_sparse_attention(_fold(q), _fold(k), _fold(v), layout.flat(),
+                                      scale).reshape(q.shape)
     k, v = _repeat_kv(q, k), _repeat_kv(q, v)
     b, h, n, d = q.shape
     bs = layout.block_size
@@ -593,8 +668,12 @@ def dense_attention(q, k, v, layout: BlockLayout, scale: float | None = None) ->
 
     SDPA returns NaN for rows whose mask is all False; here those rows see every key inside
     SDPA and are then set to 0 (so forward and gradients stay finite: 0 output, 0 gradient).
+    A per-batch-row layout runs on batch folded into heads, as :func:`sparse_attention` does.
     """
     scale = _check_inputs(q, k, v, layout, scale)
+    if layout.batch is not None:
+        return dense_attention(_fold(q), _fold(k), _fold(v), layout.flat(),
+                               scale).reshape(q.shape)
     k, v = _repeat_kv(q, k), _repeat_kv(q, v)
     mask = torch.from_numpy(layout.dense_mask()).to(q.device)  # [H, N, N_kv], True = attend
     has_key = mask.any(-1, keepdim=True)                        # [H, N, 1]

@@ -195,9 +195,17 @@ class HybridBlock(nn.Module):
                              f"(config.dtype={self.config.dtype!r}); cast x with "
                              f"x.to({p.dtype})")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_lengths=None) -> torch.Tensor:
+        """The block on ``x``; ``document_lengths`` (optional): packed documents of this call,
+        one list of lengths for every batch row or one list per row, each summing to ``N``
+        (all ``N`` tokens, also under sequence parallelism): attention then runs
+        ``P.documents(document_lengths) & config.pattern``, as the float64 oracle's
+        ``reference.hybrid_block(..., document_lengths)``.
+
+        >>> y = block(x, document_lengths=[[40, 24], [64]])     # doctest: +SKIP
+        """
         self._check_input(x)
-        y1 = x + self.attn(self._norm(self.ln1, x))
+        y1 = x + self.attn(self._norm(self.ln1, x), document_lengths=document_lengths)
         return y1 + self.mlp(self._norm(self.ln2, y1))
 
     def _norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsetp.backends.torch.attention import PatternModule, cached_layout, pattern_attention
+from sparsetp.backends.torch.attention import (
+    PatternModule,
+    _as_pattern,
+    cached_layout,
+    pattern_attention,
+    pattern_key,
+)
 from sparsetp.backends.torch.comm import (
     SEQ_DIM,
     _all_gather_seq_start,
@@ -67,7 +73,7 @@ from sparsetp.backends.torch.comm import (
     reduce_scatter_from_region,
     scatter_to_region,
 )
-from sparsetp.core.config import check_seed
+from sparsetp.core.config import check_seed, document_lengths_key, with_documents
 from sparsetp.core.layout import BlockLayout
 from sparsetp.core.patterns import Pattern
 
@@ -528,6 +534,13 @@ class ParallelSparseAttention(PatternModule):
     ``sequence_parallel``: input ``[B, N / tp, d_model]`` (rank r's tokens), qkv all-gathers it,
     the local heads attend over all ``N`` tokens, and ``out`` reduce-scatters back to
     ``[B, N / tp, d_model]``.
+
+    ``forward(x, document_lengths=None)``: packed documents per call, one list of lengths
+    shared by every batch row or one list per row (each summing to ``N``); the call attends
+    with ``P.documents(document_lengths) & pattern`` (:func:`sparsetp.core.config.with_documents`),
+    whose layout is cached per lengths (per-row lengths: a per-batch-row layout, this rank's
+    heads of every row). Under ``torch.compile`` the lengths (Python ints) are constants of
+    the graph: each new value is a new graph (Dynamo's guard), never a new kernel.
     """
 
     def __init__(self, d_model: int, num_heads: int, pattern: Pattern, block_size: int = 64,
@@ -572,7 +585,7 @@ class ParallelSparseAttention(PatternModule):
         return cached_layout(self.pattern, seq_len, self.num_heads, self.block_size,
                              self._heads())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_lengths=None) -> torch.Tensor:
         # [B, N, Hk_l * (G + 2) * hd] (under SP, gathered from N / tp tokens); group-major columns
         qkv_local = self.qkv(x)
         b, n, _ = qkv_local.shape
@@ -580,7 +593,26 @@ class ParallelSparseAttention(PatternModule):
         qkv_local = qkv_local.view(b, n, self.local_kv_heads, g + 2, hd)
         q = qkv_local[:, :, :, :g].reshape(b, n, self.local_heads, hd).transpose(1, 2).contiguous()
         k, v = (qkv_local[:, :, :, t].transpose(1, 2).contiguous() for t in (g, g + 1))
-        o = pattern_attention(q, k, v, self._pattern_key, self.block_size, scale=hd ** -0.5,
+        pattern = self._pattern_key
+        if document_lengths is not None:
+            pattern = _documents_pattern(self._pattern_key, document_lengths, b, n)
+        o = pattern_attention(q, k, v, pattern, self.block_size, scale=hd ** -0.5,
                               num_heads=self.num_heads, heads=self._heads())
         o_local = o.transpose(1, 2).reshape(b, n, self.local_heads * self.head_dim)
         return self.out(o_local)
+
+
+@torch.compiler.assume_constant_result
+def _traced_documents_key(key: str, lengths: tuple, batch: int, seq_len: int) -> str:
+    """:func:`_documents_pattern`'s pattern key, a constant of the traced graph."""
+    return pattern_key(with_documents(_as_pattern(key), lengths, batch=batch, seq_len=seq_len))
+
+
+def _documents_pattern(key: str, document_lengths, batch: int, seq_len: int):
+    """``P.documents(document_lengths) & pattern`` of the pattern named ``key``: the pattern
+    itself in eager calls (layouts are cached by its value; no key is kept per lengths), its
+    :func:`pattern_key` under ``torch.compile`` (built while tracing)."""
+    lengths = document_lengths_key(document_lengths)
+    if torch.compiler.is_compiling():
+        return _traced_documents_key(key, lengths, batch, seq_len)
+    return with_documents(_as_pattern(key), lengths, batch=batch, seq_len=seq_len)

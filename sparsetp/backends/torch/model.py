@@ -151,12 +151,15 @@ class GPT(nn.Module):
             check_tokens(tuple(tokens.shape), np.int64, self.config,
                          values=tokens.cpu().numpy())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_lengths=None) -> torch.Tensor:
+        """Logits ``[B, N, vocab_size]``; ``document_lengths`` (packed documents of this call,
+        one list for every row or one per row) goes to every block
+        (:meth:`HybridBlock.forward`); positions stay absolute."""
         self._check_tokens(tokens)
         n = tokens.shape[1]
         x = self.embed(tokens) + self.pos.weight[:n]
         for block in self.blocks:
-            x = block(x)
+            x = block(x, document_lengths=document_lengths)
         return self.head(self.ln_f(x))
 
 
