@@ -31,28 +31,24 @@ flags.DEFINE_integer("calls", 300, "back-to-back calls per measurement")
 flags.DEFINE_integer("rounds", 3, "rounds")
 
 
-class _Nop(torch.autograd.Function):
-    """Autograd's Python floor: allocates its output and three gradients, launches nothing."""
+def _nop_function(grad):
+    """Autograd's Python floor: a Function that allocates its output, launches nothing, and
+    returns ``grad(g)`` for each of its three inputs."""
 
-    @staticmethod
-    def forward(ctx, a, b, c):
-        return torch.empty_like(a)
+    class Nop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, c):
+            return torch.empty_like(a)
 
-    @staticmethod
-    def backward(ctx, g):
-        return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+        @staticmethod
+        def backward(ctx, g):
+            return grad(g), grad(g), grad(g)
+
+    return Nop
 
 
-class _Nop0(torch.autograd.Function):
-    """The same, handing its incoming gradient on (no allocation in backward)."""
-
-    @staticmethod
-    def forward(ctx, a, b, c):
-        return torch.empty_like(a)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, g, g
+_Nop = _nop_function(torch.empty_like)  # allocates three gradients
+_Nop0 = _nop_function(lambda g: g)  # hands its incoming gradient on
 
 
 def host_us(fn) -> float:
