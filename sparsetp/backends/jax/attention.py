@@ -88,6 +88,10 @@ class LayoutArrays:
     # Most tiles any query-major list holds (BlockLayout.widest_row), a static bound the native
     # CPU path pads its rows to instead of the ELL width (padded to 16); 0: unknown, ELL width.
     widest_row: int = dataclasses.field(metadata=dict(static=True), default=0)
+    # Most partial (element-masked) tiles any query-major list holds (max q_partial), a static
+    # bound: the native CPU path gathers masks for that many leading entries of each row only.
+    # None: unknown, every entry.
+    partial_row: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     def __post_init__(self):
         if not self.kv_len:
@@ -144,7 +148,7 @@ class LayoutArrays:
 
 jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
                                  meta_fields=["seq_len", "q_head_group", "k_head_group",
-                                              "kv_len", "widest_row"])
+                                              "kv_len", "widest_row", "partial_row"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
@@ -169,7 +173,8 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
     q_group, k_group = _schedule.head_groups(layout)
     return LayoutArrays(**{n: jnp.asarray(a, jnp.int32) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
-                        kv_len=layout.kv_len, widest_row=layout.widest_row)
+                        kv_len=layout.kv_len, widest_row=layout.widest_row,
+                        partial_row=int(layout.q_partial.max(initial=0)))
 
 
 def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
@@ -271,7 +276,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     lay, scale = _check_inputs(q, k, v, layout, scale)
     out, lse = _attention(q, k, v, lay.metadata(), scale=scale,
                           head_groups=(lay.q_head_group, lay.k_head_group),
-                          widest=lay.widest_row)
+                          widest=(lay.widest_row, lay.partial_row))
     return (out, lse) if return_lse else out
 
 

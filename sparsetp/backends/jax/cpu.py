@@ -14,7 +14,10 @@ key give 0, LSE ``-inf`` and zero gradients. The backward recomputes P from the 
 scatter-adds dK/dV over the gathered tiles (XLA's CPU scatter is sequential: deterministic).
 
 Shapes are static, so each row is padded to ``widest`` listed tiles (the layout's widest row,
-:attr:`LayoutArrays.widest_row`; the ELL width when unknown) and the query tiles are processed in
+:attr:`LayoutArrays.widest_row`; the ELL width when unknown), only the leading partial entries
+(:attr:`LayoutArrays.partial_row` of them) gather element masks (the others are full tiles, empty
+padding or the ragged last tile: compares against the row's count and ``N_kv``), and the query
+tiles are processed in
 static chunks of at most :data:`CHUNK_ELEMENTS` per temporary: memory grows with the computed
 blocks of a chunk, never with ``N x N``.
 
@@ -45,9 +48,18 @@ def _compute_dtype(dtype):
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def _tables(meta, n_k: int, widest: int):
-    """(key tiles [H, NT, W], blocked-element table gathered per entry, ids [H, NT, W])."""
+def _bounds(widest) -> tuple[int, int | None]:
+    """``widest``: the static row bound, or ``(widest, partial)`` with the bound on the partial
+    entries per row (None: unknown)."""
+    return tuple(widest) if isinstance(widest, tuple) else (widest, None)
+
+
+def _tables(meta, n_k: int, widest):
+    """(key tiles [H, NT, W], blocked-element table [U + 3, bs, bs], ids [H, NT, E] of the first
+    E entries, counts [H, NT, 1], n_k): the masks of entries past E come from the counts and
+    n_k."""
     index, masks = meta["q_index"], meta["masks"]
+    widest, n_partial = _bounds(widest)
     w = min(widest, index.shape[-1]) if widest else index.shape[-1]
     index, mask_id = index[..., :w], meta["q_mask_id"][..., :w]
     count, partial = meta["q_count"][..., None], meta["q_partial"][..., None]
@@ -66,7 +78,7 @@ def _tables(meta, n_k: int, widest: int):
     e = jnp.arange(w)
     full_id = jnp.where((index == kt - 1) & (ragged < bs), n_masks + 1, n_masks)
     ids = jnp.where(e < partial, mask_id, jnp.where(e < count, full_id, n_masks + 2))
-    return index, blocked, ids
+    return index, blocked, ids[..., :w if n_partial is None else min(n_partial, w)], count, n_k
 
 
 def _tiles(t, n_tiles: int, bs: int, dtype):
@@ -97,7 +109,7 @@ def _operands(q, k, v, meta, widest: int):
 
 def _chunk(tables, kt, vt, kv_head, q_c, t0, t1, scale):
     """Gathered K/V tiles [B, H, ct, W*bs, D] and the masked, scaled scores [B, H, ct, bs, W*bs]."""
-    index, blocked, ids = tables
+    index, blocked, ids, count, n_k = tables
     b, h, ct, bs, d = q_c.shape
     idx = index[:, t0:t1]
     w = idx.shape[-1]
@@ -110,14 +122,21 @@ def _chunk(tables, kt, vt, kv_head, q_c, t0, t1, scale):
     # Scaling q (bs x D per tile) instead of the scores (bs x W*bs): less work, same product up
     # to fp32 rounding.
     s = jnp.matmul(q_c * scale, k_g.swapaxes(-1, -2), precision=hi)
-    mask = blocked[ids[:, t0:t1]].transpose(0, 1, 3, 2, 4).reshape(h, ct, bs, w * bs)
+    e = ids.shape[-1]
+    mask = blocked[ids[:, t0:t1]].transpose(0, 1, 3, 2, 4).reshape(h, ct, bs, e * bs)
+    if e < w:  # the other entries: padding past the row's count, keys past N_kv
+        pos = jnp.arange(e, w)[:, None]
+        rest = (pos >= count[:, t0:t1, :, None]) | (idx[..., e:, None] * bs + jnp.arange(bs) >= n_k)
+        rest = jnp.broadcast_to(rest.reshape(h, ct, 1, (w - e) * bs), (h, ct, bs, (w - e) * bs))
+        mask = jnp.concatenate([mask, rest], axis=-1)
     return idx, k_g, v_g, jnp.where(mask, -jnp.inf, s)
 
 
-def forward(q, k, v, meta, scale: float, *, widest: int = 0):
+def forward(q, k, v, meta, scale: float, *, widest: int | tuple = 0):
     """``(out [B, H, N, D] in q's dtype, lse [B, H, N] float32/float64)`` for the layout
     metadata ``meta`` (the arrays of ``LayoutArrays.metadata()``); ``widest``: a static bound on
-    the listed tiles per row (0: the ELL width)."""
+    the listed tiles per row (0: the ELL width), or ``(that, bound on the partial tiles per
+    row)`` (``LayoutArrays.widest_row, partial_row``)."""
     b, h, n, d = q.shape
     tables, cdt, bs, w, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, meta, widest)
     outs, lses = [], []
@@ -137,7 +156,7 @@ def forward(q, k, v, meta, scale: float, *, widest: int = 0):
     return out.astype(q.dtype), lse
 
 
-def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int = 0):
+def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int | tuple = 0):
     """``(dq, dk, dv)`` in the inputs' dtypes for the cotangents ``d_out`` and ``d_lse`` (or
     None) of :func:`forward`'s results."""
     b, h, n, d = q.shape
