@@ -244,10 +244,11 @@ class _Chunk:
 
 
 def _map_chunks(fn, chunks, consume=None) -> None:
-    """``fn(chunk)`` for every chunk, on :func:`_workers` threads when there are several;
+    """``fn(chunk)`` for every chunk, on :func:`_workers` threads when there are several (a
+    single chunk too: every chunk of a layout then runs on one torch thread, whatever the call);
     ``consume(result)`` runs on the caller, in chunk order (so sums over chunks are
     deterministic), at most ``2 * workers`` results behind."""
-    n = min(_workers(), len(chunks))
+    n = _workers()
     if n <= 1:
         for c in chunks:
             r = fn(c)
