@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -109,15 +108,19 @@ def measure(kind: str, n: int, reps: int) -> dict:
     return r
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field (kB there) in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 
 
 def memory_child() -> dict:
     """Peak memory of one torch forward (no grad) of window 512 at N=65536, in this process:
-    the process's peak RSS after the call and its growth over the RSS just before (inputs made,
-    layout built, torch loaded)."""
+    the peak RSS during the call (``VmHWM`` after resetting it through ``/proc/self/clear_refs``
+    just before; ``ru_maxrss`` would not do: Linux keeps it across exec, so a child reports its
+    parent's peak) and its growth over the RSS just before (inputs made, layout built, torch
+    loaded)."""
     import torch  # noqa: PLC0415
 
     from sparsetp.backends.torch import attention as tattn  # noqa: PLC0415
@@ -125,19 +128,16 @@ def memory_child() -> dict:
     n = 65536
     layout = _layout("window:512", n)
     q, k, v = (torch.randn(B, H, n, D) for _ in range(3))
-    before_rss = _rss_bytes()
-    # ru_maxrss (KiB on Linux) only grows: record it, so the growth is the call's.
-    before_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = _status_bytes("VmRSS")
     with torch.no_grad():
         out = tattn.sparse_attention(q, k, v, layout)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_bytes("VmHWM")
     return {"case": "window:512", "n": n, "density": float(layout.density),
-            "rss_before_bytes": before_rss, "peak_before_bytes": before_peak,
-            "peak_bytes": peak, "forward_extra_peak_bytes": peak - max(before_rss, 0),
-            "inputs_bytes": 3 * q.numel() * 4, "output_bytes": out.numel() * 4,
-            "note": "forward_extra_peak_bytes = peak RSS after the call - RSS before it; "
-                    "exact when the peak before the call was below the call's peak "
-                    f"({peak > before_peak})"}
+            "rss_before_bytes": before, "peak_bytes": peak,
+            "forward_extra_peak_bytes": peak - before,
+            "inputs_bytes": 3 * q.numel() * 4, "output_bytes": out.numel() * 4}
 
 
 def main(argv):
