@@ -60,6 +60,10 @@ CHUNK_ELEMENTS = 1 << 22
 # barriers, and one thread descheduled by other load stalls every barrier.
 WORKERS: int | None = None
 
+# Work is split among the workers only into chunks of at least this many elements: a chunk's
+# ~15 ops and its hand-over cost ~0.3 ms, ~10% of a 2**19-element chunk's work on one core.
+MIN_SPLIT_ELEMENTS = 1 << 19
+
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -139,19 +143,26 @@ class _Tables:
             self.masks[key] = (e, bias, ids_t, pads)
         return self.masks[key]
 
+    def per_tile(self, batch: int, head_dim: int) -> int:
+        """Elements per listed entry of a query tile in a chunk's largest temporary (scores
+        ``[B, H, ., bs, W*bs]``, or the gathered K/V tiles when D > bs)."""
+        bs = self.bias.shape[-1]
+        return batch * self.ids_np.shape[0] * bs * max(bs, head_dim)
+
     def plan(self, batch: int, head_dim: int, parts: int = 1) -> list[tuple[int, int, int]]:
         """Chunks ``(t0, t1, w)``: query tiles ``[t0, t1)`` padded to ``w`` listed tiles, each at
         most :data:`CHUNK_ELEMENTS` per temporary and at most ``1/parts`` of the whole (so that
-        ``parts`` workers can share them; a single tile row may exceed either bound). A run of
-        tiles with the same masks (a band's interior, every row of causal) is chunked on its
-        own, so its chunks keep one small bias instead of gathering one per tile and call;
-        tiles between such runs (a band's first rows, random patterns) share chunks."""
-        key = (batch, head_dim, parts, CHUNK_ELEMENTS)
+        ``parts`` workers can share them) unless that is below :data:`MIN_SPLIT_ELEMENTS` (a
+        single tile row may exceed any bound). A run of tiles with the same masks (a band's
+        interior, every row of causal) is chunked on its own, so its chunks keep one small bias
+        instead of gathering one per tile and call; tiles between such runs (a band's first
+        rows, random patterns) share chunks."""
+        key = (batch, head_dim, parts, CHUNK_ELEMENTS, MIN_SPLIT_ELEMENTS)
         if key not in self.plans:
-            h, nt, _ = self.ids_np.shape
-            bs = self.bias.shape[-1]
-            per_tile = batch * h * bs * max(bs, head_dim)
-            limit = min(CHUNK_ELEMENTS, -(-per_tile * int(self.widest.sum()) // parts))
+            nt = self.ids_np.shape[1]
+            per_tile = self.per_tile(batch, head_dim)
+            limit = min(CHUNK_ELEMENTS,
+                        max(MIN_SPLIT_ELEMENTS, -(-per_tile * int(self.widest.sum()) // parts)))
             sig = self.signature
             run_end = list(range(1, nt + 1))  # run_end[t]: end of the run of tiles like t
             for t in range(nt - 2, -1, -1):
@@ -243,13 +254,14 @@ class _Chunk:
         self.s = s
 
 
-def _map_chunks(fn, chunks, consume=None) -> None:
-    """``fn(chunk)`` for every chunk, on :func:`_workers` threads when there are several (a
-    single chunk too: every chunk of a layout then runs on one torch thread, whatever the call);
-    ``consume(result)`` runs on the caller, in chunk order (so sums over chunks are
-    deterministic), at most ``2 * workers`` results behind."""
+def _map_chunks(fn, chunks, consume=None, parallel: bool = True) -> None:
+    """``fn(chunk)`` for every chunk, on :func:`_workers` threads when there are several and
+    ``parallel`` (else on the caller, on torch's threads: for small calls the hand-over to the
+    workers costs more than it saves); ``consume(result)`` runs on the caller, in
+    chunk order (so sums over chunks are deterministic), at most ``2 * workers`` results
+    behind."""
     n = _workers()
-    if n <= 1:
+    if n <= 1 or not parallel or len(chunks) <= 1:
         for c in chunks:
             r = fn(c)
             if consume is not None:
@@ -288,13 +300,15 @@ def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
     return _POOL[key]
 
 
-def _plan(tables: _Tables, batch: int, head_dim: int) -> list[tuple[int, int, int]]:
-    """The chunks of a call, their masks built (on the caller: the tables are not locked)."""
+def _plan(tables: _Tables, batch: int, head_dim: int) -> tuple[list, bool]:
+    """The chunks of a call, their masks built (on the caller: the tables are not locked), and
+    whether the call is large enough (2 x :data:`MIN_SPLIT_ELEMENTS`) for the workers."""
     n = _workers()
     chunks = tables.plan(batch, head_dim, 3 * n if n > 1 else 1)
     for c in chunks:
         tables.chunk_mask(*c)
-    return chunks
+    return chunks, tables.per_tile(batch, head_dim) * int(tables.widest.sum()) \
+        >= 2 * MIN_SPLIT_ELEMENTS
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
@@ -327,7 +341,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayo
         out[:, :, r0:r1] = o.reshape(b, h, -1, d)[:, :, :rows]
         lse[:, :, r0:r1] = (m + denom.log()).reshape(b, h, -1)[:, :, :rows]
 
-    _map_chunks(chunk, _plan(tables, b, d))
+    chunks, parallel = _plan(tables, b, d)
+    _map_chunks(chunk, chunks, parallel=parallel)
     return out, lse
 
 
@@ -379,7 +394,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, layout: BlockLayout, scale: float,
             dk_t.index_add_(1, r[0], r[1])
             dv_t.index_add_(1, r[0], r[2])
 
-    _map_chunks(chunk, _plan(tables, b, d), add)
+    chunks, parallel = _plan(tables, b, d)
+    _map_chunks(chunk, chunks, add, parallel)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
     dk.copy_(dk_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k])
