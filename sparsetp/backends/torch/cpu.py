@@ -61,8 +61,10 @@ CHUNK_ELEMENTS = 1 << 22
 WORKERS: int | None = None
 
 # Work is split among the workers only into chunks of at least this many elements: a chunk's
-# ~15 ops and its hand-over cost ~0.3 ms, ~10% of a 2**19-element chunk's work on one core.
-MIN_SPLIT_ELEMENTS = 1 << 19
+# ~15 ops and its hand-over cost ~0.3 ms, a 2**17-element chunk ~1 ms of work on one core.
+MIN_SPLIT_ELEMENTS = 1 << 17
+# Chunks per worker, so that the workers finish together when chunks differ in cost.
+CHUNKS_PER_WORKER = 8
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -304,7 +306,7 @@ def _plan(tables: _Tables, batch: int, head_dim: int) -> tuple[list, bool]:
     """The chunks of a call, their masks built (on the caller: the tables are not locked), and
     whether the call is large enough (2 x :data:`MIN_SPLIT_ELEMENTS`) for the workers."""
     n = _workers()
-    chunks = tables.plan(batch, head_dim, 3 * n if n > 1 else 1)
+    chunks = tables.plan(batch, head_dim, CHUNKS_PER_WORKER * n if n > 1 else 1)
     for c in chunks:
         tables.chunk_mask(*c)
     return chunks, tables.per_tile(batch, head_dim) * int(tables.widest.sum()) \
