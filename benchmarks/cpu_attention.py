@@ -99,6 +99,7 @@ def measure(kind: str, n: int, reps: int) -> dict:
          "dense": f"sdpa(is_causal={causal})", "load_before": os.getloadavg()}
     r.update({f"{name}_s": t for name, t in _round_robin(fns, reps).items()})
     r["load_after"] = os.getloadavg()
+    r["jax_device"] = str(next(iter(jfwd(jq, jk, jv, lay).devices())))
     r["speedup_fwd_vs_sdpa"] = r["sdpa_fwd_s"] / r["torch_fwd_s"]
     r["speedup_fwd_bwd_vs_sdpa"] = r["sdpa_fwd_bwd_s"] / r["torch_fwd_bwd_s"]
     r["jax_speedup_fwd_vs_sdpa"] = r["sdpa_fwd_s"] / r["jax_fwd_s"]
@@ -151,11 +152,13 @@ def main(argv):
     from sparsetp.backends.torch import cpu as tcpu  # noqa: PLC0415
 
     results = []
-    for kind, ns in (("local256", NS.value), ("bigbird", BIGBIRD_N.value)):
-        for n in ns:
-            results.append(measure(kind, n, REPS.value))
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
-                              for k, v in results[-1].items()}), flush=True)
+    # JAX on its CPU device even on a GPU machine (layouts are then converted for the CPU too).
+    with jax.default_device(jax.devices("cpu")[0]):
+        for kind, ns in (("local256", NS.value), ("bigbird", BIGBIRD_N.value)):
+            for n in ns:
+                results.append(measure(kind, n, REPS.value))
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                                  for k, v in results[-1].items()}), flush=True)
     memory = None
     if MEMORY.value:
         done = subprocess.run([sys.executable, __file__, "--memory_child"], check=True,

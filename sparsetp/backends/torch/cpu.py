@@ -269,9 +269,15 @@ def _map_chunks(fn, chunks, consume=None, parallel: bool = True) -> None:
             if consume is not None:
                 consume(r)
         return
+    grad = torch.is_grad_enabled()
+
+    def run(c):  # grad mode is per thread: the caller's (off inside autograd Functions)
+        with torch.set_grad_enabled(grad):
+            return fn(c)
+
     pool, pending = _pool(n), collections.deque()
     for c in chunks:
-        pending.append(pool.submit(fn, c))
+        pending.append(pool.submit(run, c))
         if len(pending) >= 2 * n:
             r = pending.popleft().result()
             if consume is not None:
