@@ -69,6 +69,7 @@ def plot(cpu: dict, gpu: dict | None, path: str, impl: str = "sparsetp") -> str:
             ax.text(0.5, 0.5, "GPU: no results given (--gpu_json)", ha="center",
                     va="center", transform=ax.transAxes)
             ax.set_title(label)
+            ax.set_xticks([])
             continue
         for (fam, want, metric), pts in sorted(series(result, impl).items(),
                                                key=lambda kv: (SEED_FAMILIES.index(kv[0][0])
