@@ -117,6 +117,36 @@ class NativeMatchesInterpreterTest(parameterized.TestCase):
             tu.assert_close(b, a, "float32", grad=name[0] == "d", what=f"jax {name}")
 
 
+    def test_worker_threads(self):
+        """Chunks on two worker threads (tiny chunks, so every call uses them) through autograd
+        with inputs that require grad: the oracle's numbers, the same as on the caller, and
+        bitwise the same twice. N a multiple of the block: the tiles are views of the inputs."""
+        layout, q, k, v, d_out = _case("per_head_mix", 96, 96, 16, 3, 3)
+        ref = [*reference.attention(q, k, v, layout),
+               *reference.attention_grad(q, k, v, layout, d_out)]
+        with mock.patch.object(tcpu, "WORKERS", 1):
+            caller = _torch_run(layout, q, k, v, d_out)
+        with mock.patch.object(tcpu, "WORKERS", 2), \
+                mock.patch.object(tcpu, "MIN_SPLIT_ELEMENTS", 1):
+            chunks, parallel = tcpu._plan(tcpu._tables(layout), 1, D)
+            self.assertTrue(parallel)
+            self.assertGreater(len(chunks), 2)
+            workers = _torch_run(layout, q, k, v, d_out)
+            again = _torch_run(layout, q, k, v, d_out)
+            # No grad on the caller, inputs that require it (the no-autograd path): the workers
+            # must not record a graph either (grad mode is per thread).
+            tq, tk, tv = (torch.from_numpy(x).requires_grad_(True) for x in (q, k, v))
+            with torch.no_grad():
+                out = tattn.sparse_attention(tq, tk, tv, layout)
+            self.assertFalse(out.requires_grad)
+            np.testing.assert_array_equal(out.numpy(), workers[0])
+        for name, w, c, a, r in zip(NAMES, workers, caller, again, ref, strict=True):
+            grad = name[0] == "d"
+            tu.assert_close(w, r, "float32", grad=grad, what=f"workers {name}")
+            tu.assert_close(w, c, "float32", grad=grad, what=f"workers vs caller {name}")
+            np.testing.assert_array_equal(w, a, err_msg=f"workers twice {name}")
+
+
 class JaxNativeTransformsTest(absltest.TestCase):
     """On the CPU device whatever the default backend (a GPU machine's arrays would otherwise
     take the kernel path, which jax_attention_test covers)."""

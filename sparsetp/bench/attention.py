@@ -53,13 +53,13 @@ Transformer fixed / strided, causal as in the paper), ``window_density`` (non-ca
 window), ``random``}, B=1, H=16, D=128, bf16, block 64, against dense SDPA (``sdpa_flash``), with
 ``sparsetp``, ``sparsetp_jax`` and ``naive`` (148 jobs, ~5-8 min on one GPU, budget 600 s). With
 ``--device=cpu`` the same grid at H=2, D=64, float32, dense ``sdpa`` (148 jobs, ~4 min on 2
-shared cores; the record's ``torch_num_threads`` matters there: on a loaded 2-core host 2 torch
-threads made the native sparse path up to ~10x slower than ``OMP_NUM_THREADS=1``, dense SDPA
-barely). Each density spec picks the parameter whose tile density at (N, block)
-is nearest the target; the paper's patterns are O(N sqrt N), so their low targets are not
-reachable at small N (the records carry the real ``density``). Targets S1 (sparse fwd+bwd >=
-dense for tile density <= 50%) and S2 (JAX / torch fwd+bwd within 0.8-1.25x) are judged per
-(pattern, density, N), on CPU too; ``attention_seed_speedup.png`` plots them::
+shared cores; the record's ``torch_num_threads`` is also the native path's worker count). Each
+density spec picks the parameter whose tile density at (N, block) is nearest the target;
+``benchmarks/plot_cpu_gpu.py`` draws a CPU run and a GPU run side by side. The paper's patterns
+are O(N sqrt N), so their low targets are not reachable at small N (the records carry the real
+``density``). Targets S1 (sparse fwd+bwd >= dense for tile density <= 50%) and S2 (JAX / torch
+fwd+bwd within 0.8-1.25x) are judged per (pattern, density, N), on CPU too;
+``attention_seed_speedup.png`` plots them::
 
     python -m sparsetp.bench attention --preset=seed --out_dir=/tmp/seed            # GPU
     python -m sparsetp.bench attention --preset=seed --device=cpu --out_dir=/tmp/seed_cpu
@@ -230,9 +230,9 @@ def preset_config(preset: str, device: str) -> BenchConfig:
         ]
         return BenchConfig("sweep", device, sections, budget_s=300.0)
     if preset == "cpu":
-        # Tiny shapes: Triton runs in its interpreter (~10 ms per tile and pass), so this is a
-        # CPU-vs-GPU functional comparison and a smoke test of the tool (CI runs it), not a
-        # performance result.
+        # Tiny shapes: a smoke test of the tool (CI runs it) on the native CPU path (or the
+        # Triton interpreter under SPARSETP_INTERPRET=1), not a performance result; the CPU
+        # study is --preset=seed --device=cpu.
         kw = dict(h=1, d=16, dtype="float32", block=32)
         seq = [_case("window:64", n, **kw) for n in (64, 128)]
         sparsity = [_case(f"random:{d}", 128, **kw) for d in (0.5, 0.25)]
@@ -1247,9 +1247,9 @@ def run(cfg: BenchConfig) -> dict:
     # jax_triton's 0.3.1 import sets TRITON_CACHE_DIR="" for the process (versions() no longer
     # imports it, but a caller may have): choose the cache directory here.
     result["versions"] = common.versions(device=cfg.device)
-    # CPU: torch's intra-op threads. On a shared 2-core host, 2 threads made the native sparse
-    # path (many small ops) ~10x slower than 1 thread (OMP barriers wait for descheduled
-    # threads); dense SDPA barely changed. Set OMP_NUM_THREADS to compare.
+    # CPU: torch's intra-op threads; the native sparse path runs its chunks on as many worker
+    # threads, one torch thread each (backends/torch/cpu.py, WORKERS): its many small ops no
+    # longer meet at OMP barriers that a thread descheduled by other load stalls.
     result["torch_num_threads"] = torch.get_num_threads()
     if cfg.fresh_triton_cache and cfg.device == "cuda":
         # Cold-start numbers must include compilation; a warm on-disk cache would hide it.

@@ -93,6 +93,15 @@ class LayoutArrays:
     # Most tiles any query-major list holds (BlockLayout.widest_row), a static bound the native
     # CPU path pads its rows to instead of the ELL width (padded to 16); 0: unknown, ELL width.
     widest_row: int = dataclasses.field(metadata=dict(static=True), default=0)
+    # Most partial (element-masked) tiles any query-major list holds (max q_partial), a static
+    # bound: the native CPU path gathers masks for that many leading entries of each row only.
+    # None: unknown, every entry.
+    partial_row: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    # Per query tile, the most tiles its list holds in any head (static): the native CPU path
+    # pads each chunk of rows to its own widest (a BigBird global row would otherwise widen
+    # every row). None: every row is as wide as widest_row.
+    row_widths: tuple[int, ...] | None = dataclasses.field(metadata=dict(static=True),
+                                                           default=None)
 
     def __post_init__(self):
         if not self.kv_len:
@@ -168,7 +177,8 @@ class LayoutArrays:
 
 jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
                                  meta_fields=["seq_len", "q_head_group", "k_head_group",
-                                              "kv_len", "widest_row"])
+                                              "kv_len", "widest_row", "partial_row",
+                                              "row_widths"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
@@ -200,7 +210,9 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
 
     return LayoutArrays(**{n: arr(n, a) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
-                        kv_len=layout.kv_len, widest_row=layout.widest_row)
+                        kv_len=layout.kv_len, widest_row=layout.widest_row,
+                        partial_row=int(layout.q_partial.max(initial=0)),
+                        row_widths=tuple(int(x) for x in layout.q_count.max(axis=0)))
 
 
 def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
@@ -313,7 +325,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
         q, k, v = (t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v))
     out, lse = _attention(q, k, v, lay.metadata(), scale=scale,
                           head_groups=(lay.q_head_group, lay.k_head_group),
-                          widest=lay.widest_row)
+                          widest=(lay.widest_row, lay.partial_row, lay.row_widths))
     out, lse = out.reshape(shape), lse.reshape(shape[:3])
     return (out, lse) if return_lse else out
 

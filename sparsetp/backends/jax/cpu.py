@@ -14,7 +14,10 @@ key give 0, LSE ``-inf`` and zero gradients. The backward recomputes P from the 
 scatter-adds dK/dV over the gathered tiles (XLA's CPU scatter is sequential: deterministic).
 
 Shapes are static, so each row is padded to ``widest`` listed tiles (the layout's widest row,
-:attr:`LayoutArrays.widest_row`; the ELL width when unknown) and the query tiles are processed in
+:attr:`LayoutArrays.widest_row`; the ELL width when unknown), only the leading partial entries
+(:attr:`LayoutArrays.partial_row` of them) gather element masks (the others are full tiles, empty
+padding or the ragged last tile: compares against the row's count and ``N_kv``), and the query
+tiles are processed in
 static chunks of at most :data:`CHUNK_ELEMENTS` per temporary: memory grows with the computed
 blocks of a chunk, never with ``N x N``.
 
@@ -45,9 +48,18 @@ def _compute_dtype(dtype):
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def _tables(meta, n_k: int, widest: int):
-    """(key tiles [H, NT, W], blocked-element table gathered per entry, ids [H, NT, W])."""
+def _bounds(widest) -> tuple[int, int | None, tuple | None]:
+    """``widest``: the static row bound, or ``(widest, partial, widths)`` with the bound on the
+    partial entries per row and the per-query-tile row bounds (either None: unknown)."""
+    return tuple(widest) if isinstance(widest, tuple) else (widest, None, None)
+
+
+def _tables(meta, n_k: int, widest):
+    """(key tiles [H, NT, W], blocked-element table [U + 3, bs, bs], ids [H, NT, E] of the first
+    E entries, counts [H, NT, 1], n_k): the masks of entries past E come from the counts and
+    n_k."""
     index, masks = meta["q_index"], meta["masks"]
+    widest, n_partial, _ = _bounds(widest)
     w = min(widest, index.shape[-1]) if widest else index.shape[-1]
     index, mask_id = index[..., :w], meta["q_mask_id"][..., :w]
     count, partial = meta["q_count"][..., None], meta["q_partial"][..., None]
@@ -66,7 +78,7 @@ def _tables(meta, n_k: int, widest: int):
     e = jnp.arange(w)
     full_id = jnp.where((index == kt - 1) & (ragged < bs), n_masks + 1, n_masks)
     ids = jnp.where(e < partial, mask_id, jnp.where(e < count, full_id, n_masks + 2))
-    return index, blocked, ids
+    return index, blocked, ids[..., :w if n_partial is None else min(n_partial, w)], count, n_k
 
 
 def _tiles(t, n_tiles: int, bs: int, dtype):
@@ -75,10 +87,25 @@ def _tiles(t, n_tiles: int, bs: int, dtype):
     return t.reshape(b, h, n_tiles, bs, d)
 
 
-def _plan(b, h, nt, bs, d, w):
-    per_tile = b * h * w * bs * max(bs, d)
-    ct = max(1, CHUNK_ELEMENTS // per_tile)
-    return [(t0, min(t0 + ct, nt)) for t0 in range(0, nt, ct)]
+def _plan(b, h, nt, bs, d, w, widths):
+    """Static chunks ``(t0, t1, w_c)``: query tiles ``[t0, t1)`` padded to ``w_c`` entries, at
+    most :data:`CHUNK_ELEMENTS` per temporary; with per-tile ``widths``, a chunk holds tiles
+    within 2x of each other's width, so one wide row (a global token) widens only its own."""
+    per_tile = b * h * bs * max(bs, d)
+    if widths is None:
+        ct = max(1, CHUNK_ELEMENTS // (per_tile * w))
+        return [(t0, min(t0 + ct, nt), w) for t0 in range(0, nt, ct)]
+    widths = [max(1, min(int(x), w)) for x in widths]
+    chunks, t0 = [], 0
+    while t0 < nt:
+        t1, lo, hi = t0 + 1, widths[t0], widths[t0]
+        while t1 < nt and per_tile * (t1 + 1 - t0) * max(hi, widths[t1]) <= CHUNK_ELEMENTS \
+                and max(hi, widths[t1]) <= 2 * min(lo, widths[t1]):
+            lo, hi = min(lo, widths[t1]), max(hi, widths[t1])
+            t1 += 1
+        chunks.append((t0, t1, hi))
+        t0 = t1
+    return chunks
 
 
 def _operands(q, k, v, meta, widest: int):
@@ -95,12 +122,12 @@ def _operands(q, k, v, meta, widest: int):
     return tables, cdt, bs, w, nt, kt_n, qt, kt, vt, kv_head
 
 
-def _chunk(tables, kt, vt, kv_head, q_c, t0, t1, scale):
-    """Gathered K/V tiles [B, H, ct, W*bs, D] and the masked, scaled scores [B, H, ct, bs, W*bs]."""
-    index, blocked, ids = tables
+def _chunk(tables, kt, vt, kv_head, q_c, t0, t1, w, scale):
+    """Gathered K/V tiles [B, H, ct, W*bs, D] and the masked, scaled scores [B, H, ct, bs, W*bs]
+    of query tiles [t0, t1), their rows cut to their first ``w`` entries."""
+    index, blocked, ids, count, n_k = tables
     b, h, ct, bs, d = q_c.shape
-    idx = index[:, t0:t1]
-    w = idx.shape[-1]
+    idx = index[:, t0:t1, :w]
     # One take of whole tiles over the flattened (kv head, tile) axis, as the torch path does.
     h_kv, n_t = kt.shape[1], kt.shape[2]
     rows = (kv_head * n_t + idx).reshape(-1)
@@ -110,19 +137,26 @@ def _chunk(tables, kt, vt, kv_head, q_c, t0, t1, scale):
     # Scaling q (bs x D per tile) instead of the scores (bs x W*bs): less work, same product up
     # to fp32 rounding.
     s = jnp.matmul(q_c * scale, k_g.swapaxes(-1, -2), precision=hi)
-    mask = blocked[ids[:, t0:t1]].transpose(0, 1, 3, 2, 4).reshape(h, ct, bs, w * bs)
+    e = min(ids.shape[-1], w)
+    mask = blocked[ids[:, t0:t1, :e]].transpose(0, 1, 3, 2, 4).reshape(h, ct, bs, e * bs)
+    if e < w:  # the other entries: padding past the row's count, keys past N_kv
+        pos = jnp.arange(e, w)[:, None]
+        rest = (pos >= count[:, t0:t1, :, None]) | (idx[..., e:, None] * bs + jnp.arange(bs) >= n_k)
+        rest = jnp.broadcast_to(rest.reshape(h, ct, 1, (w - e) * bs), (h, ct, bs, (w - e) * bs))
+        mask = jnp.concatenate([mask, rest], axis=-1)
     return idx, k_g, v_g, jnp.where(mask, -jnp.inf, s)
 
 
-def forward(q, k, v, meta, scale: float, *, widest: int = 0):
+def forward(q, k, v, meta, scale: float, *, widest: int | tuple = 0):
     """``(out [B, H, N, D] in q's dtype, lse [B, H, N] float32/float64)`` for the layout
     metadata ``meta`` (the arrays of ``LayoutArrays.metadata()``); ``widest``: a static bound on
-    the listed tiles per row (0: the ELL width)."""
+    the listed tiles per row (0: the ELL width), or ``(that, bound on the partial tiles per
+    row)`` (``LayoutArrays.widest_row, partial_row``)."""
     b, h, n, d = q.shape
     tables, cdt, bs, w, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, meta, widest)
     outs, lses = [], []
-    for t0, t1 in _plan(b, h, nt, bs, d, w):
-        _, _, v_g, s = _chunk(tables, kt, vt, kv_head, qt[:, :, t0:t1], t0, t1, scale)
+    for t0, t1, w_c in _plan(b, h, nt, bs, d, w, _bounds(widest)[2]):
+        _, _, v_g, s = _chunk(tables, kt, vt, kv_head, qt[:, :, t0:t1], t0, t1, w_c, scale)
         m = s.max(-1, keepdims=True)
         # A row with no allowed key has max -inf: shift by 0 instead, so exp gives 0s (not
         # NaN), the output 0 and log(0) = -inf the LSE.
@@ -137,7 +171,7 @@ def forward(q, k, v, meta, scale: float, *, widest: int = 0):
     return out.astype(q.dtype), lse
 
 
-def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int = 0):
+def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int | tuple = 0):
     """``(dq, dk, dv)`` in the inputs' dtypes for the cotangents ``d_out`` and ``d_lse`` (or
     None) of :func:`forward`'s results."""
     b, h, n, d = q.shape
@@ -158,9 +192,9 @@ def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int
     dk_t = jnp.zeros((b, h_kv * kt_n, bs, d), cdt)
     dv_t = jnp.zeros((b, h_kv * kt_n, bs, d), cdt)
     dqs = []
-    for t0, t1 in _plan(b, h, nt, bs, d, w):
+    for t0, t1, w_c in _plan(b, h, nt, bs, d, w, _bounds(widest)[2]):
         q_c, do_c = qt[:, :, t0:t1], dot[:, :, t0:t1]
-        idx, k_g, v_g, s = _chunk(tables, kt, vt, kv_head, q_c, t0, t1, scale)
+        idx, k_g, v_g, s = _chunk(tables, kt, vt, kv_head, q_c, t0, t1, w_c, scale)
         ct = t1 - t0
         p = jnp.exp(s - lse_t[:, :, t0:t1])                              # [B, H, ct, bs, W*bs]
         dv_g = jnp.matmul(p.swapaxes(-1, -2), do_c, precision=hi)         # [B, H, ct, W*bs, D]
@@ -170,8 +204,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int
         dk_g = jnp.matmul(ds.swapaxes(-1, -2), q_c, precision=hi) * scale
         # Entries past a row's count have P = 0: they add exact zeros to key tile 0.
         dest = (kv_head * kt_n + idx).reshape(-1)
-        dk_t = dk_t.at[:, dest].add(dk_g.reshape(b, h * ct * w, bs, d))
-        dv_t = dv_t.at[:, dest].add(dv_g.reshape(b, h * ct * w, bs, d))
+        dk_t = dk_t.at[:, dest].add(dk_g.reshape(b, h * ct * w_c, bs, d))
+        dv_t = dv_t.at[:, dest].add(dv_g.reshape(b, h * ct * w_c, bs, d))
     dq = jnp.concatenate(dqs, axis=2).reshape(b, h, nt * bs, d)[:, :, :n]
     dk = dk_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]
     dv = dv_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]

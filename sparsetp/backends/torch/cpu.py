@@ -36,6 +36,9 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import os
 import weakref
 
 import numpy as np
@@ -45,10 +48,23 @@ from sparsetp.core.layout import BlockLayout
 
 __all__ = ["forward", "backward", "CHUNK_ELEMENTS"]
 
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+
 # Elements of the largest per-chunk temporary (scores [B, H, tiles, bs, W*bs], or the gathered
 # K/V tiles when D > bs): 2**22 fp32 = 16 MiB, small enough to stay cache-friendly and to
 # bound memory, large enough that per-chunk Python overhead is noise.
 CHUNK_ELEMENTS = 1 << 22
+
+# Threads for the chunks (None: torch.get_num_threads()). Each runs its chunks' ops on one
+# torch thread: a chunk's ~15 ops each parallelised over torch's threads would meet at ~15
+# barriers, and one thread descheduled by other load stalls every barrier.
+WORKERS: int | None = None
+
+# Work is split among the workers only into chunks of at least this many elements: a chunk's
+# ~15 ops and its hand-over cost ~0.3 ms, a 2**17-element chunk ~1 ms of work on one core.
+MIN_SPLIT_ELEMENTS = 1 << 17
+# Chunks per worker, so that the workers finish together when chunks differ in cost.
+CHUNKS_PER_WORKER = 8
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -87,42 +103,81 @@ class _Tables:
                        np.where(listed, full_id, n_masks + 2)).astype(np.int64)
         self.index = torch.from_numpy(np.ascontiguousarray(index))
         self.ids_np = ids
-        self.ids = torch.from_numpy(np.ascontiguousarray(ids))
-        # blocked[u, r, c]: query r of the tile may NOT see key c (what masked_fill_ wants).
-        self.blocked = torch.from_numpy(~table)
-        self.full_id = n_masks
+        # bias[u, r, c]: 0 where query r of the tile may see key c, -inf where not; added to the
+        # scores (a vectorised add: masked_fill_ with a bool mask is ~5x slower per element).
+        self.bias = torch.where(torch.from_numpy(table), 0.0, float("-inf"))
+        self.full_id, self.empty_id = n_masks, n_masks + 2
         self.widest = count.max(axis=0)  # [NT]: the widest row of each query tile, any head
+        # Per query tile: how many leading entries need a bias (partial ones come first, then
+        # full and ragged ones up to the last ragged), and a key for those entries' masks in
+        # every head: tiles with equal keys can share one bias (see plan()).
+        special = (ids != self.full_id) & (ids != self.empty_id)
+        self.extent = (special * np.arange(1, w + 1)).max(axis=(0, 2), initial=0)
+        self.signature = [(int(x), ids[:, t, :x].tobytes()) for t, x in enumerate(self.extent)]
         self.plans: dict = {}
         self.masks: dict = {}
 
-    def chunk_mask(self, t0: int, t1: int, w: int) -> torch.Tensor | None:
-        """bool ``[H, t1 - t0, bs, w * bs]``: which scores of the chunk's gathered row are
-        blocked; None when every entry is a full tile. Built once per chunk: a layout's chunks
-        repeat every call, and gathering the mask rows costs as much as the masking itself."""
+    def chunk_mask(self, t0: int, t1: int, w: int):
+        """How to mask the scores ``[B, H, t1 - t0, bs, w * bs]`` of a chunk, built once per
+        chunk: ``(e, bias, ids, pads)``. The first ``e`` entries of every row get an additive
+        bias: ``bias`` (``[H, 1, bs, e * bs]``, when every tile of the chunk has the same masks
+        there), else the rows ``ids`` (int64 ``[H, ct, e]``) of the bias table, gathered per
+        call (kept, they would hold an N x W x bs float per head). ``pads`` lists
+        ``(start, rows)``: columns from tile ``start`` on are ELL padding (-inf) in the
+        flattened (head, tile) rows ``rows``. Full tiles cost nothing."""
         key = (t0, t1, w)
         if key not in self.masks:
             ids = self.ids_np[:, t0:t1, :w]
-            mask = None
-            if not (ids == self.full_id).all():
-                h, ct, bs = ids.shape[0], t1 - t0, self.blocked.shape[-1]
-                mask = (self.blocked[self.ids[:, t0:t1, :w]]  # [H, ct, W, bs, bs]
-                        .permute(0, 1, 3, 2, 4).reshape(h, ct, bs, w * bs).contiguous())
-            self.masks[key] = mask
+            e = int(self.extent[t0:t1].max())
+            head = np.ascontiguousarray(ids[..., :e])
+            bias = ids_t = None
+            bs = self.bias.shape[-1]
+            if e and (head == head[:, :1]).all():
+                rows = self.bias[torch.from_numpy(head[:, 0].reshape(-1))]  # [H*e, bs, bs]
+                bias = rows.reshape(-1, 1, e, bs, bs).transpose(2, 3).reshape(-1, 1, bs, e * bs)
+            elif e:
+                ids_t = torch.from_numpy(head)
+            # The listed entries come first: a row's padding starts at its count (or at e, when
+            # the bias already covers the first padded entries).
+            start = np.maximum((ids != self.empty_id).sum(-1), e).reshape(-1)
+            pads = [(int(c), torch.from_numpy(np.flatnonzero(start == c)))
+                    for c in np.unique(start) if c < w]
+            self.masks[key] = (e, bias, ids_t, pads)
         return self.masks[key]
 
-    def plan(self, batch: int, head_dim: int) -> list[tuple[int, int, int]]:
+    def per_tile(self, batch: int, head_dim: int) -> int:
+        """Elements per listed entry of a query tile in a chunk's largest temporary (scores
+        ``[B, H, ., bs, W*bs]``, or the gathered K/V tiles when D > bs)."""
+        bs = self.bias.shape[-1]
+        return batch * self.ids_np.shape[0] * bs * max(bs, head_dim)
+
+    def plan(self, batch: int, head_dim: int, parts: int = 1) -> list[tuple[int, int, int]]:
         """Chunks ``(t0, t1, w)``: query tiles ``[t0, t1)`` padded to ``w`` listed tiles, each at
-        most :data:`CHUNK_ELEMENTS` per temporary (a single tile row may exceed it)."""
-        key = (batch, head_dim, CHUNK_ELEMENTS)
+        most :data:`CHUNK_ELEMENTS` per temporary and at most ``1/parts`` of the whole (so that
+        ``parts`` workers can share them) unless that is below :data:`MIN_SPLIT_ELEMENTS` (a
+        single tile row may exceed any bound). A run of tiles with the same masks (a band's
+        interior, every row of causal) is chunked on its own, so its chunks keep one small bias
+        instead of gathering one per tile and call; tiles between such runs (a band's first
+        rows, random patterns) share chunks."""
+        key = (batch, head_dim, parts, CHUNK_ELEMENTS, MIN_SPLIT_ELEMENTS)
         if key not in self.plans:
-            h, nt, _ = self.ids_np.shape
-            bs = self.blocked.shape[-1]
-            per_tile = batch * h * bs * max(bs, head_dim)
+            nt = self.ids_np.shape[1]
+            per_tile = self.per_tile(batch, head_dim)
+            limit = min(CHUNK_ELEMENTS,
+                        max(MIN_SPLIT_ELEMENTS, -(-per_tile * int(self.widest.sum()) // parts)))
+            sig = self.signature
+            run_end = list(range(1, nt + 1))  # run_end[t]: end of the run of tiles like t
+            for t in range(nt - 2, -1, -1):
+                if sig[t] == sig[t + 1]:
+                    run_end[t] = run_end[t + 1]
             chunks, t0 = [], 0
             while t0 < nt:
+                uniform = run_end[t0] - t0 >= 2
                 t1, w = t0 + 1, int(self.widest[t0])
                 while t1 < nt and per_tile * (t1 + 1 - t0) * max(w, int(self.widest[t1])) \
-                        <= CHUNK_ELEMENTS:
+                        <= limit:
+                    if (t1 >= run_end[t0]) if uniform else (run_end[t1] - t1 >= 2):
+                        break
                     w = max(w, int(self.widest[t1]))
                     t1 += 1
                 chunks.append((t0, t1, w))
@@ -138,10 +193,20 @@ def _tables(layout: BlockLayout) -> _Tables:
     return tables
 
 
+def _exp_(x: torch.Tensor) -> torch.Tensor:
+    """``exp`` in place, as ``exp2(x * log2 e)``: torch's CPU exp2 is about twice as fast as its
+    exp, and the extra multiply is cheap. ``x`` is already shifted by the row's max (or LSE), so
+    it is small and the product rounds no worse than exp would (scaling the raw scores by
+    log2 e instead would round large scores: ~1e-5 relative error at |s| ~ 250)."""
+    return x.mul_(LOG2E).exp2_()
+
+
 def _tiles(t: torch.Tensor, n_tiles: int, bs: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, H, L, D]`` -> ``[B, H, n_tiles, bs, D]`` in ``dtype``, zero padded."""
     b, h, n, d = t.shape
-    t = torch.nn.functional.pad(t.to(dtype), (0, 0, 0, n_tiles * bs - n))
+    t = t.to(dtype)
+    if n_tiles * bs != n:  # pad copies even when it adds nothing (N=65536: 3 x 64 MiB)
+        t = torch.nn.functional.pad(t, (0, 0, 0, n_tiles * bs - n))
     return t.reshape(b, h, n_tiles, bs, d)
 
 
@@ -179,10 +244,79 @@ class _Chunk:
         # Scaling q (bs x D per tile) instead of the scores (bs x W*bs) is W*bs/D times less
         # work; the same product up to fp32 rounding.
         s = torch.matmul(q_c * scale, self.k.transpose(-1, -2))  # [B, H, ct, bs, W*bs]
-        blocked = tables.chunk_mask(t0, t1, w)
-        if blocked is not None:
-            s.masked_fill_(blocked, float("-inf"))
+        e, bias, ids, pads = tables.chunk_mask(t0, t1, w)
+        if e:
+            if bias is None:  # [H, ct, bs, e * bs]
+                bias = (tables.bias.index_select(0, ids.reshape(-1))
+                        .reshape(h, ct, e, bs, bs).transpose(2, 3).reshape(h, ct, bs, e * bs))
+            s[..., :e * bs].add_(bias)
+        rows = s.view(b, h * ct, bs, w * bs)
+        for start, which in pads:
+            rows[:, which, :, start * bs:] = float("-inf")
         self.s = s
+
+
+def _map_chunks(fn, chunks, consume=None, parallel: bool = True) -> None:
+    """``fn(chunk)`` for every chunk, on :func:`_workers` threads when there are several and
+    ``parallel`` (else on the caller, on torch's threads: for small calls the hand-over to the
+    workers costs more than it saves); ``consume(result)`` runs on the caller, in
+    chunk order (so sums over chunks are deterministic), at most ``2 * workers`` results
+    behind."""
+    n = _workers()
+    if n <= 1 or not parallel or len(chunks) <= 1:
+        for c in chunks:
+            r = fn(c)
+            if consume is not None:
+                consume(r)
+        return
+    grad = torch.is_grad_enabled()
+
+    def run(c):  # grad mode is per thread: the caller's (off inside autograd Functions)
+        with torch.set_grad_enabled(grad):
+            return fn(c)
+
+    pool, pending = _pool(n), collections.deque()
+    for c in chunks:
+        pending.append(pool.submit(run, c))
+        if len(pending) >= 2 * n:
+            r = pending.popleft().result()
+            if consume is not None:
+                consume(r)
+    while pending:
+        r = pending.popleft().result()
+        if consume is not None:
+            consume(r)
+
+
+def _workers() -> int:
+    """Worker threads for the chunks: :data:`WORKERS`, else torch's intra-op thread count."""
+    return WORKERS if WORKERS is not None else torch.get_num_threads()
+
+
+_POOL: dict = {}
+
+
+def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    """``n`` threads that run torch ops single-threaded (the setting is per thread; the
+    caller's is untouched). Made again after a fork, whose child has none of the threads."""
+    key = (os.getpid(), n)
+    if key not in _POOL:
+        _POOL.clear()
+        _POOL[key] = concurrent.futures.ThreadPoolExecutor(
+            n, thread_name_prefix="sparsetp-cpu", initializer=torch.set_num_threads,
+            initargs=(1,))
+    return _POOL[key]
+
+
+def _plan(tables: _Tables, batch: int, head_dim: int) -> tuple[list, bool]:
+    """The chunks of a call, their masks built (on the caller: the tables are not locked), and
+    whether the call is large enough (2 x :data:`MIN_SPLIT_ELEMENTS`) for the workers."""
+    n = _workers()
+    chunks = tables.plan(batch, head_dim, CHUNKS_PER_WORKER * n if n > 1 else 1)
+    for c in chunks:
+        tables.chunk_mask(*c)
+    return chunks, tables.per_tile(batch, head_dim) * int(tables.widest.sum()) \
+        >= 2 * MIN_SPLIT_ELEMENTS
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
@@ -195,23 +329,28 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayo
     tables, cdt, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, layout)
     out = new_output((b, h, n, d), q.dtype, q.device)
     lse = new_output((b, h, n), cdt, q.device)
-    for t0, t1, w in tables.plan(b, d):
+
+    def chunk(c):  # writes rows [t0 * bs, t1 * bs) of out and lse: chunks never share one
+        t0, t1, w = c
         r0, r1 = t0 * bs, min(t1 * bs, n)
         if w == 0:  # no key anywhere in these rows
             out[:, :, r0:r1].zero_()
             lse[:, :, r0:r1].fill_(float("-inf"))
-            continue
+            return
         c = _Chunk(tables, kt, vt, kv_head, qt[:, :, t0:t1], t0, t1, w, scale)
         m = c.s.amax(-1, keepdim=True)
         # A row with no allowed key has max -inf: shift it by 0 instead, so exp gives 0s
         # (not NaN), the sum 0, the output 0 and log(0) = -inf the LSE.
         m = torch.where(torch.isfinite(m), m, 0.0)
-        p = c.s.sub_(m).exp_()
+        p = _exp_(c.s.sub_(m))
         denom = p.sum(-1, keepdim=True)
         o = torch.matmul(p, c.v).div_(torch.where(denom > 0, denom, 1.0))
         rows = r1 - r0
         out[:, :, r0:r1] = o.reshape(b, h, -1, d)[:, :, :rows]
         lse[:, :, r0:r1] = (m + denom.log()).reshape(b, h, -1)[:, :, :rows]
+
+    chunks, parallel = _plan(tables, b, d)
+    _map_chunks(chunk, chunks, parallel=parallel)
     return out, lse
 
 
@@ -237,15 +376,17 @@ def backward(q, k, v, out, lse, d_out, d_lse, layout: BlockLayout, scale: float,
     dq = new_output(q.shape, q.dtype, q.device)
     dk_t = torch.zeros(b, h_kv * kt_n, bs, d, dtype=cdt)
     dv_t = torch.zeros(b, h_kv * kt_n, bs, d, dtype=cdt)
-    for t0, t1, w in tables.plan(b, d):
+
+    def chunk(c):  # dq rows of its own; dK/dV contributions returned to add in chunk order
+        t0, t1, w = c
         r0, r1 = t0 * bs, min(t1 * bs, n)
         if w == 0:
             dq[:, :, r0:r1].zero_()
-            continue
+            return None
         q_c, do_c = qt[:, :, t0:t1], dot[:, :, t0:t1]
         c = _Chunk(tables, kt, vt, kv_head, q_c, t0, t1, w, scale)
         ct = t1 - t0
-        p = c.s.sub_(lse_t[:, :, t0:t1]).exp_()                        # [B, H, ct, bs, W*bs]
+        p = _exp_(c.s.sub_(lse_t[:, :, t0:t1]))                        # [B, H, ct, bs, W*bs]
         dv_g = torch.matmul(p.transpose(-1, -2), do_c)                 # [B, H, ct, W*bs, D]
         dp = torch.matmul(do_c, c.v.transpose(-1, -2))
         ds = p.mul_(dp.sub_(delta_t[:, :, t0:t1]))                     # dS (in p's buffer)
@@ -254,8 +395,15 @@ def backward(q, k, v, out, lse, d_out, d_lse, layout: BlockLayout, scale: float,
         dq[:, :, r0:r1] = dq_c.reshape(b, h, -1, d)[:, :, :r1 - r0]
         # Entries of a row past its count have P = 0, so they add exact zeros to tile 0.
         dest = (kv_head * kt_n + c.index).reshape(-1)                  # [H*ct*W] key tiles
-        dk_t.index_add_(1, dest, dk_g.reshape(b, h * ct * w, bs, d))
-        dv_t.index_add_(1, dest, dv_g.reshape(b, h * ct * w, bs, d))
+        return dest, dk_g.reshape(b, h * ct * w, bs, d), dv_g.reshape(b, h * ct * w, bs, d)
+
+    def add(r):
+        if r is not None:
+            dk_t.index_add_(1, r[0], r[1])
+            dv_t.index_add_(1, r[0], r[2])
+
+    chunks, parallel = _plan(tables, b, d)
+    _map_chunks(chunk, chunks, add, parallel)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
     dk.copy_(dk_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k])
