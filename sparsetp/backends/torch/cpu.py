@@ -55,10 +55,16 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 # bound memory, large enough that per-chunk Python overhead is noise.
 CHUNK_ELEMENTS = 1 << 22
 
-# Threads for the chunks (None: torch.get_num_threads()). Each runs its chunks' ops on one
+# Threads for the chunks (None: torch.get_num_threads() up to POOL_MAX_THREADS, else 1: the
+# caller's thread, whose ops use torch's own threads). Each worker runs its chunks' ops on one
 # torch thread: a chunk's ~15 ops each parallelised over torch's threads would meet at ~15
 # barriers, and one thread descheduled by other load stalls every barrier.
 WORKERS: int | None = None
+# The most torch threads the worker pool stands in for. Measured (KERNEL_NOTES, "Native CPU
+# path"): the pool ran the N=4096 window forward 2x faster than torch's threads on 2 cores,
+# and 1.5-3x slower on 16 (many Python threads issuing small ops queue on the GIL); counts
+# between 2 and 16 are untested.
+POOL_MAX_THREADS = 4
 
 # Work is split among the workers only into chunks of at least this many elements: a chunk's
 # ~15 ops and its hand-over cost ~0.3 ms, a 2**17-element chunk ~1 ms of work on one core.
@@ -289,8 +295,12 @@ def _map_chunks(fn, chunks, consume=None, parallel: bool = True) -> None:
 
 
 def _workers() -> int:
-    """Worker threads for the chunks: :data:`WORKERS`, else torch's intra-op thread count."""
-    return WORKERS if WORKERS is not None else torch.get_num_threads()
+    """Worker threads for the chunks: :data:`WORKERS`, else torch's intra-op thread count when
+    it is at most :data:`POOL_MAX_THREADS`, else 1 (the caller, on torch's threads)."""
+    if WORKERS is not None:
+        return WORKERS
+    n = torch.get_num_threads()
+    return n if n <= POOL_MAX_THREADS else 1
 
 
 _POOL: dict = {}
