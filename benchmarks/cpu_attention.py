@@ -75,7 +75,7 @@ def measure(kind: str, n: int, reps: int) -> dict:
     q, k, v, do = (rng.standard_normal((B, H, n, D)).astype(np.float32) for _ in range(4))
     tq, tk, tv = (torch.from_numpy(x).requires_grad_(True) for x in (q, k, v))
     tdo = torch.from_numpy(do)
-    lay = jattn.layout_arrays(layout)
+    lay = jattn.layout_arrays(layout, static_widths=True)  # one layout per case
     jq, jk, jv, jdo = (jnp.asarray(x) for x in (q, k, v, do))
     jfwd = jax.jit(lambda q, k, v, lay: jattn.sparse_attention(q, k, v, lay))
     jgrad = jax.jit(jax.grad(lambda q, k, v, lay: jnp.vdot(jattn.sparse_attention(q, k, v, lay),

@@ -355,6 +355,27 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
                               reference.attention_grad(q, k, v, layout, d_out), strict=True):
             tu.assert_close(a, r, "float32", grad=True, what=f"heads() {name}")
 
+    def test_static_widths_match_the_shared_trace(self):
+        """``layout_arrays(..., static_widths=True)`` (per-pattern row widths for the native
+        CPU path; one trace per pattern) gives the default arrays' results, forward and
+        gradients, and records each query tile's widest list."""
+        n, bs, h = 128, 32, 2
+        lay = make_layout(example_pattern("bigbird", n, bs), n, h, bs)
+        shared, own = jattn.layout_arrays(lay), jattn.layout_arrays(lay, static_widths=True)
+        self.assertIsNone(shared.row_widths)
+        self.assertEqual(own.row_widths, tuple(int(x) for x in lay.q_count.max(axis=0)))
+        self.assertEqual(own.partial_row, int(lay.q_partial.max()))
+        q, k, v, d_out = tu.random_inputs(3, (1, h, n, 16), "float32")
+
+        def loss(q, k, v, la):
+            return jnp.vdot(jattn.sparse_attention(q, k, v, la), d_out)
+
+        got = [jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, la) for la in (shared, own)]
+        (l0, g0), (l1, g1) = got
+        tu.assert_close(np.asarray(l1), np.asarray(l0), "float32", what="loss")
+        for name, a, b in zip(("dq", "dk", "dv"), g0, g1, strict=True):
+            tu.assert_close(np.asarray(b), np.asarray(a), "float32", grad=True, what=name)
+
     def test_no_retrace_for_same_metadata_shapes(self):
         """Patterns whose metadata arrays have equal shapes share one trace and one compiled
         executable (forward and backward); a pattern with other shapes retraces."""

@@ -945,7 +945,8 @@ def _prep_sparsetp_jax(cfg, case, layout, bp, rec):
         rec["jax_triton"] = compat.jax_triton().__version__  # ImportError -> recorded error
     # Same kernel tiles as the torch launch (schedule.kernel_layout sees the same D and dtype).
     # Every operand committed to ``dev``, so the jitted calls run there.
-    lay = jax.device_put(layout_arrays(layout, head_dim=case["D"], dtype=case["dtype"]), dev)
+    lay = jax.device_put(layout_arrays(layout, head_dim=case["D"], dtype=case["dtype"],
+                                       static_widths=True), dev)  # one layout per job
     shape = (case["B"], case["H"], case["N"], case["D"])
     dt = jnp.dtype(case["dtype"])
     with jax.default_device(dev):

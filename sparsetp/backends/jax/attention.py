@@ -183,9 +183,16 @@ jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
 LayoutLike = BlockLayout | LayoutArrays
 
 
-def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
-                  dtype=None) -> LayoutArrays:
+def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None,
+                  static_widths: bool = False) -> LayoutArrays:
     """A :class:`LayoutArrays` for ``layout`` (a ``BlockLayout``, or a ``LayoutArrays`` as is).
+
+    ``static_widths`` also records the pattern's per-row list widths and partial-tile counts
+    (``partial_row``, ``row_widths``) as static fields: the native CPU path then pads each chunk
+    to its own rows (faster, less memory: BigBird's global row no longer widens every row), but
+    a jitted function taking the arrays retraces for every pattern. Off, layouts whose metadata
+    have the same shapes share one trace (what a training loop over changing patterns wants);
+    ``sparse_attention`` given a ``BlockLayout`` (one trace per layout anyway) turns it on.
 
     A ``BlockLayout`` becomes the arrays of the layout the kernels run for q of ``head_dim``
     and ``dtype`` (:func:`sparsetp.kernels.schedule.kernel_layout` for the default backend: on
@@ -211,8 +218,9 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None,
     return LayoutArrays(**{n: arr(n, a) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
                         kv_len=layout.kv_len, widest_row=layout.widest_row,
-                        partial_row=int(layout.q_partial.max(initial=0)),
-                        row_widths=tuple(int(x) for x in layout.q_count.max(axis=0)))
+                        **({"partial_row": int(layout.q_partial.max(initial=0)),
+                            "row_widths": tuple(int(x) for x in layout.q_count.max(axis=0))}
+                           if static_widths else {}))
 
 
 def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
@@ -231,7 +239,7 @@ def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
     for name, t in (("k", k), ("v", v)):
         if jnp.dtype(t.dtype) != dtype:
             raise ValueError(f"{name} has dtype {jnp.dtype(t.dtype)} but q has {dtype}")
-    lay = layout_arrays(layout, head_dim=int(q.shape[-1]), dtype=dtype)
+    lay = layout_arrays(layout, head_dim=int(q.shape[-1]), dtype=dtype, static_widths=True)
     for name, a in lay.metadata().items():
         if jnp.dtype(a.dtype) != jnp.int32:
             raise ValueError(f"layout metadata {name!r} must be int32, got {a.dtype}")

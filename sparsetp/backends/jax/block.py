@@ -439,7 +439,7 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
     p = {n: jnp.asarray(a, dtype) for n, a in params.items()}
     lay = layout_arrays(block_layout(config, int(x.shape[1]), document_lengths,
                                      batch=int(x.shape[0])),
-                        head_dim=config.head_dim, dtype=dtype)
+                        head_dim=config.head_dim, dtype=dtype, static_widths=True)
     if mesh is None:
         if sequence_parallel:
             # Not a silent no-op: a caller asking for SP without a mesh has a bug somewhere.
