@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(__file__))
 from jax_test_utils import ensure_cpu_devices  # noqa: E402
@@ -140,6 +141,14 @@ class NativeMatchesInterpreterTest(parameterized.TestCase):
                 out = tattn.sparse_attention(tq, tk, tv, layout)
             self.assertFalse(out.requires_grad)
             np.testing.assert_array_equal(out.numpy(), workers[0])
+            # The workers run single-threaded; the caller and threads started later keep the
+            # process's count (torch.set_num_threads also sets the default new threads take).
+            self.assertEqual(tcpu._pool(2).submit(torch.get_num_threads).result(), 1)
+        started_later = []
+        thread = threading.Thread(target=lambda: started_later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        self.assertEqual(started_later, [torch.get_num_threads()])
         for name, w, c, a, r in zip(NAMES, workers, caller, again, ref, strict=True):
             grad = name[0] == "d"
             tu.assert_close(w, r, "float32", grad=grad, what=f"workers {name}")

@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -306,15 +307,28 @@ def _workers() -> int:
 _POOL: dict = {}
 
 
+def _single_threaded() -> None:
+    torch.get_num_threads()  # this thread's lazy init first: the restore in _pool keeps its 1
+    torch.set_num_threads(1)
+
+
 def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
-    """``n`` threads that run torch ops single-threaded (the setting is per thread; the
-    caller's is untouched). Made again after a fork, whose child has none of the threads."""
+    """``n`` threads that run torch ops single-threaded. ``torch.set_num_threads`` also sets the
+    count that threads started later begin with, so every worker is started here and the
+    caller's count given back: the caller and the process's other threads are untouched. Made
+    again after a fork, whose child has none of the threads."""
     key = (os.getpid(), n)
     if key not in _POOL:
+        for old in _POOL.values():
+            old.shutdown(wait=False)
         _POOL.clear()
-        _POOL[key] = concurrent.futures.ThreadPoolExecutor(
-            n, thread_name_prefix="sparsetp-cpu", initializer=torch.set_num_threads,
-            initargs=(1,))
+        saved = torch.get_num_threads()
+        pool = concurrent.futures.ThreadPoolExecutor(
+            n, thread_name_prefix="sparsetp-cpu", initializer=_single_threaded)
+        started = threading.Barrier(n, timeout=60)
+        list(pool.map(lambda _: started.wait(), range(n)))  # one task per thread: all start
+        torch.set_num_threads(saved)
+        _POOL[key] = pool
     return _POOL[key]
 
 
