@@ -27,9 +27,10 @@ from absl.testing import absltest
 from sparsetp.bench import tp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_STAGES = ["comm", "torch_mlp", "torch_overlap", "dtensor", "ddp", "pipeline", "torch_block",
-              "jax:jax_mlp", "jax:jax_dp", "jax:jax_block", "jax_lhs_on:jax_mlp_world",
-              "jax_lhs_off:jax_mlp_world"]
+ALL_STAGES = ["comm", "torch_mlp", "torch_overlap", "torch_overlap_ab", "dtensor", "ddp",
+              "pipeline", "torch_block",
+              "jax:jax_mlp", "jax:jax_dp", "jax:jax_block", "jax:jax_overlap",
+              "jax:jax_block_overlap", "jax_lhs_on:jax_mlp_world", "jax_lhs_off:jax_mlp_world"]
 
 
 def _gpus() -> int:
@@ -147,9 +148,35 @@ class BenchTpTest(absltest.TestCase):
         self.assertEqual(rows["torch", "tp", "fwd_bwd", 1]["comm"]["collectives"], 0)
 
     def test_overlap_stage_times_both_paths(self):
+        # Every arm (overlap_comm, comm_chunks) of both models at each TP size > 1, and a row
+        # in the table for each.
         cases = self.res["stages"]["torch_overlap"]["ranks"][0]["data"]
-        self.assertEqual(sorted((c["p"], c["overlap_comm"]) for c in cases),
-                         [(2, False), (2, True)])
+        want = sorted((m, 2, o, k) for m in ("block", "mlp") for o, k in tp.OVERLAP_ARMS)
+        self.assertEqual(sorted((c["model"], c["p"], c["overlap_comm"], c["comm_chunks"])
+                                for c in cases), want)
+        variants = {(r["model"], r["p"], r["variant"]) for r in self.res["rows"]
+                    if r["framework"] == "torch" and r["mode"] == "fwd_bwd"}
+        for m, p, o, k in want:
+            self.assertIn((m, p, f"chunks{k}" if o else "no_overlap"), variants)
+
+    def test_overlap_ab_interleaves_every_arm(self):
+        # The default schedule against the plain one (and, without SP, no overlap), both
+        # models, forward and fwd+bwd, each arm timed in the same rounds with its ratio.
+        cases = self.res["stages"]["torch_overlap_ab"]["ranks"][0]["data"]
+        self.assertEqual(sorted((c["model"], c["sequence_parallel"]) for c in cases),
+                         [("block", False), ("block", True), ("mlp", False), ("mlp", True)])
+        for c in cases:
+            arms = ["auto", "plain"] + ([] if c["sequence_parallel"] else ["no_overlap"])
+            for mode in ("fwd", "fwd_bwd"):
+                r = c[mode]
+                self.assertEqual(r["rounds"], self.spec["iters"])
+                for arm in arms:
+                    self.assertGreater(r[f"{arm}_{mode}_ms"], 0)
+                # Each ratio is the median of per-round ratios (timings: no bound on them).
+                self.assertEqual(sorted(k for k in r if "_over_" in k),
+                                 sorted(f"{arm}_over_auto" for arm in arms[1:]))
+                for arm in arms[1:]:
+                    self.assertGreater(r[f"{arm}_over_auto"], 0)
 
     def test_jax_hlo_all_reduce_count(self):
         # Forward: the one psum of fc2 (kept even on a 1-device mesh). Step: that one and the
@@ -164,6 +191,28 @@ class BenchTpTest(absltest.TestCase):
         for label, val in (("jax_lhs_on", "true"), ("jax_lhs_off", "false")):
             self.assertIn(f"--xla_gpu_enable_latency_hiding_scheduler={val}",
                           self.res["stages"][f"{label}:jax_mlp_world"]["xla_flags"])
+
+    def test_jax_overlap_rows(self):
+        """The JAX A/B at TP = world: every variant of both models, with its efficiency against
+        JAX's plain TP=1 time; the SP overlap HLO moves activations by collective-permutes
+        only, the plain SP one by an all-gather and a reduce-scatter."""
+        variants = set(tp.JAX_OVERLAP_VARIANTS)
+        for stage, model in (("jax:jax_overlap", "mlp"), ("jax:jax_block_overlap", "block")):
+            cases = {c["variant"]: c for c in self.res["stages"][stage]["data"]}
+            self.assertEqual(set(cases), variants)
+            self.assertEqual({c["p"] for c in cases.values()}, {2})
+            fwd = cases["sp_overlap"]["fwd"]["hlo"]
+            self.assertGreater(fwd["sync_collective_permutes"] + len(
+                fwd["async_collective_permutes"]), 0, stage)
+            for op in ("all_gathers", "reduce_scatters", "all_reduces"):
+                self.assertEqual(fwd[f"sync_{op}"] + len(fwd[f"async_{op}"]), 0, (stage, op))
+            plain = cases["sp_plain"]["fwd"]["hlo"]
+            self.assertGreater(plain["sync_all_gathers"] + len(plain["async_all_gathers"]), 0)
+            rows = {(r["variant"], r["mode"]): r for r in self.res["rows"]
+                    if r["framework"] == "jax" and r["model"] == model and r["variant"] in variants}
+            self.assertEqual(set(rows), {(v, m) for v in variants for m in ("fwd", "fwd_bwd")})
+            for r in rows.values():
+                self.assertIn("efficiency", r)
 
     def test_plots_or_recorded_warning(self):
         if importlib.util.find_spec("matplotlib") is None:

@@ -12,7 +12,9 @@ import importlib.metadata
 import json
 import os
 import platform
+import queue as queue_lib
 import sys
+import time
 
 from absl import flags
 
@@ -94,3 +96,50 @@ def progress(iterable, desc: str, total: int | None = None):
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, dynamic_ncols=True)
+
+
+def spawn_ranks(target, world: int, args: tuple, on_record, timeout: float, name: str,
+                record_kind: str) -> None:
+    """Run ``target(rank, *args, queue)`` in ``world`` spawned processes and wait for them.
+
+    A rank puts ``(record_kind, who, payload)`` for each result (handed to
+    ``on_record(who, payload)`` as it arrives), ``("done", rank, None)`` when it ends, or any
+    other kind with a traceback when it fails (raised here as RuntimeError). TimeoutError past
+    ``timeout`` seconds; RuntimeError naming a rank that died. Every process is ended on exit.
+    """
+    import multiprocessing as mp  # noqa: PLC0415
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, q), daemon=True, name=f"{name}{r}")
+             for r in range(world)]
+    done, end = set(), time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < world:
+            try:
+                kind, who, payload = q.get(timeout=0.2)
+            except queue_lib.Empty:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{name} ranks did not finish in {timeout:.0f} s") from None
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in done]
+                if dead:
+                    raise RuntimeError(f"{name} rank {dead[0]} died with exit code "
+                                       f"{procs[dead[0]].exitcode}") from None
+                continue
+            if kind == record_kind:
+                on_record(who, payload)
+            elif kind == "done":
+                done.add(who)
+            else:
+                raise RuntimeError(f"{name} rank {who} failed:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(done) == world else 0.1)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()

@@ -11,7 +11,12 @@ memory per GPU; and DTensor's ColwiseParallel/RowwiseParallel MLP on the same sh
 ``torch_sp`` stage times the torch MLP and block with sequence parallelism
 (``sequence_parallel=True``: each rank gets ``T / p`` tokens, all-gather/reduce-scatter instead
 of all-reduce) at every TP size > 1, recorded as variant ``sp`` next to the plain TP rows; its
-efficiency is against the plain TP=1 time (SP on one rank is plain TP).
+efficiency is against the plain TP=1 time (SP on one rank is plain TP). The JAX stages
+``jax_overlap`` (MLP) and ``jax_block_overlap`` time TP = world with ``overlap_comm`` off and on,
+without and with sequence parallelism (variants ``plain``, ``overlap``, ``sp_plain``,
+``sp_overlap``; efficiency against JAX's plain TP=1 time; each row's HLO summary counts the
+all-reduces, collective-permutes, all-gathers and reduce-scatters and the GEMMs XLA put inside
+each async one).
 
 The tool starts its own processes: one spawn of ``world`` torch ranks (each stage in turn) and
 one Python subprocess per JAX variant (JAX drives every device from one process). Each stage is
@@ -28,15 +33,14 @@ Devices (:func:`resolve_device`): ``--preset=cpu`` runs on CPU ranks wherever it
 machine too) unless ``--device=cuda``; ``--preset=gpu2`` runs one rank per GPU and needs 2 GPUs.
 
 Output: ``<out_dir>/tp.json`` (and ``tp_*.png`` with matplotlib). Believe the numbers only when
-``tests/torch_tp_test.py``, ``tests/torch_overlap_test.py``, ``tests/torch_sp_test.py`` and
-``tests/jax_tp_test.py`` pass.
+``tests/torch_tp_test.py``, ``tests/torch_overlap_test.py``, ``tests/torch_sp_test.py``,
+``tests/jax_tp_test.py``, ``tests/jax_sp_test.py`` and ``tests/jax_overlap_test.py`` pass.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue as queue_lib
 import subprocess
 import sys
 import tempfile
@@ -64,12 +68,18 @@ def _define_shared_flags():
 
 flags.DEFINE_integer("tp_world", None, "Processes/devices to use (default: every GPU, or 4 on "
                      "CPU). TP sizes are the powers of two up to it.")
-flags.DEFINE_list("tp_stages", "comm,torch_mlp,torch_overlap,dtensor,ddp,pipeline,torch_block,"
+flags.DEFINE_list("tp_stages", "comm,torch_mlp,torch_overlap,torch_overlap_ab,dtensor,ddp,"
+                  "pipeline,torch_block,"
                   "torch_sp,jax", "Stages to run (jax covers JAX TP, DP, block and the XLA-flag "
                   "variants; torch_sp the sequence-parallel torch MLP and block).")
 flags.DEFINE_bool("tp_jax_variants", True, "Also time the JAX MLP with the latency-hiding "
                   "scheduler forced on and off (one extra subprocess each).")
 flags.DEFINE_integer("tp_iters", None, "Timed iterations per case (default: the preset's).")
+flags.DEFINE_integer("tp_d_model", None, "Model width instead of the preset's (the block keeps "
+                     "head dim 128: num_heads = d_model / 128).", lower_bound=128)
+flags.DEFINE_integer("tp_d_ff", None, "MLP width instead of the preset's (default with "
+                     "--tp_d_model: 4 d_model).", lower_bound=1)
+flags.DEFINE_integer("tp_seq_len", None, "Tokens (B=1) instead of the preset's.", lower_bound=1)
 flags.DEFINE_float("tp_pg_timeout_s", None, "torch process-group timeout in seconds (a stalled "
                    "rank makes the others raise rather than hang; default: half the budget, "
                    "clamped to [30, 120]).", lower_bound=0.001)
@@ -273,10 +283,13 @@ def _input_leaf(x):
     return x.detach().requires_grad_(True)
 
 
-def _interleaved(models: dict, x, dy, device, rounds: int, group, burst: int = 4) -> dict:
-    """A/B timing: each round times a burst of ``burst`` fwd+bwd steps (one sync at each end)
-    of every model in turn, so clock and neighbour drift hit all of them alike. Returns the
-    median per-step ms of each model and the median of the per-round ratios to the first."""
+def _interleaved(models: dict, x, dy, device, rounds: int, group, burst: int = 4,
+                 mode: str = "fwd_bwd") -> dict:
+    """A/B timing: each round times a burst of ``burst`` steps (``mode`` "fwd_bwd", or "fwd"
+    under no_grad; one sync at each end) of every model in turn, so clock and neighbour drift
+    hit all of them alike. Returns the median per-step ms of each model and the median of the
+    per-round ratios to the first."""
+    import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
     x = _input_leaf(x)
@@ -285,6 +298,10 @@ def _interleaved(models: dict, x, dy, device, rounds: int, group, burst: int = 4
         params = list(m.parameters())
 
         def step(m=m, params=params):
+            if mode == "fwd":
+                with torch.no_grad():
+                    m(x)
+                return
             for q in params:
                 q.grad = None
             x.grad = None
@@ -303,7 +320,7 @@ def _interleaved(models: dict, x, dy, device, rounds: int, group, burst: int = 4
             per[name].append(1e3 * (time.perf_counter() - t) / burst)
     first = next(iter(models))
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    out = {f"{name}_fwd_bwd_ms": med(v) for name, v in per.items()}
+    out = {f"{name}_{mode}_ms": med(v) for name, v in per.items()}
     for name in models:
         if name != first:
             out[f"{name}_over_{first}"] = med([b / a for a, b in zip(per[first], per[name],
@@ -452,44 +469,64 @@ def _torch_rank(rank, world, spec, stages, deadline, partial_path, q):
         q.put(("error", rank, traceback.format_exc()[-4000:]))
 
 
-def _tp_cases(rank, world, spec, device, groups, model, overlap_options,
-              sequence_parallel=False):
+def _bench_inputs(spec, device):
+    """``(gen, x, dy)``: the seeded generator and the full ``[B, N, d]`` input and cotangent."""
     import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
 
-    from sparsetp.backends.torch.block import TORCH_DTYPES, HybridBlock  # noqa: PLC0415
-    from sparsetp.backends.torch.comm import split_seq  # noqa: PLC0415
-    from sparsetp.backends.torch.layers import ParallelMLP  # noqa: PLC0415
-
+    from sparsetp.backends.torch.block import TORCH_DTYPES  # noqa: PLC0415
     dtype = TORCH_DTYPES[spec["dtype"]]
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (spec["batch"], spec["seq_len"], spec["d_model"])
     x = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     dy = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    return gen, x, dy
+
+
+def _tp_model(model, spec, group, device, gen, sequence_parallel, overlap, chunks):
+    """The torch MLP or HybridBlock of ``spec`` on ``group``, random weights from ``gen``."""
+    from sparsetp.backends.torch.block import TORCH_DTYPES, HybridBlock  # noqa: PLC0415
+    from sparsetp.backends.torch.layers import ParallelMLP  # noqa: PLC0415
+
+    kw = dict(overlap_comm=overlap, comm_chunks=chunks, sequence_parallel=sequence_parallel)
+    if model == "mlp":
+        m = ParallelMLP(spec["d_model"], spec["d_ff"], group=group,
+                        dtype=TORCH_DTYPES[spec["dtype"]], device=device, seed=None, **kw)
+    else:
+        m = HybridBlock(_config(spec), group, seed=None, device=device, **kw)
+    _rand_(m, gen)
+    return m
+
+
+def _seq_shards(group, *tensors):
+    """This rank's T / p contiguous tokens of each tensor. Cloned: at batch 1 the shard is a
+    view of the full tensor, and the saved-bytes probe counts whole storages; a real SP model
+    owns it."""
+    from sparsetp.backends.torch.comm import split_seq  # noqa: PLC0415
+    return [split_seq(a, group=group, name="the bench input").clone() for a in tensors]
+
+
+def _tp_cases(rank, world, spec, device, groups, model, overlap_options,
+              sequence_parallel=False):
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    gen, x, dy = _bench_inputs(spec, device)
     rows = []
     for p, group in groups.items():
         if p == "solo":
             continue
-        sp = dict(model=model, sequence_parallel=True) if sequence_parallel else {}
-        for overlap in overlap_options:
+        sp = dict(model=model, **(dict(sequence_parallel=True) if sequence_parallel else {}))
+        for option in overlap_options:
+            # (overlap_comm, comm_chunks); a bare bool keeps the layers' default chunks
+            overlap, chunks = option if isinstance(option, tuple) else (option, None)
+            sp["comm_chunks"] = chunks
             if rank < p:
                 # A case that fails (say out of memory) is recorded and the rank still reaches
                 # the barrier below, so the other ranks and the later cases go on.
                 try:
-                    kw = dict(sequence_parallel=True) if sequence_parallel else {}
-                    if model == "mlp":
-                        m = ParallelMLP(spec["d_model"], spec["d_ff"], group=group, dtype=dtype,
-                                        device=device, seed=None, overlap_comm=overlap, **kw)
-                    else:
-                        m = HybridBlock(_config(spec), group, seed=None, device=device,
-                                        overlap_comm=overlap, **kw)
-                    _rand_(m, gen)
-                    xs, dys = x, dy
-                    if sequence_parallel:  # this rank's T / p contiguous tokens
-                        # Cloned: at batch 1 the shard is a view of the full tensor, and the
-                        # saved-bytes probe counts whole storages; a real SP model owns it.
-                        xs, dys = (split_seq(a, group=group, name="the bench input").clone()
-                                   for a in (x, dy))
+                    m = _tp_model(model, spec, group, device, gen, sequence_parallel, overlap,
+                                  chunks)
+                    xs, dys = _seq_shards(group, x, dy) if sequence_parallel else (x, dy)
                     meas = _measure_torch(m, xs, dys, device, spec["iters"], spec["warmup"],
                                           group)
                     rows.append(dict(p=p, overlap_comm=overlap, **sp, **meas))
@@ -510,9 +547,15 @@ def _stage_torch_mlp(rank, world, spec, device, groups):
     return _tp_cases(rank, world, spec, device, groups, "mlp", (True,))
 
 
+# The forward-overlap arms (overlap_comm, comm_chunks) timed beside the default (auto) rows:
+# no overlap at all, the backward overlap alone (one forward collective), fixed piece counts.
+OVERLAP_ARMS = ((False, 1), (True, 1), (True, 2), (True, 8))
+
+
 def _stage_torch_overlap(rank, world, spec, device, groups):
     big = {p: g for p, g in groups.items() if p != "solo" and p > 1}
-    return _tp_cases(rank, world, spec, device, big, "mlp", (False, True))
+    return [case for model in ("mlp", "block")
+            for case in _tp_cases(rank, world, spec, device, big, model, OVERLAP_ARMS)]
 
 
 def _stage_torch_block(rank, world, spec, device, groups):
@@ -524,7 +567,7 @@ def _stage_torch_sp(rank, world, spec, device, groups):
     the plain layer; its TP=1 time is the torch_mlp / torch_block one)."""
     big = {p: g for p, g in groups.items() if p != "solo" and p > 1}
     return [case for model in ("mlp", "block")
-            for case in _tp_cases(rank, world, spec, device, big, model, (True,),
+            for case in _tp_cases(rank, world, spec, device, big, model, ((True, None), (True, 1)),
                                   sequence_parallel=True)]
 
 
@@ -674,51 +717,47 @@ def _stage_pipeline(rank, world, spec, device, groups):
     return rows
 
 
+def _stage_torch_overlap_ab(rank, world, spec, device, groups):
+    """The default schedule (``comm_chunks`` auto) against the plain one (``comm_chunks=1``) and
+    no overlap at all, interleaved (:func:`_interleaved`) at TP = world: the MLP and the block,
+    with and without sequence parallelism, forward and fwd+bwd. Sequential cases of separate
+    stages drifted by up to 5% on 2 H200s, more than the differences in question."""
+    import torch  # noqa: PLC0415
+
+    group = groups[world]
+    gen, x, dy = _bench_inputs(spec, device)
+    rows = []
+    for model in ("mlp", "block"):
+        for sp in (False, True):
+            arms = {"auto": (True, None), "plain": (True, 1)}
+            if not sp:
+                arms["no_overlap"] = (False, 1)
+            models = {name: _tp_model(model, spec, group, device, gen, sp, overlap, chunks)
+                      for name, (overlap, chunks) in arms.items()}
+            xs, dys = _seq_shards(group, x, dy) if sp else (x, dy)
+            row = dict(p=world, model=model, sequence_parallel=sp)
+            for mode in ("fwd", "fwd_bwd"):
+                row[mode] = _interleaved(models, xs, dys, device, spec["iters"], group,
+                                         mode=mode)
+            rows.append(row)
+            models = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 _TORCH_STAGES = {"comm": _stage_comm, "torch_mlp": _stage_torch_mlp,
-                 "torch_overlap": _stage_torch_overlap, "dtensor": _stage_dtensor,
+                 "torch_overlap": _stage_torch_overlap, "torch_overlap_ab": _stage_torch_overlap_ab,
+                 "dtensor": _stage_dtensor,
                  "ddp": _stage_ddp, "pipeline": _stage_pipeline,
                  "torch_block": _stage_torch_block, "torch_sp": _stage_torch_sp}
 
 
 def _spawn_torch(world, spec, stages, deadline, run: _Run, timeout):
     """Spawn the torch ranks; stages are recorded as rank 0 reports them."""
-    import multiprocessing as mp  # noqa: PLC0415
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     partial = os.path.join(tempfile.mkdtemp(prefix="sparsetp_tp_"), "torch_partial.json")
-    procs = [ctx.Process(target=_torch_rank, args=(r, world, spec, stages, deadline, partial, q),
-                         daemon=True, name=f"tp-rank{r}") for r in range(world)]
-    done, end = set(), time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.start()
-        while len(done) < world:
-            try:
-                kind, who, payload = q.get(timeout=0.2)
-            except queue_lib.Empty:
-                if time.monotonic() > end:
-                    raise TimeoutError(f"torch ranks did not finish in {timeout:.0f} s") from None
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in done]
-                if dead:
-                    raise RuntimeError(f"torch rank {dead[0]} died with exit code "
-                                       f"{procs[dead[0]].exitcode}") from None
-                continue
-            if kind == "stage":
-                run.record(who, payload)
-            elif kind == "done":
-                done.add(who)
-            else:
-                raise RuntimeError(f"torch rank {who} failed:\n{payload}")
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(done) == world else 0.1)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.is_alive():
-                p.kill()
+    common.spawn_ranks(_torch_rank, world, (world, spec, stages, deadline, partial), run.record,
+                       timeout, "tp-rank", "stage")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -772,29 +811,38 @@ def _jax_time(fn, args, iters, warmup):
 
 
 def _hlo_overlap(compiled) -> dict:
-    """What the compiled (scheduled) HLO does with each all-reduce: async start/done pairs and
-    the instructions XLA placed between them (GEMMs there run while the reduction is in flight).
+    """What the compiled (scheduled) HLO does with each collective: async start/done pairs and
+    the instructions XLA placed between them (GEMMs there run while the collective is in
+    flight). Keys ``sync_<op>s`` (a count) and ``async_<op>s`` (one entry per pair) for the
+    all-reduces, and for the collective-permutes, all-gathers and reduce-scatters that the
+    JAX overlap rings and sequence parallelism use.
     """
     text = compiled.as_text()
     lines = [ln.strip() for ln in text.splitlines() if " = " in ln]
-    sync = sum(1 for ln in lines if " all-reduce(" in ln)
-    pairs, open_ = [], {}
-    for i, ln in enumerate(lines):
-        lhs = ln.split(" = ")[0].replace("ROOT ", "").strip()
-        if " all-reduce-start(" in ln:
-            open_[lhs] = i
-        elif " all-reduce-done(" in ln:
-            src = ln.split("all-reduce-done(")[1].split(")")[0].split()[-1].lstrip("%")
-            start = open_.pop(src, open_.pop("%" + src, None))
-            if start is not None:
-                between = lines[start + 1:i]
-                pairs.append(dict(ops_between=len(between),
-                                  gemms_between=sum(1 for b in between
-                                                    if "gemm" in b or " dot(" in b)))
-    return dict(sync_all_reduces=sync, async_all_reduces=pairs)
+    out = {}
+    for op in ("all-reduce", "collective-permute", "all-gather", "reduce-scatter"):
+        key = op.replace("-", "_")
+        sync = sum(1 for ln in lines if f" {op}(" in ln)
+        pairs, open_ = [], {}
+        for i, ln in enumerate(lines):
+            lhs = ln.split(" = ")[0].replace("ROOT ", "").strip()
+            if f" {op}-start(" in ln:
+                open_[lhs] = i
+            elif f" {op}-done(" in ln:
+                src = ln.split(f"{op}-done(")[1].split(")")[0].split()[-1].lstrip("%")
+                start = open_.pop(src, open_.pop("%" + src, None))
+                if start is not None:
+                    between = lines[start + 1:i]
+                    pairs.append(dict(ops_between=len(between),
+                                      gemms_between=sum(1 for b in between
+                                                        if "gemm" in b or " dot(" in b)))
+        out[f"sync_{key}s"], out[f"async_{key}s"] = sync, pairs
+    return out
 
 
-def _jax_mlp_fns(spec, mesh, axis, dp: bool):
+def _jax_mlp_fns(spec, mesh, axis, dp: bool, **layer_kw):
+    """jitted fwd and fwd+bwd of the MLP and their arguments; ``layer_kw`` goes to
+    ``parallel_mlp`` (``sequence_parallel=True`` also splits x and dy along the tokens)."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     from jax.sharding import NamedSharding  # noqa: PLC0415
@@ -812,7 +860,7 @@ def _jax_mlp_fns(spec, mesh, axis, dp: bool):
         x_shape = (t, d)
     else:
         specs = (P(None, axis), P(axis), P(axis, None), P())
-        xspec = P()
+        xspec = P(None, axis, None) if layer_kw.get("sequence_parallel") else P()
         x_shape = (spec["batch"], spec["seq_len"], d)
 
     def put(a, s):
@@ -829,8 +877,8 @@ def _jax_mlp_fns(spec, mesh, axis, dp: bool):
             return parallel_mlp(x, w1, b1, w2, b2, axis_name=None)
     else:
         f = jax.shard_map(lambda w1, b1, w2, b2, x: parallel_mlp(x, w1, b1, w2, b2,
-                                                                 axis_name=axis),
-                          mesh=mesh, in_specs=(*specs, P()), out_specs=P(), check_vma=True)
+                                                                 axis_name=axis, **layer_kw),
+                          mesh=mesh, in_specs=(*specs, xspec), out_specs=xspec, check_vma=True)
 
     def fwd_bwd(params, x, dy):
         # The output is returned too: a training step needs it (for the loss), and without it
@@ -937,8 +985,64 @@ def _jax_stage_block(spec, world):
     return rows
 
 
+# The JAX A/B at TP = world (stages jax_overlap, jax_block_overlap): variant -> layer options.
+# "sp_*" are JAX's sequence parallelism (autodiff keeps the gathered input: no re-gather, unlike
+# torch's "sp" rows); efficiency is against JAX's plain TP=1 time.
+JAX_OVERLAP_VARIANTS = {"plain": {}, "overlap": dict(overlap_comm=True),
+                        "sp_plain": dict(sequence_parallel=True),
+                        "sp_overlap": dict(sequence_parallel=True, overlap_comm=True)}
+
+
+def _jax_variant_case(variant, world):
+    kw = JAX_OVERLAP_VARIANTS[variant]
+    return dict(p=world, variant=variant, sequence_parallel=kw.get("sequence_parallel", False),
+                overlap_comm=kw.get("overlap_comm", False))
+
+
+def _jax_stage_overlap(spec, world):
+    """The MLP at TP = world, overlap_comm off and on, without and with sequence parallelism."""
+    from sparsetp.backends.jax.block import make_mesh  # noqa: PLC0415
+    rows = []
+    for variant, kw in JAX_OVERLAP_VARIANTS.items():
+        fwd, fwd_bwd, (params, x, dy) = _jax_mlp_fns(spec, make_mesh(world), "tp", dp=False,
+                                                     **kw)
+        rows.append(dict(**_jax_variant_case(variant, world),
+                         **_jax_measure(fwd, fwd_bwd, params, x, dy, spec)))
+    return rows
+
+
+def _jax_stage_block_overlap(spec, world):
+    """The block at TP = world, overlap_comm off and on, without and with sequence
+    parallelism (the caller's global x and dy; hybrid_block splits them as SP needs)."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from sparsetp.backends.jax.block import hybrid_block, make_mesh, shard_params  # noqa: PLC0415
+
+    cfg = _config(spec)
+    rng = np.random.default_rng(0)
+    mesh = make_mesh(world)
+    params = shard_params(_jax_block_params(cfg, rng), cfg, mesh)
+    shape = (spec["batch"], spec["seq_len"], spec["d_model"])
+    x = jax.numpy.asarray(rng.standard_normal(shape, dtype=np.float32), cfg.dtype)
+    dy = jax.numpy.asarray(rng.standard_normal(shape, dtype=np.float32), cfg.dtype)
+    rows = []
+    for variant, kw in JAX_OVERLAP_VARIANTS.items():
+        def fwd(params, x, kw=kw):
+            return hybrid_block(params, x, cfg, mesh=mesh, **kw)
+
+        def fwd_bwd(params, x, dy, fwd=fwd):
+            y, vjp = jax.vjp(fwd, params, x)
+            return y, vjp(dy)
+
+        rows.append(dict(**_jax_variant_case(variant, world),
+                         **_jax_measure(jax.jit(fwd), jax.jit(fwd_bwd), params, x, dy, spec)))
+    return rows
+
+
 _JAX_STAGES = {"jax_mlp": _jax_stage_mlp, "jax_dp": _jax_stage_dp, "jax_block": _jax_stage_block,
-               "jax_mlp_world": _jax_stage_mlp_world}
+               "jax_mlp_world": _jax_stage_mlp_world, "jax_overlap": _jax_stage_overlap,
+               "jax_block_overlap": _jax_stage_block_overlap}
 
 
 def _run_jax(run: _Run, spec, world, stages, label, extra_xla_flags=""):
@@ -1009,22 +1113,38 @@ def _rows(result, spec) -> list[dict]:
                 if "temp_bytes" in case[mode]:
                     r["xla_temp_bytes"] = case[mode]["temp_bytes"]
                 layout = {"tp": "tp", "dp": "dp", "pp": "pp"}.get(parallelism)
-                if variant == "sp":
+                if variant.startswith("sp"):
                     layout = "sp"
                 if layout and model == "mlp":
                     r["comm"] = comm_bytes(spec, layout, mode, case["p"], r["param_bytes"] or 0)
                 rows.append(r)
 
     add("torch_mlp", "torch", "mlp", "tp")
-    add("torch_overlap", "torch", "mlp", "tp", "no_overlap", lambda c: not c["overlap_comm"])
+    for model in ("mlp", "block"):
+        for overlap, chunks in OVERLAP_ARMS:
+            variant = f"chunks{chunks}" if overlap else "no_overlap"
+            add("torch_overlap", "torch", model, "tp", variant,
+                lambda c, m=model, o=overlap, k=chunks: (c["model"] == m
+                                                         and c["overlap_comm"] == o
+                                                         and c.get("comm_chunks") == k))
     add("torch_block", "torch", "block", "tp")
-    add("torch_sp", "torch", "mlp", "tp", "sp", lambda c: c["model"] == "mlp")
-    add("torch_sp", "torch", "block", "tp", "sp", lambda c: c["model"] == "block")
+    for model in ("mlp", "block"):
+        add("torch_sp", "torch", model, "tp", "sp",
+            lambda c, m=model: c["model"] == m and c.get("comm_chunks") is None)
+        add("torch_sp", "torch", model, "tp", "sp_chunks1",
+            lambda c, m=model: c["model"] == m and c.get("comm_chunks") == 1)
     add("dtensor", "dtensor", "mlp", "tp")
     add("ddp", "torch", "mlp", "dp")
     add("jax:jax_mlp", "jax", "mlp", "tp")
     add("jax:jax_dp", "jax", "mlp", "dp")
     add("jax:jax_block", "jax", "block", "tp")
+    for stage, model in (("jax:jax_overlap", "mlp"), ("jax:jax_block_overlap", "block")):
+        for variant in JAX_OVERLAP_VARIANTS:
+            add(stage, "jax", model, "tp", variant, lambda c, v=variant: c["variant"] == v)
+    for r in rows:  # torch's comm model describes neither the rings nor the chunked all-reduces
+        if r["framework"] == "jax" and r["variant"] in JAX_OVERLAP_VARIANTS \
+                and r["variant"] != "plain":
+            r.pop("comm", None)
     add("jax_lhs_on:jax_mlp_world", "jax", "mlp", "tp", "lhs_on")
     add("jax_lhs_off:jax_mlp_world", "jax", "mlp", "tp", "lhs_off")
     pp = stages.get("pipeline")
@@ -1046,9 +1166,17 @@ def _rows(result, spec) -> list[dict]:
           if r["framework"] == "torch" and r["parallelism"] == "tp" and r["p"] == 1
           and not r["variant"]}
     for r in rows:
-        if ((r["framework"] == "dtensor" or (r["framework"] == "torch" and r["variant"] == "sp"))
+        if ((r["framework"] == "dtensor" or (r["framework"] == "torch" and r["variant"]))
                 and (r["model"], r["mode"]) in t1):
             r["efficiency"] = t1[(r["model"], r["mode"])] / (r["p"] * r["median_ms"])
+    # The JAX A/B rows (TP = world only) against JAX's plain TP=1 time.
+    t1_jax = {(r["model"], r["mode"]): r["median_ms"] for r in rows
+              if r["framework"] == "jax" and r["parallelism"] == "tp" and r["p"] == 1
+              and not r["variant"]}
+    for r in rows:
+        if (r["framework"] == "jax" and r["variant"] in JAX_OVERLAP_VARIANTS
+                and (r["model"], r["mode"]) in t1_jax):
+            r["efficiency"] = t1_jax[(r["model"], r["mode"])] / (r["p"] * r["median_ms"])
     return rows
 
 
@@ -1155,6 +1283,13 @@ def main(argv=None) -> int:
     spec = resolve_spec(FLAGS.preset, world, device)
     if FLAGS.tp_iters:
         spec["iters"] = FLAGS.tp_iters
+    if FLAGS.tp_d_model:
+        spec.update(d_model=FLAGS.tp_d_model, num_heads=max(1, FLAGS.tp_d_model // 128),
+                    d_ff=4 * FLAGS.tp_d_model)
+    if FLAGS.tp_d_ff:
+        spec["d_ff"] = FLAGS.tp_d_ff
+    if FLAGS.tp_seq_len:
+        spec["seq_len"] = FLAGS.tp_seq_len
     budget = FLAGS.budget_s or spec["budget_s"]
     del spec["budget_s"]
     from sparsetp.core import make_layout  # noqa: PLC0415
@@ -1168,7 +1303,7 @@ def main(argv=None) -> int:
     if unknown:
         raise ValueError(f"unknown --tp_stages {sorted(unknown)}")
     if run.bar is not None:
-        n_jax = 3 + (2 if FLAGS.tp_jax_variants and world > 1 else 0)
+        n_jax = 3 + (2 if world > 1 else 0) + (2 if FLAGS.tp_jax_variants and world > 1 else 0)
         run.bar.total = len(stages) + (n_jax - 1 if "jax" in stages else 0)
     run.log(f"tp bench: preset={spec['preset']} device={device} world={world} "
             f"budget={budget:.0f}s stages={stages}")
@@ -1190,7 +1325,8 @@ def main(argv=None) -> int:
                 if s not in run.result["stages"]:
                     run.record(s, dict(ok=False, error=err))
     if "jax" in stages:
-        _run_jax(run, spec, world, ["jax_mlp", "jax_dp", "jax_block"], "jax")
+        _run_jax(run, spec, world, ["jax_mlp", "jax_dp", "jax_block"]
+                 + (["jax_overlap", "jax_block_overlap"] if world > 1 else []), "jax")
         if FLAGS.tp_jax_variants and world > 1:
             for label, val in (("jax_lhs_on", "true"), ("jax_lhs_off", "false")):
                 if run.left() > 8:
@@ -1215,6 +1351,14 @@ def main(argv=None) -> int:
     for case in (run.result["stages"].get("dtensor") or {}).get("data") or []:
         if "interleaved" in case:
             print(f"interleaved fwd+bwd, p={case['p']}: {case['interleaved']}")
+    for case in (run.result["stages"].get("torch_overlap_ab") or {}).get("data") or []:
+        for mode in ("fwd", "fwd_bwd"):
+            r = case[mode]
+            arms = "  ".join(f"{k[:-len(mode) - 4]} {v:.3f}" for k, v in r.items()
+                             if k.endswith(f"_{mode}_ms"))
+            ratios = "  ".join(f"{k} {v:.3f}" for k, v in r.items() if "_over_" in k)
+            print(f"overlap A/B {case['model']} sp={case['sequence_parallel']} p={case['p']} "
+                  f"{mode} ms: {arms}  ({ratios})")
     print(f"wrote {run.path} in {run.result['wall_s']} s; not ok: {failed or 'none'}")
     if failed:  # the dispatcher ignores return values: a failed or skipped stage exits 1
         sys.exit(1)

@@ -31,6 +31,14 @@ gradients (layer norms, row biases) are summed over the token shards by ``shard_
 (one small all-reduce each). The caller still passes and gets the global ``[B, N, d]`` arrays:
 the result equals the plain mode's.
 
+``overlap_comm=True`` (off by default) hides the tensor-parallel communication behind the GEMMs
+(:mod:`sparsetp.backends.jax.layers`, "collective matmul"): with ``sequence_parallel`` the two
+all-gathers become all-gather-matmul rings of ``ppermute`` s in ``attn.qkv`` and ``mlp.fc1`` and
+the two reduce-scatters matmul-reduce-scatter rings in ``attn.out`` and ``mlp.fc2`` (backward:
+the reverse rings, derived by autodiff); without it, ``attn.out`` and ``mlp.fc2`` all-reduce in
+``comm_chunks`` token chunks, each in flight during the next chunk's GEMM. Same values up to the
+order of the sums (``tests/jax_overlap_test.py``).
+
 Data parallelism (``batch_axis=``, on a 2-D mesh from :func:`make_2d_mesh`): ``x`` and the result
 are split along the batch over a second mesh axis, the parameters replicated over it, so each
 data shard runs the tensor-parallel block above on its ``B / dp`` sequences. No gradient
@@ -72,8 +80,10 @@ from jax.sharding import PartitionSpec as P
 from sparsetp.backends.jax import compat
 from sparsetp.backends.jax.attention import LayoutArrays, layout_arrays, sparse_attention
 from sparsetp.backends.jax.layers import (
+    _check_comm_chunks,
+    _num_chunks,
     column_parallel_linear,
-    gelu_tanh,
+    parallel_mlp,
     row_parallel_linear,
 )
 from sparsetp.core.config import (
@@ -350,11 +360,13 @@ def _layer_norm(x, w, b, eps):
 
 def _block_local(p: Mapping[str, jax.Array], x: jax.Array, lay: LayoutArrays,
                  config: HybridConfig, axis_name: str | None,
-                 sequence_parallel: bool = False) -> jax.Array:
+                 sequence_parallel: bool = False, overlap_comm: bool = False,
+                 comm_chunks: int | None = None) -> jax.Array:
     """The block on one shard: ``p`` holds this shard's slices (all of them if unsharded); ``x``
     is ``[B, N, d]``, or this shard's ``[B, N/tp, d]`` tokens with ``sequence_parallel``."""
     hd = config.head_dim
-    sp = dict(axis_name=axis_name, sequence_parallel=sequence_parallel)
+    sp = dict(axis_name=axis_name, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm)
+    chunks = {} if comm_chunks is None else dict(comm_chunks=comm_chunks)
     h1 = _layer_norm(x, p["ln1.weight"], p["ln1.bias"], config.norm_eps)
     g = config.kv_group
     qkv = column_parallel_linear(h1, p["attn.qkv.weight"], p.get("attn.qkv.bias"),
@@ -367,17 +379,20 @@ def _block_local(p: Mapping[str, jax.Array], x: jax.Array, lay: LayoutArrays,
     q = qkv[:, :, :g].reshape(b, h_loc, n, hd)
     o = sparse_attention(q, qkv[:, :, g], qkv[:, :, g + 1], lay, scale=hd ** -0.5)
     o = o.transpose(0, 2, 1, 3).reshape(b, n, h_loc * hd)
-    y1 = x + row_parallel_linear(o, p["attn.out.weight"], p.get("attn.out.bias"), **sp)
+    y1 = x + row_parallel_linear(o, p["attn.out.weight"], p.get("attn.out.bias"), **sp,
+                                 **chunks)
     h2 = _layer_norm(y1, p["ln2.weight"], p["ln2.bias"], config.norm_eps)
-    f = column_parallel_linear(h2, p["mlp.fc1.weight"], p.get("mlp.fc1.bias"), **sp)
-    y = y1 + row_parallel_linear(gelu_tanh(f), p["mlp.fc2.weight"], p.get("mlp.fc2.bias"), **sp)
+    # column fc1 -> GELU -> row fc2 (with SP + overlap_comm: the two chained rings).
+    y = y1 + parallel_mlp(h2, p["mlp.fc1.weight"], p.get("mlp.fc1.bias"), p["mlp.fc2.weight"],
+                          p.get("mlp.fc2.bias"), **sp, **chunks)
     return y
 
 
 def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, *,
                  mesh: jax.sharding.Mesh | None = None, axis_name: str = "tp",
                  sequence_parallel: bool = False, batch_axis: str | None = None,
-                 document_lengths=None) -> jax.Array:
+                 document_lengths=None, overlap_comm: bool = False,
+                 comm_chunks: int | None = None) -> jax.Array:
     """The hybrid block on ``x [B, N, d_model]``; see the module docstring.
 
     Args:
@@ -408,20 +423,35 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
         ``reference.hybrid_block(..., document_lengths)``); layouts are cached per lengths. Per
         row lengths give a per-batch-row layout, split over ``batch_axis`` like ``x`` and over
         ``axis_name`` like the heads.
+      overlap_comm: overlap the tensor-parallel collectives with the GEMMs
+        (:mod:`sparsetp.backends.jax.layers`): with ``sequence_parallel``, ``attn.qkv`` and
+        ``mlp.fc1`` become all-gather-matmul rings and ``attn.out`` and ``mlp.fc2``
+        matmul-reduce-scatter rings of ``ppermute`` s (fc1's ring feeds fc2's without putting
+        the tokens back in order); without it, ``attn.out`` and ``mlp.fc2`` all-reduce in
+        ``comm_chunks`` token chunks. Same result up to the order of the sums; no effect
+        without a ``mesh`` or on one device.
+      comm_chunks: token chunks of those all-reduces (``overlap_comm`` without
+        ``sequence_parallel`` only; must divide ``N``; None: 4, 2 or 1, the largest dividing
+        ``N``).
 
     Returns ``[B, N, d_model]`` in ``config.dtype`` (replicated over the mesh; with
     ``sequence_parallel``, split along ``N`` over it: ``PartitionSpec(None, axis_name, None)``;
     with ``batch_axis``, split along ``B`` over that axis too).
     Differentiable w.r.t. ``params`` and ``x``; works under ``jit`` (``config``, ``mesh``,
-    ``axis_name``, ``sequence_parallel``, ``batch_axis`` static).
+    ``axis_name``, ``sequence_parallel``, ``batch_axis``, ``overlap_comm``, ``comm_chunks``
+    static).
 
     Raises ValueError naming the argument for a non-HybridConfig ``config``, a missing,
     extra, mis-shaped or non-array parameter (``params['ln1.weight'] must be an array``), a
     non-floating numpy/JAX parameter, or an ``x`` of the wrong shape; a ``mesh`` without
     ``axis_name`` or ``batch_axis``, a ``batch_axis`` equal to ``axis_name``, a batch ``B`` the
-    data axis does not divide, and heads / kv heads / ``d_ff`` the model axis does not divide.
+    data axis does not divide, heads / kv heads / ``d_ff`` the model axis does not divide, and
+    a bad ``comm_chunks`` (not a positive int, not dividing ``N``, without ``overlap_comm`` or
+    with ``sequence_parallel``).
 
     >>> y = hybrid_block(params, x, cfg, mesh=mesh, sequence_parallel=True)  # doctest: +SKIP
+    >>> y = hybrid_block(params, x, cfg, mesh=mesh, sequence_parallel=True,
+    ...                  overlap_comm=True)                                 # doctest: +SKIP
     >>> mesh2 = make_2d_mesh(dp=2, tp=2)                                     # doctest: +SKIP
     >>> y = hybrid_block(params, x, cfg, mesh=mesh2, axis_name="model",
     ...                  batch_axis="data")                                  # doctest: +SKIP
@@ -435,6 +465,9 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
     dtype = _dtype(config)
     if dtype == jnp.float64 and not jax.config.jax_enable_x64:
         raise ValueError("config.dtype='float64' needs jax.config.update('jax_enable_x64', True)")
+    if comm_chunks is not None:  # before any work (the layers check it again when traced)
+        _check_comm_chunks(comm_chunks, overlap_comm, sequence_parallel)
+        _num_chunks(int(x.shape[1]), comm_chunks, what="x (its N)")
     x = jnp.asarray(x, dtype)
     p = {n: jnp.asarray(a, dtype) for n, a in params.items()}
     lay = layout_arrays(block_layout(config, int(x.shape[1]), document_lengths,
@@ -448,7 +481,8 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
         if batch_axis is not None:
             raise ValueError(f"batch_axis={batch_axis!r} needs a mesh with that axis (it splits "
                              "the batch over it); pass mesh=make_2d_mesh(dp, tp) or drop it")
-        return _block_local(p, x, lay, config, None)
+        return _block_local(p, x, lay, config, None, overlap_comm=overlap_comm,
+                            comm_chunks=comm_chunks)
     if axis_name not in mesh.shape:
         raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis_name!r}")
     tp = mesh.shape[axis_name]
@@ -475,6 +509,7 @@ def hybrid_block(params: Mapping[str, Any], x: jax.Array, config: HybridConfig, 
             lambda s, a: jax.sharding.reshard(a, NamedSharding(mesh, s)), in_specs, args,
             is_leaf=lambda s: isinstance(s, P))
     fn = jax.shard_map(functools.partial(_block_local, config=config, axis_name=axis_name,
-                                         sequence_parallel=sequence_parallel),
+                                         sequence_parallel=sequence_parallel,
+                                         overlap_comm=overlap_comm, comm_chunks=comm_chunks),
                        mesh=mesh, in_specs=in_specs, out_specs=x_spec, check_vma=True)
     return fn(*args)

@@ -76,7 +76,8 @@ def _check_tokens(tokens, config: GPTConfig) -> None:
 
 def gpt(params: Mapping[str, Any], tokens, config: GPTConfig, *,
         mesh: jax.sharding.Mesh | None = None, axis_name: str = "tp",
-        document_lengths=None) -> jax.Array:
+        batch_axis: str | None = None, document_lengths=None, overlap_comm: bool = False,
+        comm_chunks: int | None = None) -> jax.Array:
     """Logits ``[B, N, vocab_size]`` (in ``config.block.dtype``) of the GPT on ``tokens``.
 
     Args:
@@ -87,8 +88,15 @@ def gpt(params: Mapping[str, Any], tokens, config: GPTConfig, *,
       config: the :class:`~sparsetp.core.model.GPTConfig` (static under ``jit``).
       mesh, axis_name: passed to every :func:`hybrid_block` (tensor parallelism over
         ``axis_name``; None: one device).
+      batch_axis: data parallelism, passed to every :func:`hybrid_block`: on a
+        :func:`~sparsetp.backends.jax.block.make_2d_mesh` mesh the blocks split the batch over
+        this axis (place ``tokens`` with :func:`~sparsetp.backends.jax.block.shard_batch` and
+        the parameters with :func:`shard_gpt_params`, replicated over it); ``jax.grad`` of a
+        loss over the global batch is the one-device gradient. Needs a ``mesh``.
       document_lengths: packed documents of this call, passed to every :func:`hybrid_block`
         (static under ``jit``: tuples; positions stay absolute).
+      overlap_comm, comm_chunks: passed to every :func:`hybrid_block` (overlap the
+        tensor-parallel all-reduces with the GEMMs; static under ``jit``).
 
     Bad input raises ValueError naming the argument. Differentiable w.r.t. ``params``.
     """
@@ -102,7 +110,8 @@ def gpt(params: Mapping[str, Any], tokens, config: GPTConfig, *,
     x = jnp.take(o["embed.weight"], tokens, axis=0) + o["pos.weight"][: tokens.shape[1]]
     for bp in blocks:
         x = hybrid_block(bp, x, config.block, mesh=mesh, axis_name=axis_name,
-                         document_lengths=document_lengths)
+                         batch_axis=batch_axis, document_lengths=document_lengths,
+                         overlap_comm=overlap_comm, comm_chunks=comm_chunks)
     h = _layer_norm(x, o["ln_f.weight"], o["ln_f.bias"], config.block.norm_eps)
     return linear(h, o["head.weight"])  # fp32: full precision (no TF32 on GPUs), as torch
 

@@ -75,7 +75,12 @@ class HybridBlock(nn.Module):
         NaN until loaded. (``init_params`` itself refuses None: ``core.config.check_seed``.)
       device: where the parameters live.
       overlap_comm: overlap each column-parallel layer's backward all-reduce with its
-        weight-gradient GEMM (bitwise the same numbers; see ``layers.ColumnParallelLinear``).
+        weight-gradient GEMM (bitwise the same numbers; see ``layers.ColumnParallelLinear``)
+        and each layer's forward collective with its GEMM as ``comm_chunks`` says.
+      comm_chunks: collective matmuls in every linear (``layers.RowParallelLinear``,
+        ``layers.forward_chunks``): None (auto: where a layer's GEMM is large enough to
+        gain), or a positive int; 1 is bitwise the plain schedule, more pieces equal it within
+        the dtype's rounding.
       sequence_parallel: input and output are this rank's sequence shard (below).
 
     Raises ValueError when ``num_heads``, ``num_kv_heads`` or ``d_ff`` is not divisible by the
@@ -92,7 +97,8 @@ class HybridBlock(nn.Module):
     """
 
     def __init__(self, config: HybridConfig, group=None, *, seed: int | None = 0,
-                 device=None, overlap_comm: bool = True, sequence_parallel: bool = False):
+                 device=None, overlap_comm: bool = True, sequence_parallel: bool = False,
+                 comm_chunks: int | None = None):
         super().__init__()
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
@@ -104,7 +110,7 @@ class HybridBlock(nn.Module):
         dtype = TORCH_DTYPES[config.dtype]
         d = config.d_model
         kw = dict(group=group, dtype=dtype, device=device, seed=None, overlap_comm=overlap_comm,
-                  sequence_parallel=self.sequence_parallel)
+                  sequence_parallel=self.sequence_parallel, comm_chunks=comm_chunks)
         self.ln1 = nn.LayerNorm(d, eps=config.norm_eps, dtype=dtype, device=device)
         self.attn = ParallelSparseAttention(d, config.num_heads, config.pattern,
                                             config.block_size, config.bias,
@@ -119,10 +125,11 @@ class HybridBlock(nn.Module):
     @classmethod
     def from_params(cls, config: HybridConfig, params: Mapping[str, object], group=None, *,
                     device=None, overlap_comm: bool = True,
-                    sequence_parallel: bool = False) -> HybridBlock:
+                    sequence_parallel: bool = False,
+                    comm_chunks: int | None = None) -> HybridBlock:
         """A block holding this rank's shards of the canonical UNSHARDED ``params``."""
         block = cls(config, group, seed=None, device=device, overlap_comm=overlap_comm,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, comm_chunks=comm_chunks)
         block.load_params(params)
         return block
 

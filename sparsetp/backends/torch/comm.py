@@ -65,7 +65,9 @@ __all__ = [
     "scatter_to_region", "all_gather_dim", "all_reduce_", "all_reduce_async",
     "all_gather_to_region",
     "reduce_scatter_from_region", "scatter_to_sequence_region", "gather_from_sequence_region",
-    "all_gather_seq", "reduce_scatter_seq", "split_seq", "SEQ_DIM", "CollectiveError",
+    "all_gather_seq", "reduce_scatter_seq", "split_seq", "ring_exchange", "p2p_all_gather",
+    "SEQ_DIM",
+    "CollectiveError",
 ]
 
 SEQ_DIM = -2  # the sequence dim of ``[..., T, features]`` activations that SP splits
@@ -162,6 +164,42 @@ def all_reduce_async(x: torch.Tensor, group=None):
     # Blocking where overlap is off (_can_overlap): the reduction is then done, the handle None.
     return _named("all_reduce (async)", dist.all_reduce, x, op=dist.ReduceOp.SUM,
                   group=group, async_op=_can_overlap())
+
+
+def _p2p(transfers, name: str, group) -> list:
+    """Start ``transfers`` (``(dist.isend or dist.irecv, tensor, peer's rank in group)``) as one
+    batched call (``batch_isend_irecv``: an NCCL group, so every rank's sends and receives pair
+    up without the deadlock separate blocking calls would risk); the handles to ``wait()`` on.
+    Point-to-point transfers take few SMs, so they can run under a GEMM."""
+    ops = [dist.P2POp(op, t, q if group is None else dist.get_global_rank(group, q), group)
+           for op, t, q in transfers]
+    if not ops:
+        return []
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as err:
+        raise _failed(name, group, err) from err
+    return [_NamedWork(w, name, group) for w in works]
+
+
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group=None) -> list:
+    """Start sending ``send`` to the next rank of ``group`` and receiving ``recv`` from the
+    previous one (ranks in a ring, ``r -> r + 1 mod world``); returns the handles to ``wait()``
+    on (no autograd). ``send`` must stay untouched and ``recv`` unread until they complete."""
+    world, rank = group_size(group), group_rank(group)
+    return _p2p([(dist.isend, send, (rank + 1) % world), (dist.irecv, recv, (rank - 1) % world)],
+                "ring send/recv", group)
+
+
+def p2p_all_gather(send: torch.Tensor, recv: list, group=None) -> list:
+    """Start sending ``send`` to every other rank of ``group`` and receiving rank q's into
+    ``recv[q]`` (``recv[own rank]`` is left as it is); returns the handles to ``wait()`` on
+    (no autograd). ``send`` stays untouched and the ``recv`` tensors unread until they
+    complete."""
+    world, rank = group_size(group), group_rank(group)
+    return _p2p([t for q in range(world) if q != rank
+                 for t in ((dist.isend, send, q), (dist.irecv, recv[q], q))],
+                "all-gather (send/recv)", group)
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:

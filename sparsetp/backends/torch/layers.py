@@ -55,9 +55,16 @@ from sparsetp.backends.torch.attention import (
     pattern_attention,
     pattern_key,
 )
+from sparsetp.backends.torch.collective_matmul import (
+    all_gather_matmul,
+    matmul_all_reduce,
+    matmul_reduce_scatter,
+    wait_all,
+)
 from sparsetp.backends.torch.comm import (
     SEQ_DIM,
     _all_gather_seq_start,
+    _can_overlap,
     _rank_major_to_seq,
     _reduce_scatter_seq,
     all_gather_dim,
@@ -70,6 +77,7 @@ from sparsetp.backends.torch.comm import (
     gather_from_region,
     group_rank,
     group_size,
+    p2p_all_gather,
     reduce_scatter_from_region,
     scatter_to_region,
 )
@@ -144,6 +152,54 @@ def _autocast_backward(backward):
     return wrapper
 
 
+
+# Collective matmuls (``comm_chunks``, :mod:`.collective_matmul`): a GEMM split along its tokens
+# so that point-to-point transfers of one piece run while the next piece multiplies. Each piece
+# must stay a large GEMM: on 2 H200s splitting paid only from 2**39 FLOPs a piece (~0.8 ms) and
+# lost up to 2x below it (d = 2048-4096; benchmarks/KERNEL_NOTES.md, "TP overlap").
+MIN_PIECE_FLOPS = 2 ** 39
+MAX_CHUNKS = 4
+
+
+def _check_comm_chunks(comm_chunks):
+    if comm_chunks is not None and (isinstance(comm_chunks, bool)
+                                    or not isinstance(comm_chunks, int) or comm_chunks < 1):
+        raise ValueError(f"comm_chunks must be None (auto) or a positive int, got "
+                         f"{comm_chunks!r}")
+    return comm_chunks
+
+
+def forward_chunks(comm_chunks: int | None, tokens: int, world: int, flops: float) -> int:
+    """How many token pieces a layer's GEMM (``flops`` on this rank, over ``tokens`` tokens) is
+    split into around its collective (1: one NCCL collective before or after the whole GEMM,
+    the plain schedule; more: a collective matmul). ``comm_chunks=None`` (auto) gives one piece
+    per :data:`MIN_PIECE_FLOPS`, at most :data:`MAX_CHUNKS`; never more pieces than tokens.
+    Always 1 on one rank and under ``torch.compile`` (which traces blocking collectives only).
+
+    The pieces' use: a sequence-parallel layer decomposes when it gets more than 1 (its ring
+    has one piece per rank); the row-parallel all-reduce runs in ``max(1, pieces // tp)``
+    waves of ``tp`` pieces each (:func:`.matmul_all_reduce`)."""
+    if world == 1 or not _can_overlap():
+        return 1
+    if comm_chunks is None:
+        comm_chunks = int(min(MAX_CHUNKS, flops // MIN_PIECE_FLOPS))
+    return max(1, min(comm_chunks, tokens))
+
+
+def _pieces(layer, x: torch.Tensor, shards: int = 1) -> int:
+    """:func:`forward_chunks` of ``layer`` for input ``x`` (``shards``: its tokens are a
+    sequence shard of that many)."""
+    tokens = x.numel() // x.shape[-1] * shards
+    flops = 2.0 * tokens * layer.weight.shape[0] * layer.weight.shape[1]
+    return forward_chunks(layer.comm_chunks, tokens, layer.world_size, flops)
+
+
+def _waves(layer, x: torch.Tensor) -> int:
+    """Waves of :func:`.matmul_all_reduce` for ``layer``'s all-reduce on ``x``; 0: plain."""
+    pieces = _pieces(layer, x)
+    return max(1, pieces // layer.world_size) if pieces > 1 else 0
+
+
 class _ColumnLinearAsyncGrad(torch.autograd.Function):
     """``y = x @ W + b`` whose backward overlaps the all-reduce of d(x) with d(W), d(b).
 
@@ -161,7 +217,9 @@ class _ColumnLinearAsyncGrad(torch.autograd.Function):
     Numerics: the same GEMM calls on the same operands as autograd's matmul backward (2-D
     ``mm`` on the flattened token dim, ``x^T @ dy`` for d(W)), the bias gradient summed over the
     same leading dims as autograd's ``sum_to_size``, and the all-reduce of the same tensor, so
-    the results are bitwise those of the plain path — only the order in time differs.
+    the results are bitwise those of the plain path — only the order in time differs. (A
+    collective matmul for d(x), :func:`.matmul_all_reduce` with its last all-gather under d(W),
+    measured no faster on 2 H200s than this all-reduce under d(W).)
 
     On CUDA, Megatron runs this with ``CUDA_DEVICE_MAX_CONNECTIONS=1``: with one hardware work
     queue, the NCCL kernel launched before the d(W) GEMM is also *scheduled* before it and gets
@@ -199,6 +257,8 @@ class _ColumnLinearSequenceParallel(torch.autograd.Function):
     ============================  =====================================================
     forward                       all-gather ``x_shard`` along the sequence dim (-2);
                                   ``x @ W + b``; save only ``x_shard`` and ``W``
+                                  (``decompose``: the gather runs under this rank's
+                                  own shard's GEMM, :func:`.all_gather_matmul`)
     backward                      start ``all_gather(x_shard)`` (async);
                                   ``dx = dy @ W^T`` meanwhile; wait;
                                   start ``reduce_scatter(dx)`` (async);
@@ -214,18 +274,26 @@ class _ColumnLinearSequenceParallel(torch.autograd.Function):
     Numerics: the same GEMM calls on the same operands as :class:`_ColumnLinearAsyncGrad`
     (itself bitwise autograd's), the re-gathered input is a copy of the same bits, and the
     reduce-scatter is the plain path's helper on the same tensor: bitwise equal results.
+    With ``decompose`` the backward re-gathers by send/recv under a d(x) that is a ring
+    reduce-scatter (:func:`.matmul_reduce_scatter`), and both GEMMs are split by ranks'
+    tokens: equal within the dtype's rounding.
     """
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx, x_shard, weight, bias, group):
+    def forward(ctx, x_shard, weight, bias, group, decompose):
         ctx.save_for_backward(x_shard, weight)
         ctx.group, ctx.has_bias = group, bias is not None
+        ctx.decompose = decompose
+        if decompose:
+            return all_gather_matmul(x_shard, weight, bias, group)[0]
         return _matmul_bias(all_gather_seq(x_shard, SEQ_DIM, group), weight, bias)
 
     @staticmethod
     @_autocast_backward
     def backward(ctx, dy):
+        if ctx.decompose:
+            return _ColumnLinearSequenceParallel._decomposed_backward(ctx, dy)
         x_shard, weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gathered = gather = None
@@ -247,7 +315,31 @@ class _ColumnLinearSequenceParallel(torch.autograd.Function):
             db = dy.sum(dim=tuple(range(dy.dim() - 1)))
         if reduce is not None:
             reduce.wait()
-        return dx_shard, dw, db, None
+        return dx_shard, dw, db, None, None
+
+    @staticmethod
+    def _decomposed_backward(ctx, dy):
+        """Re-gather ``x`` by send/recv while d(x) runs as a ring reduce-scatter of its chunk
+        GEMMs, then d(W) on the gathered input."""
+        x_shard, weight = ctx.saved_tensors
+        world, rank = group_size(ctx.group), group_rank(ctx.group)
+        handles, gathered = [], None
+        if ctx.needs_input_grad[1]:
+            x2 = x_shard.reshape(-1, x_shard.shape[-1]).contiguous()
+            gathered = torch.empty(world, *x2.shape, dtype=x2.dtype, device=x2.device)
+            gathered[rank].copy_(x2)
+            handles = p2p_all_gather(x2, list(gathered.unbind(0)), ctx.group)
+        dx_shard = None
+        if ctx.needs_input_grad[0]:
+            dx_shard = matmul_reduce_scatter(dy, weight.t(), ctx.group, "the input gradient")
+        wait_all(handles)
+        dw = db = None
+        if gathered is not None:
+            x = _rank_major_to_seq(gathered.view(world, *x_shard.shape), SEQ_DIM)
+            dw = x.reshape(-1, x.shape[-1]).t().mm(dy.reshape(-1, dy.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(dim=tuple(range(dy.dim() - 1)))
+        return dx_shard, dw, db, None, None
 
 
 class _RowLinear(torch.autograd.Function):
@@ -273,11 +365,15 @@ class _RowLinear(torch.autograd.Function):
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx, x_local, weight, bias, group, bias_here):
+    def forward(ctx, x_local, weight, bias, group, bias_here, waves):
         ctx.save_for_backward(x_local, weight)
         ctx.has_bias = bias is not None
-        return all_reduce_(_matmul_bias(x_local, weight, bias if bias_here else None)
-                           .contiguous(), group)
+        if waves:  # adds the bias on rank 0 itself
+            y, handles = matmul_all_reduce(x_local, weight, bias, group, waves)
+            wait_all(handles)
+            return y
+        bias = bias if bias_here else None
+        return all_reduce_(_matmul_bias(x_local, weight, bias).contiguous(), group)
 
     @staticmethod
     @_autocast_backward
@@ -290,7 +386,44 @@ class _RowLinear(torch.autograd.Function):
             dw = x_local.reshape(-1, x_local.shape[-1]).t().mm(dy.reshape(-1, dy.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(dim=tuple(range(dy.dim() - 1)))
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
+
+
+class _RowLinearSequenceParallel(torch.autograd.Function):
+    """``y_shard = reduce_scatter(x_local @ W)`` with both directions' collectives under GEMMs.
+
+    ============================  =====================================================
+    forward                       ring of partial sums (:func:`_matmul_reduce_scatter`):
+                                  each step's transfer runs under the next step's GEMM
+    backward                      start the all-gather of ``dy_shard`` (send/recv);
+                                  ``dx`` of this rank's tokens meanwhile; wait;
+                                  ``dx`` of the other tokens, ``dW = x^T dy``
+    ============================  =====================================================
+
+    The plain SP path (``reduce_scatter_from_region(x @ W)``) runs the reduce-scatter after
+    the whole GEMM and, backward, the all-gather of ``dy`` before both GEMMs, each with nothing
+    to overlap. Numerics: equal to it within the dtype's rounding (the forward sums in ring
+    order, the backward's d(x) GEMM is split by ranks' tokens); d(W) is bitwise.
+    """
+
+    @staticmethod
+    @_autocast_forward
+    def forward(ctx, x_local, weight, group):
+        ctx.save_for_backward(x_local, weight)
+        ctx.group = group
+        return matmul_reduce_scatter(x_local, weight, group)
+
+    @staticmethod
+    @_autocast_backward
+    def backward(ctx, dy_shard):
+        x_local, weight = ctx.saved_tensors
+        dx, dy = all_gather_matmul(dy_shard, weight.t(), None, ctx.group,
+                                   keep_input=ctx.needs_input_grad[1])
+        dw = None
+        if dy is not None:
+            dy = _rank_major_to_seq(dy.view(-1, *dy_shard.shape), SEQ_DIM)
+            dw = x_local.reshape(-1, x_local.shape[-1]).t().mm(dy.reshape(-1, dy.shape[-1]))
+        return (dx if ctx.needs_input_grad[0] else None), dw, None
 
 
 class _ParallelLinear(nn.Module):
@@ -387,7 +520,14 @@ class ColumnParallelLinear(_ParallelLinear):
       overlap_comm: overlap the backward all-reduce of the input gradient with the weight-gradient
         GEMM (:class:`_ColumnLinearAsyncGrad`); bitwise the same numbers as False. With
         ``sequence_parallel``, overlap the input re-gather and the gradient reduce-scatter
-        (:class:`_ColumnLinearSequenceParallel`), also bitwise.
+        (:class:`_ColumnLinearSequenceParallel`), also bitwise; as a collective matmul where
+        ``comm_chunks`` says so.
+      comm_chunks: with ``sequence_parallel`` (and ``overlap_comm``): None (auto,
+        :func:`forward_chunks`: only GEMMs large enough to gain) or a positive int; above 1
+        the forward all-gather runs under this rank's own tokens' GEMM and the backward
+        re-gathers by send/recv under a ring reduce-scatter of d(x)
+        (:mod:`.collective_matmul`; equal to 1 within the dtype's rounding); 1 is the plain
+        schedule.
       sequence_parallel: the input is this rank's contiguous chunk of the sequence dim (-2) of
         ``[..., T, in]``; it is all-gathered to ``[..., T * tp, in]`` before the GEMM and the
         input gradient is reduce-scattered back to ``[..., T, in]``.
@@ -406,16 +546,18 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, group=None, *, dtype: torch.dtype | None = None,
                  device=None, seed: int | None = 0, overlap_comm: bool = True,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, comm_chunks: int | None = None):
         self.gather_output, self.overlap_comm = gather_output, bool(overlap_comm)
         self.sequence_parallel = bool(sequence_parallel)
+        self.comm_chunks = _check_comm_chunks(comm_chunks)
         super().__init__(in_features, out_features, bias, group, dtype, device, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             if self.overlap_comm and self.world_size > 1:
+                decompose = _pieces(self, x, self.world_size) > 1
                 y_local = apply_function(_ColumnLinearSequenceParallel, x, self.weight,
-                                         self.bias, self.group)
+                                         self.bias, self.group, decompose)
             else:
                 y_local = _matmul_bias(all_gather_to_region(x, self.group), self.weight,
                                        self.bias)
@@ -441,6 +583,15 @@ class RowParallelLinear(_ParallelLinear):
         all-reducing it: ``[..., T, in / tp]`` in, this rank's ``[..., T / tp, out]`` out
         (ValueError unless ``tp`` divides ``T``); the bias is added on the shard. Needs
         ``input_is_parallel``.
+      overlap_comm: run the forward collective under the GEMM as ``comm_chunks`` says; False
+        is the plain schedule (one collective after the whole GEMM).
+      comm_chunks: None (auto, :func:`forward_chunks`: only GEMMs large enough to gain) or a
+        positive int. Without ``sequence_parallel`` the all-reduce becomes
+        ``max(1, comm_chunks // tp)`` waves of ring reduce-scatters and send/recv all-gathers
+        under the GEMM's pieces (:func:`.matmul_all_reduce`); with it, any value above 1 turns
+        the reduce-scatter into a ring of partial sums under the GEMMs and the backward's
+        all-gather runs under the d(x) GEMM (:class:`_RowLinearSequenceParallel`). 1 is
+        bitwise the plain schedule; more pieces equal it within the dtype's rounding.
     """
 
     _split_dim = 0
@@ -449,17 +600,23 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = True, group=None, *,
                  dtype: torch.dtype | None = None, device=None, seed: int | None = 0,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, overlap_comm: bool = True,
+                 comm_chunks: int | None = None):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input of "
                              "a sequence-parallel row layer is a column layer's output slice)")
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = bool(sequence_parallel)
+        self.overlap_comm = bool(overlap_comm)
+        self.comm_chunks = _check_comm_chunks(comm_chunks)
         super().__init__(in_features, out_features, bias, group, dtype, device, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y_shard = reduce_scatter_from_region(torch.matmul(x, self.weight), self.group)
+            if self.overlap_comm and _pieces(self, x) > 1:
+                y_shard = apply_function(_RowLinearSequenceParallel, x, self.weight, self.group)
+            else:
+                y_shard = reduce_scatter_from_region(torch.matmul(x, self.weight), self.group)
             if self.bias is None:
                 return y_shard
             # Each rank adds the replicated bias to its own tokens only, so its gradient here
@@ -467,12 +624,15 @@ class RowParallelLinear(_ParallelLinear):
             # backward) makes .grad the full sum on every rank, so replicas stay equal under any
             # optimizer without an extra call after backward (Megatron instead all-reduces such
             # "sequence-parallel" parameters in its training loop).
-            return y_shard + copy_to_region(self.bias, self.group)
+            # In y's dtype: under autocast y is bf16/fp16 while the bias stays fp32, and a
+            # promoting add would hand fp32 activations on (the plain row layer's GEMM epilogue
+            # adds the bias in the compute dtype too).
+            return y_shard + copy_to_region(self.bias, self.group).to(y_shard.dtype)
         x_local = x if self.input_is_parallel else scatter_to_region(x, self.group)
         if self.world_size == 1:  # nothing to reduce: autograd's own linear backward
             return _matmul_bias(x_local, self.weight, self.bias)
         return apply_function(_RowLinear, x_local, self.weight, self.bias, self.group,
-                              self.rank == 0)
+                              self.rank == 0, _waves(self, x_local) if self.overlap_comm else 0)
 
 
 class ParallelMLP(nn.Module):
@@ -490,16 +650,17 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, group=None, *,
                  dtype: torch.dtype | None = None, device=None, seed: int | None = 0,
-                 overlap_comm: bool = True, sequence_parallel: bool = False):
+                 overlap_comm: bool = True, sequence_parallel: bool = False,
+                 comm_chunks: int | None = None):
         super().__init__()
         seed = check_seed(seed, allow_none=True)  # before seed + 1
         for name, v in (("d_model", d_model), ("d_ff", d_ff)):  # named as the caller knows them
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        kw = dict(group=group, dtype=dtype, device=device, sequence_parallel=sequence_parallel)
+        kw = dict(group=group, dtype=dtype, device=device, sequence_parallel=sequence_parallel,
+                  overlap_comm=overlap_comm, comm_chunks=comm_chunks)
         self.fc1 = ColumnParallelLinear(d_model, d_ff, bias, gather_output=False,
-                                        seed=None if seed is None else seed,
-                                        overlap_comm=overlap_comm, **kw)
+                                        seed=None if seed is None else seed, **kw)
         self.fc2 = RowParallelLinear(d_ff, d_model, bias, input_is_parallel=True,
                                      seed=None if seed is None else seed + 1, **kw)
 
@@ -527,7 +688,7 @@ class ParallelSparseAttention(PatternModule):
       num_kv_heads: key/value heads (GQA; default ``num_heads``), divisible by the TP size.
       pattern: attention pattern, laid out per sequence length with ``block_size`` tiles.
       block_size, bias, group, dtype, device, seed: as above.
-      overlap_comm: passed to the qkv :class:`ColumnParallelLinear`.
+      overlap_comm, comm_chunks: passed to both linears (the forward and backward overlap).
       sequence_parallel: input and output are sequence shards (below); passed to both linears.
 
     Input ``x [B, N, d_model]`` (replicated), output ``[B, N, d_model]`` (replicated). With
@@ -546,7 +707,8 @@ class ParallelSparseAttention(PatternModule):
     def __init__(self, d_model: int, num_heads: int, pattern: Pattern, block_size: int = 64,
                  bias: bool = True, group=None, *, dtype: torch.dtype | None = None,
                  device=None, seed: int | None = 0, overlap_comm: bool = True,
-                 sequence_parallel: bool = False, num_kv_heads: int | None = None):
+                 sequence_parallel: bool = False, num_kv_heads: int | None = None,
+                 comm_chunks: int | None = None):
         super().__init__()
         if not isinstance(pattern, Pattern):
             raise ValueError(f"pattern must be a sparsetp Pattern, got {pattern!r}")
@@ -568,10 +730,11 @@ class ParallelSparseAttention(PatternModule):
         self.local_kv_heads = _divide("num_kv_heads", num_kv_heads, world)
         self.pattern, self.block_size = pattern, block_size
         self.head_start = group_rank(group) * self.local_heads
-        kw = dict(group=group, dtype=dtype, device=device, sequence_parallel=sequence_parallel)
+        kw = dict(group=group, dtype=dtype, device=device, sequence_parallel=sequence_parallel,
+                  overlap_comm=overlap_comm, comm_chunks=comm_chunks)
         qkv_width = d_model + 2 * num_kv_heads * self.head_dim
         self.qkv = ColumnParallelLinear(d_model, qkv_width, bias, gather_output=False,
-                                        seed=seed, overlap_comm=overlap_comm, **kw)
+                                        seed=seed, **kw)
         self.out = RowParallelLinear(d_model, d_model, bias, input_is_parallel=True,
                                      seed=None if seed is None else seed + 1, **kw)
 

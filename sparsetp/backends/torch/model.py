@@ -63,7 +63,7 @@ class GPT(nn.Module):
         and the JAX frontend start from the same weights); None skips the draw (for
         :meth:`load_params` next, as :meth:`from_params` does).
       device: where the parameters live.
-      overlap_comm: passed to every :class:`HybridBlock`.
+      overlap_comm, comm_chunks: passed to every :class:`HybridBlock`.
 
     ``forward(tokens)`` takes int64 (or int32) ``tokens [B, N]`` (the same on every rank),
     ``N <= max_seq_len``, ids in ``[0, vocab_size)``, and returns float logits
@@ -72,7 +72,7 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, group=None, *, seed: int | None = 0, device=None,
-                 overlap_comm: bool = True):
+                 overlap_comm: bool = True, comm_chunks: int | None = None):
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
@@ -84,7 +84,8 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(v, d, dtype=dtype, device=device)
         self.pos = nn.Embedding(config.max_seq_len, d, dtype=dtype, device=device)
         self.blocks = nn.ModuleList(
-            HybridBlock(b, group, seed=None, device=device, overlap_comm=overlap_comm)
+            HybridBlock(b, group, seed=None, device=device, overlap_comm=overlap_comm,
+                        comm_chunks=comm_chunks)
             for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(d, eps=b.norm_eps, dtype=dtype, device=device)
         self.head = _Head(d, v, dtype, device)
@@ -97,9 +98,11 @@ class GPT(nn.Module):
 
     @classmethod
     def from_params(cls, config: GPTConfig, params: Mapping[str, object], group=None, *,
-                    device=None, overlap_comm: bool = True) -> GPT:
+                    device=None, overlap_comm: bool = True,
+                    comm_chunks: int | None = None) -> GPT:
         """A model holding this rank's shards of the canonical UNSHARDED ``params``."""
-        model = cls(config, group, seed=None, device=device, overlap_comm=overlap_comm)
+        model = cls(config, group, seed=None, device=device, overlap_comm=overlap_comm,
+                    comm_chunks=comm_chunks)
         model.load_params(params)
         return model
 
