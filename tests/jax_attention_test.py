@@ -141,6 +141,9 @@ class _JaxHooks:
             calls.append(tuple(shape_dtype.shape))
             return out
 
+        # A launch binds its allocator when traced, and sparse_attention's staged kernels are
+        # traced once per shape: start from empty trace caches so the block traces them anew.
+        jax.clear_caches()
         with mock.patch.object(jlaunch, "_poisoned", spy):
             yield
         self.assertGreaterEqual(len(calls), 6)  # out, lse, delta, dq, dk, dv at least

@@ -331,9 +331,9 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
         # A per-row layout: batch folded into heads; table head r * H + h is row r's head h
         # (GQA folds alike), so the flat tables of metadata() serve [1, B * H, N, D].
         q, k, v = (t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v))
-    out, lse = _attention(q, k, v, lay.metadata(), scale=scale,
-                          head_groups=(lay.q_head_group, lay.k_head_group),
-                          widest=(lay.widest_row, lay.partial_row, lay.row_widths))
+    out, lse = _attention_jit(q, k, v, lay.metadata(), scale=scale,
+                              head_groups=(lay.q_head_group, lay.k_head_group),
+                              widest=(lay.widest_row, lay.partial_row, lay.row_widths))
     out, lse = out.reshape(shape), lse.reshape(shape[:3])
     return (out, lse) if return_lse else out
 
@@ -351,6 +351,12 @@ def _with_order(meta, head_groups):
 @functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "head_groups", "widest"))
 def _attention(q, k, v, meta, scale, head_groups, widest):  # by name (static)
     return _fwd(q, k, v, _with_order(meta, head_groups), scale, widest)
+
+
+# Always staged: launch.per_platform's platform_dependent then lowers for the devices the call
+# runs on. Evaluated op by op (an eager shard_map over CPU devices of a GPU machine) it took the
+# default backend's CUDA branch on CPU buffers and crashed the process.
+_attention_jit = jax.jit(_attention, static_argnames=("scale", "head_groups", "widest"))
 
 
 def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest):
