@@ -11,6 +11,7 @@
 #   ab (benchmarks/launch_ab.py; AB_ARGS, default the tile preset)
 #   probe (JAX MLP fwd+bwd variants on one GPU, issue #9)
 #   demo (the main job on 2 GPUs, torch and JAX, bf16)
+#   scaling (benchmarks/gpt_scaling.py: GPT training TP=1 / DP=2 / TP=2, torch and JAX, issue #24)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -45,6 +46,8 @@ for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
       --block_sizes=64,128 --dtypes=bfloat16,float16 --batch=2 \
       --patterns=causal,local,bigbird,strided_causal,per_head_mix,longformer \
       --report="$OUT/parity16.json" ;;
+  scaling) stage scaling "${SCALING_S:-420}" python3 benchmarks/gpt_scaling.py --preset=gpu2 \
+      --out_dir="$OUT" --budget_s="${SCALING_BUDGET:-360}" ;;
   demo) stage demo_torch "${DEMO_S:-90}" python3 -m sparsetp demo --backend torch --tp 2 \
       --device cuda --dtype bfloat16
     stage demo_jax "${DEMO_S:-90}" python3 -m sparsetp demo --backend jax --tp 2 --device cuda \

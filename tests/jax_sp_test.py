@@ -243,14 +243,7 @@ class SequenceParallelBlockTest(parameterized.TestCase):
         return np.asarray(y), np.asarray(gx), B.export_params(gp)
 
     def _assert_matches(self, got, ref, label):
-        y, dx, grads = got
-        ref_y, ref_dx, ref_grads = ref
-        assert_close(y, ref_y, "float32", what=f"y {label}")
-        assert_close(dx, ref_dx, "float32", grad=True, what=f"dx {label}")
-        self.assertEqual(set(grads), set(ref_grads))
-        for name in ref_grads:
-            assert_close(grads[name], ref_grads[name], "float32", grad=True,
-                         what=f"d {name} {label}")
+        jtu.assert_block_matches(got, ref, label)
 
     @parameterized.parameters(2, 4)
     def test_matches_oracle_and_plain_block(self, tp):

@@ -90,3 +90,19 @@ def on_devices_of(n: int):
 
     with jax.default_device(devices(n)[0]):
         yield
+
+
+def assert_block_matches(got, ref, label: str) -> None:
+    """``(y, dx, grads)`` of a hybrid-block run against another (``grads``: canonical name ->
+    array), at the suite's float32 tolerances (gradients 2x)."""
+    from testing_utils import assert_close  # noqa: PLC0415
+
+    y, dx, grads = got
+    ref_y, ref_dx, ref_grads = ref
+    assert_close(y, ref_y, "float32", what=f"y {label}")
+    assert_close(dx, ref_dx, "float32", grad=True, what=f"dx {label}")
+    if set(grads) != set(ref_grads):
+        raise AssertionError(f"{label}: gradient names {sorted(grads)} != {sorted(ref_grads)}")
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], "float32", grad=True,
+                     what=f"d {name} {label}")

@@ -16,6 +16,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import torch  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as PS  # noqa: E402
 from testing_utils import assert_close  # noqa: E402
 
 from sparsetp.core import (  # noqa: E402
@@ -31,7 +33,13 @@ from sparsetp.core import (  # noqa: E402
 )
 from sparsetp.core import patterns as P  # noqa: E402
 from sparsetp.core.model import block_seed, gpt_forward_flops  # noqa: E402
-from sparsetp.jax import gpt, load_gpt_params, shard_gpt_params  # noqa: E402
+from sparsetp.jax import (  # noqa: E402
+    gpt,
+    load_gpt_params,
+    make_2d_mesh,
+    shard_batch,
+    shard_gpt_params,
+)
 from sparsetp.jax import gpt_loss as jax_loss  # noqa: E402
 from sparsetp.torch import GPT  # noqa: E402
 from sparsetp.torch import gpt_loss as torch_loss  # noqa: E402
@@ -276,6 +284,40 @@ class JaxGPTTest(_FrameworkOracleMixin, parameterized.TestCase):
         out = gpt(shard_gpt_params(params, CFG, mesh), tokens, CFG, mesh=mesh)
         assert_close(np.asarray(out), reference.gpt_forward(params, tokens, CFG), "float32",
                      what="tp=2 logits")
+
+    def test_data_and_tensor_parallel_matches_oracle(self):
+        """dp=2 x tp=2 (``gpt(..., batch_axis="data")`` on a ``make_2d_mesh``): the logits come
+        back split over "data", and the loss and every gradient are the global batch's (the
+        data-parallel sum of the parameter gradients is jax.grad's, not written by hand)."""
+        mesh = make_2d_mesh(2, 2, devices=jax_test_utils.devices(4))
+        params = init_gpt_params(CFG, seed=6)
+        tokens, targets, _ = _batch(batch_size=2)
+        mask = np.ones(targets.shape, bool)
+        p = shard_gpt_params(params, CFG, mesh, "model")
+        tok, tgt, msk = shard_batch((tokens.astype(np.int32), targets.astype(np.int32), mask),
+                                    mesh)
+
+        def f(p):
+            logits = gpt(p, tok, CFG, mesh=mesh, axis_name="model", batch_axis="data")
+            return jax_loss(logits, tgt, msk), logits
+
+        (loss, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(p)
+        self.assertTrue(logits.sharding.is_equivalent_to(NamedSharding(mesh, PS("data")), 3),
+                        logits.sharding)
+        # Every block splits the batch itself (replicated blocks would give the same numbers,
+        # each device computing the whole batch): its shard_map maps "data" over B.
+        maps = [e for e in jax.make_jaxpr(f)(p).jaxpr.eqns if e.primitive.name == "shard_map"]
+        self.assertLen(maps, CFG.num_layers)
+        for e in maps:
+            self.assertEqual(tuple(e.params["out_specs"]), (PS("data", None, None),))
+        assert_close(np.asarray(logits), reference.gpt_forward(params, tokens, CFG), "float32",
+                     what="dp=2 x tp=2 logits")
+        ref_loss, ref_grads = reference.gpt_value_and_grad(params, tokens, targets, mask, CFG)
+        assert_close(float(loss), ref_loss, "float32", what="loss")
+        self.assertEqual(sorted(grads), sorted(ref_grads))
+        for n in ref_grads:
+            assert_close(np.asarray(grads[n]), ref_grads[n], "float32", grad=True,
+                         reduced=tokens.size, what=n)
 
 
 class TorchJaxTrainingParityTest(absltest.TestCase):

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import queue as queue_lib
+import subprocess
 import sys
 import time
 
@@ -143,3 +144,21 @@ def spawn_ranks(target, world: int, args: tuple, on_record, timeout: float, name
                 p.join(5)
             if p.is_alive():
                 p.kill()
+
+
+def run_json_subprocess(cmd: list, env: dict, timeout: float, out: str) -> tuple[dict, str | None]:
+    """Run ``cmd`` (a child that writes its results as JSON to ``out`` as it goes) within
+    ``timeout`` seconds; returns ``(what it wrote, or {}; an error line or None)``: a nonzero
+    exit (with the end of its stderr) or a timeout, while keeping whatever it wrote before."""
+    err = None
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode:
+            err = f"JAX subprocess exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    except subprocess.TimeoutExpired as e:
+        err = f"JAX subprocess timed out after {e.timeout:.0f} s"
+    got = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            got = json.load(f)
+    return got, err

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -1063,18 +1062,7 @@ def _run_jax(run: _Run, spec, world, stages, label, extra_xla_flags=""):
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-c",
            f"from sparsetp.bench import tp; tp._jax_worker({os.path.join(tmp, 'job.json')!r})"]
-    err = None
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              timeout=max(5.0, run.left()))
-        if proc.returncode:
-            err = f"JAX subprocess exited {proc.returncode}:\n{proc.stderr[-3000:]}"
-    except subprocess.TimeoutExpired as e:
-        err = f"JAX subprocess timed out after {e.timeout:.0f} s"
-    got = {}
-    if os.path.exists(out):
-        with open(out) as f:
-            got = json.load(f)
+    got, err = common.run_json_subprocess(cmd, env, max(5.0, run.left()), out)
     for name in stages:
         entry = got.get("stages", {}).get(name)
         if entry is None:
