@@ -152,7 +152,6 @@ def _autocast_backward(backward):
     return wrapper
 
 
-
 # Collective matmuls (``comm_chunks``, :mod:`.collective_matmul`): a GEMM split along its tokens
 # so that point-to-point transfers of one piece run while the next piece multiplies. Each piece
 # must stay a large GEMM: on 2 H200s splitting paid only from 2**39 FLOPs a piece (~0.8 ms) and
@@ -349,7 +348,9 @@ class _RowLinear(torch.autograd.Function):
 
     ============  ===================================================================
     forward       ``addmm(b, x, W)`` on rank 0, ``x @ W`` elsewhere; one in-place
-                  sum all-reduce (no copy: nothing else holds the GEMM's output)
+                  sum all-reduce (no copy: nothing else holds the GEMM's output);
+                  with ``waves``, :func:`.matmul_all_reduce` (the reduction under
+                  the GEMM's pieces, same bias placement)
     backward      no collective: ``dy`` is replicated, so ``dx = dy W^T`` and
                   ``dW = x^T dy`` are this rank's shards and ``db = sum(dy)`` is the
                   full bias gradient on every rank (replicas stay equal)
@@ -393,7 +394,7 @@ class _RowLinearSequenceParallel(torch.autograd.Function):
     """``y_shard = reduce_scatter(x_local @ W)`` with both directions' collectives under GEMMs.
 
     ============================  =====================================================
-    forward                       ring of partial sums (:func:`_matmul_reduce_scatter`):
+    forward                       ring of partial sums (:func:`.matmul_reduce_scatter`):
                                   each step's transfer runs under the next step's GEMM
     backward                      start the all-gather of ``dy_shard`` (send/recv);
                                   ``dx`` of this rank's tokens meanwhile; wait;
