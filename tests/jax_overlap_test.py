@@ -31,7 +31,6 @@ from jax_test_utils import ensure_cpu_devices  # noqa: E402
 ensure_cpu_devices()
 
 import functools  # noqa: E402
-import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -69,23 +68,6 @@ def _psums(fn, *args) -> int:
     """All-reduces in the jaxpr of ``fn(*args)`` (nested jaxprs too)."""
     text = str(jax.make_jaxpr(fn)(*args))
     return sum(text.count(f"{name}[") for name in ("psum", "psum_invariant", "psum2"))
-
-
-_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(collective-permute|all-gather|"
-                         r"reduce-scatter|all-reduce)(?:-start)?\(")
-
-
-def _hlo_collectives(hlo: str) -> dict[str, list[tuple[int, ...]]]:
-    """``{op: [result array shape, ...]}`` of every collective-permute, all-gather,
-    reduce-scatter and all-reduce in compiled HLO text (a tuple-shaped, combined collective
-    lists each of its arrays)."""
-    out = {"collective-permute": [], "all-gather": [], "reduce-scatter": [], "all-reduce": []}
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m:
-            for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", m.group(1)):
-                out[m.group(2)].append(tuple(int(d) for d in dims.split(",") if d))
-    return out
 
 
 def _vjp(fn, args, dy):
@@ -272,7 +254,7 @@ class OverlapLayersTest(parameterized.TestCase):
                 return y, vjp(dy)
 
             f, a = (fwd_bwd, args) if backward else (fn, args[:5])
-            return _hlo_collectives(jax.jit(f).lower(*a).compile().as_text())
+            return jtu.hlo_collectives(jax.jit(f).lower(*a).compile().as_text())
 
         shard = (2, 8 // tp, d)
         fwd = compiled(True, backward=False)
@@ -310,7 +292,7 @@ class OverlapLayersTest(parameterized.TestCase):
                 y, vjp = jax.vjp(fn, *a)
                 return y, vjp(ct)
 
-            got = _hlo_collectives(jax.jit(fwd_bwd).lower(*args).compile().as_text())
+            got = jtu.hlo_collectives(jax.jit(fwd_bwd).lower(*args).compile().as_text())
             self.assertEqual(got["collective-permute"], [shard] * (2 * (tp - 1)), layer.__name__)
             self.assertEqual(got["all-gather"] + got["reduce-scatter"] + got["all-reduce"], [],
                              layer.__name__)

@@ -32,7 +32,6 @@ from jax_test_utils import ensure_cpu_devices  # noqa: E402
 ensure_cpu_devices()
 
 import functools  # noqa: E402
-import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -76,22 +75,6 @@ def _gathers(fn, *args):
 
 def _scatters(fn, *args):
     return _count(fn, *args, names=("reduce_scatter",))
-
-
-_COLLECTIVE = re.compile(
-    r"=\s*(\([^=]*?\)|\S+)\s+(all-gather|reduce-scatter|all-reduce)(?:-start)?\(")
-
-
-def _hlo_collectives(hlo: str) -> dict[str, list[tuple[int, ...]]]:
-    """``{op: [result array shape, ...]}`` for every all-gather, reduce-scatter and all-reduce
-    of compiled HLO text (a combined, tuple-shaped collective lists each of its arrays)."""
-    out = {"all-gather": [], "reduce-scatter": [], "all-reduce": []}
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m:
-            for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", m.group(1)):
-                out[m.group(2)].append(tuple(int(d) for d in dims.split(",") if d))
-    return out
 
 
 class SequenceParallelLayersTest(parameterized.TestCase):
@@ -289,7 +272,7 @@ class SequenceParallelBlockTest(parameterized.TestCase):
                 return y, vjp(dy)
 
             hlo = jax.jit(fwd_bwd).lower(p, x, dy).compile().as_text()
-            return _hlo_collectives(hlo)
+            return jtu.hlo_collectives(hlo)
 
         plain = collectives(False)
         # The parser sees the plain mode's activation all-reduces (2 forward, 2 backward).

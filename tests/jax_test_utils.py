@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import unittest
 
 NUM_CPU_DEVICES = 4
@@ -106,3 +107,20 @@ def assert_block_matches(got, ref, label: str) -> None:
     for name in ref_grads:
         assert_close(grads[name], ref_grads[name], "float32", grad=True,
                      what=f"d {name} {label}")
+
+
+_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(collective-permute|all-gather|"
+                         r"reduce-scatter|all-reduce)(?:-start)?\(")
+
+
+def hlo_collectives(hlo: str) -> dict[str, list[tuple[int, ...]]]:
+    """``{op: [result array shape, ...]}`` of every collective-permute, all-gather,
+    reduce-scatter and all-reduce in compiled HLO text (a tuple-shaped, combined collective
+    lists each of its arrays)."""
+    out = {"collective-permute": [], "all-gather": [], "reduce-scatter": [], "all-reduce": []}
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m:
+            for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", m.group(1)):
+                out[m.group(2)].append(tuple(int(d) for d in dims.split(",") if d))
+    return out
