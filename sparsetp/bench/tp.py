@@ -515,9 +515,7 @@ def _tp_cases(rank, world, spec, device, groups, model, overlap_options,
         if p == "solo":
             continue
         sp = dict(model=model, **(dict(sequence_parallel=True) if sequence_parallel else {}))
-        for option in overlap_options:
-            # (overlap_comm, comm_chunks); a bare bool keeps the layers' default chunks
-            overlap, chunks = option if isinstance(option, tuple) else (option, None)
+        for overlap, chunks in overlap_options:  # (overlap_comm, comm_chunks)
             sp["comm_chunks"] = chunks
             if rank < p:
                 # A case that fails (say out of memory) is recorded and the rank still reaches
@@ -543,7 +541,7 @@ def _tp_cases(rank, world, spec, device, groups, model, overlap_options,
 
 
 def _stage_torch_mlp(rank, world, spec, device, groups):
-    return _tp_cases(rank, world, spec, device, groups, "mlp", (True,))
+    return _tp_cases(rank, world, spec, device, groups, "mlp", ((True, None),))
 
 
 # The forward-overlap arms (overlap_comm, comm_chunks) timed beside the default (auto) rows:
@@ -558,7 +556,7 @@ def _stage_torch_overlap(rank, world, spec, device, groups):
 
 
 def _stage_torch_block(rank, world, spec, device, groups):
-    return _tp_cases(rank, world, spec, device, groups, "block", (True,))
+    return _tp_cases(rank, world, spec, device, groups, "block", ((True, None),))
 
 
 def _stage_torch_sp(rank, world, spec, device, groups):
