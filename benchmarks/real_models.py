@@ -7,7 +7,8 @@ Cases (B=1, bf16, block 128 on both sides; GPU only):
   32768: sparsetp GQA, sparsetp MHA (k/v with 32 heads: the TFLOP/s it should match) and
   ``flex_attention(..., enable_gqa=True)`` with ``create_block_mask`` of the natural mask_mod;
 * ``documents``: N=32768 packed as documents of 512-8192 tokens (seeded), causal within each,
-  H=16, D=128: ``P.documents(lengths) & P.causal()`` against Flex's document mask_mod;
+  H=16, D=128: ``P.documents(lengths) & P.causal()`` against Flex's document mask_mod and, when
+  ``flash_attn.cute`` is importable, FlashAttention-4's varlen path (``cu_seqlens``);
 * ``head_dim``: causal N=8192, H=16, D=128 and D=256: TFLOP/s of each.
 
 TFLOP/s count computed elements (``sum over query heads of computed tiles * block^2``): forward
@@ -155,8 +156,45 @@ def documents(rec):
     def mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    _pair(rec, "documents_causal", layout, mod, b, h, h, n, d, seed=7,
-          extra={"lengths": lengths, "our_layout_build_s": build_s})
+    entry = _pair(rec, "documents_causal", layout, mod, b, h, h, n, d, seed=7,
+                  extra={"lengths": lengths, "our_layout_build_s": build_s})
+    _fa4_varlen(rec, entry, layout, lengths, b, h, n, d, seed=7)
+
+
+def _fa4_varlen(rec, entry, layout, lengths, b, h, n, d, seed):
+    """FlashAttention-4's varlen path (``cu_seqlens``, causal within each document) on the same
+    inputs, when ``flash_attn.cute`` is importable (``../shared/peers/fa4.sh``); else the
+    reason is recorded."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func  # noqa: PLC0415
+    except ImportError as e:
+        entry["fa4_varlen"] = {"skipped": f"flash_attn.cute not importable: {e}"}
+        rec.save()
+        return
+    q, k, v, d_out = _tensors(b, h, h, n, d, seed)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32,
+                      device="cuda")
+    longest = int(max(lengths))
+
+    def fa4(q, k, v):  # FA's own layout, [total tokens, H, D]
+        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                     max_seqlen_q=longest, max_seqlen_k=longest, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    def tokens_major(t):
+        return t[0].transpose(0, 1).contiguous()
+
+    qf, kf, vf, dof = (tokens_major(t) for t in (q, k, v, d_out))
+    ours = sparse_attention(q, k, v, layout)
+    diff = float((fa4(qf, kf, vf).float() - tokens_major(ours).float()).abs().max())
+    fwd, both = _time(fa4, qf, kf, vf, dof)
+    entry["fa4_varlen"] = {"max_abs_diff_vs_ours": diff, "fwd_ms": fwd, "bwd_ms": both - fwd,
+                           "fwd_bwd_ms": both, "fwd_tflops": _tflops(layout, b, d, fwd),
+                           "bwd_tflops": _tflops(layout, b, d, both - fwd, backward=True)}
+    entry["fa4_over_ours"] = {p: entry["fa4_varlen"][f"{p}_ms"] / entry["sparsetp"][f"{p}_ms"]
+                              for p in ("fwd", "bwd", "fwd_bwd")}
+    rec.log(f"FA4 varlen: diff {diff:.3g}, fa4/ours {entry['fa4_over_ours']}")
+    rec.save()
 
 
 def head_dim(rec):

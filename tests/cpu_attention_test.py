@@ -30,6 +30,7 @@ from sparsetp.backends.jax import cpu as jcpu  # noqa: E402
 from sparsetp.backends.torch import attention as tattn  # noqa: E402
 from sparsetp.backends.torch import cpu as tcpu  # noqa: E402
 from sparsetp.core import make_layout, reference  # noqa: E402
+from sparsetp.core import patterns as P  # noqa: E402
 from sparsetp.core.examples import example_pattern  # noqa: E402
 
 # (pattern, N_q, N_kv, block, H, H_kv): causal, bigbird, a per-head mix, GQA, kv_len != seq_len
@@ -117,6 +118,26 @@ class NativeMatchesInterpreterTest(parameterized.TestCase):
         for name, a, b in zip(NAMES, whole_j, chunked_j, strict=True):
             tu.assert_close(b, a, "float32", grad=name[0] == "d", what=f"jax {name}")
 
+    def test_band_chunks_are_strided_views(self):
+        """A band's interior rows list consecutive key tiles (partial ones first): their chunks
+        read K/V as strided views, with the masks put in tile order. Batch 2, ragged N and a
+        partial band edge: the oracle's numbers, and those of the gathering path."""
+        n, bs, h = 250, 16, 2
+        layout = make_layout(P.causal() & P.local(40, 0), n, h, bs)
+        tables = tcpu._tables(layout)
+        windows = [tables.window(*c) for c in tables.plan(2, D)]
+        self.assertTrue(any(w is not None and list(w[2]) != sorted(w[2]) for w in windows))
+        q, d_out = tu.random_inputs(0, (2, h, n, D), "float32", count=2)
+        k, v = tu.random_inputs(1, (2, h, n, D), "float32", count=2)
+        ref = [*reference.attention(q, k, v, layout),
+               *reference.attention_grad(q, k, v, layout, d_out)]
+        views = _torch_run(layout, q, k, v, d_out)
+        with mock.patch.object(tcpu._Tables, "window", lambda self, t0, t1, w: None):
+            gathered = _torch_run(layout, q, k, v, d_out)
+        for name, a, g, r in zip(NAMES, views, gathered, ref, strict=True):
+            grad = name[0] == "d"
+            tu.assert_close(a, r, "float32", grad=grad, what=f"views {name}")
+            tu.assert_close(a, g, "float32", grad=grad, what=f"views vs gathered {name}")
 
     def test_worker_threads(self):
         """Chunks on two worker threads (tiny chunks, so every call uses them) through autograd

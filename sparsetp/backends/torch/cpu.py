@@ -17,11 +17,15 @@ numbers follow the kernels' contract on the *same* layout metadata, read as it i
   written per query tile, dK/dV are scatter-added (``index_add_``, sequential on CPU, so
   deterministic) over the gathered tiles and hence summed over each GQA group.
 
-How: the query tiles are cut into chunks; a chunk gathers, for every head, the key/value tiles
-its rows list (``q_index`` padded to the chunk's widest row, padding masked), and does a batched
-matmul, a softmax over the whole gathered row and a second matmul. A chunk holds whole rows, so
-no online softmax is needed; its size is bounded (:data:`CHUNK_ELEMENTS`), so extra memory grows
-with the computed blocks of a chunk, never with ``N x N``.
+How: the query tiles are cut into chunks. For every head, a chunk's rows list key/value tiles:
+a row of a band's interior lists consecutive tiles, so the chunk reads them as a strided view of
+K and V (:meth:`_Tables.window`); other chunks gather them (``q_index`` padded to the chunk's
+widest row). ATen's fused flash-attention kernel for CPU then runs each query tile against its
+row as one short sequence, with an additive mask for partial tiles and padding: no score matrix
+is materialised and the kernel threads over heads and tiles itself. A chunk holds whole rows, so
+no softmax state crosses chunks; its size is bounded (:data:`CHUNK_ELEMENTS`), so extra memory
+grows with the computed blocks of a chunk, never with ``N x N``. A backward with an LSE
+cotangent, which the fused kernel has no input for, takes batched matmuls instead.
 
 Example::
 
@@ -75,6 +79,11 @@ CHUNKS_PER_WORKER = 8
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+# ATen's fused (flash) attention for CPU tensors: with the gathered tiles as its sequences and
+# an additive mask it computes a chunk without materialising its scores, threaded inside.
+_FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FUSED_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
 
 def _empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=device)
@@ -110,6 +119,12 @@ class _Tables:
                        np.where(listed, full_id, n_masks + 2)).astype(np.int64)
         self.index = torch.from_numpy(np.ascontiguousarray(index))
         self.ids_np = ids
+        # Query rows that see no key at all, [H, NT * bs]: the fused kernel returns LSE 0 there
+        # (its output is 0, as ours), so their LSE is set to -inf after the call.
+        sees = np.concatenate([bits.any(-1), np.ones((2, bs), bool), np.zeros((1, bs), bool)])
+        keyless = ~sees[ids].any(axis=2)  # [H, NT, bs]
+        self.keyless = torch.from_numpy(keyless.reshape(keyless.shape[0], -1)) \
+            if keyless.any() else None
         # bias[u, r, c]: 0 where query r of the tile may see key c, -inf where not; added to the
         # scores (a vectorised add: masked_fill_ with a bool mask is ~5x slower per element).
         self.bias = torch.where(torch.from_numpy(table), 0.0, float("-inf"))
@@ -123,6 +138,9 @@ class _Tables:
         self.signature = [(int(x), ids[:, t, :x].tobytes()) for t, x in enumerate(self.extent)]
         self.plans: dict = {}
         self.masks: dict = {}
+        self.fused_masks: dict = {}
+        self.count = count
+        self.windows: dict = {}
 
     def chunk_mask(self, t0: int, t1: int, w: int):
         """How to mask the scores ``[B, H, t1 - t0, bs, w * bs]`` of a chunk, built once per
@@ -151,6 +169,62 @@ class _Tables:
                     for c in np.unique(start) if c < w]
             self.masks[key] = (e, bias, ids_t, pads)
         return self.masks[key]
+
+    def fused_mask(self, t0: int, t1: int, w: int, batch: int, dtype: torch.dtype,
+                   windowed: bool = False):
+        """The additive mask of chunk ``(t0, t1, w)`` for the fused kernel, broadcastable to its
+        scores ``[B * H, t1 - t0, bs, w * bs]`` (0 where a query may see a key, -inf elsewhere),
+        or None when every listed entry is a full tile; ``windowed``: its key tiles in the
+        order of :meth:`window`, else of the rows' entries. A mask shared by the chunk's tiles
+        (``[H, 1, ...]``, then ``B`` times over the batch) is kept per chunk; one that differs per
+        tile is built per call (kept, it would hold an N x W x bs float per head)."""
+        key = (t0, t1, w, batch, dtype, windowed)
+        hit = self.fused_masks.get(key)
+        if hit is not None:
+            return hit[0]
+        e, bias, ids, pads = self.chunk_mask(t0, t1, w)
+        if not e and not pads:
+            self.fused_masks[key] = (None,)
+            return None
+        h, bs, ct = self.ids_np.shape[0], self.bias.shape[-1], t1 - t0
+        shared = ids is None and not pads
+        mask = torch.zeros(h, 1 if shared else ct, bs, w * bs, dtype=dtype)
+        if bias is not None:
+            mask[..., :e * bs] = bias.reshape(h, 1, bs, e * bs)
+        elif e:
+            mask[..., :e * bs] = (self.bias.index_select(0, ids.reshape(-1)).to(dtype)
+                                  .reshape(h, ct, e, bs, bs).transpose(2, 3)
+                                  .reshape(h, ct, bs, e * bs))
+        for start, which in pads:  # pads make the mask per tile
+            mask.view(h * ct, bs, w * bs)[which, :, start * bs:] = float("-inf")
+        if windowed:  # entry e's columns go to tile order[e] of the run
+            order = torch.from_numpy(np.argsort(self.window(t0, t1, w)[2]))
+            mask = mask.unflatten(-1, (w, bs)).index_select(-2, order).flatten(-2)
+        if batch > 1:
+            mask = mask.repeat(batch, 1, 1, 1)
+        if shared:
+            self.fused_masks[key] = (mask,)
+        return mask
+
+    def window(self, t0: int, t1: int, w: int) -> tuple[int, int, np.ndarray] | None:
+        """``(first, step, order)`` when every head's rows of chunk ``(t0, t1, w)`` list exactly
+        the ``w`` consecutive key tiles from ``first + step * (t - t0)`` on (a band, block-
+        diagonal runs), entry ``e`` being tile ``order[e]`` of that run in every row: then the
+        chunk's K/V tiles are a strided view (:func:`_window`); else None."""
+        key = (t0, t1, w)
+        if key not in self.windows:
+            found = None
+            index = self.index.numpy()[:, t0:t1, :w]
+            if w and (self.count[:, t0:t1] == w).all():
+                starts = index.min(-1)  # [H, ct]
+                step = int(starts[0, 1] - starts[0, 0]) if t1 - t0 > 1 else 0
+                order = index[0, 0] - starts[0, 0]
+                if (step >= 0 and (starts == starts[0, 0] + step * np.arange(t1 - t0)).all()
+                        and np.array_equal(np.sort(order), np.arange(w))
+                        and (index - starts[..., None] == order).all()):
+                    found = (int(starts[0, 0]), step, order)
+            self.windows[key] = found
+        return self.windows[key]
 
     def per_tile(self, batch: int, head_dim: int) -> int:
         """Elements per listed entry of a query tile in a chunk's largest temporary (scores
@@ -231,23 +305,58 @@ def _operands(q, k, v, layout: BlockLayout):
 
 def _gather_tiles(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``[B, H_kv, T, bs, D]`` -> ``[B, len(rows), bs, D]``: tiles ``rows`` of the flattened
-    (kv head, tile) axis."""
+    (kv head, tile) axis. One ``index_select`` over the first axis of a 2-D view: whole rows
+    copied as they are (over an inner axis of the 4-D view it is ~10x slower)."""
     b, h_kv, n_t, bs, d = t.shape
-    return t.reshape(b, h_kv * n_t, bs, d).index_select(1, rows)
+    if b > 1:
+        rows = (torch.arange(b)[:, None] * (h_kv * n_t) + rows).reshape(-1)
+    return t.reshape(b * h_kv * n_t, bs * d).index_select(0, rows).view(b, -1, bs, d)
+
+
+def _gather_kv(tables: _Tables, kt, vt, kv_head, t0: int, t1: int, w: int,
+               views: bool = True):
+    """``(index [H, ct, w], k, v [B * H, ct, w * bs, D], windowed)``: the key/value tiles that
+    query tiles ``[t0, t1)`` list, each row cut to ``w`` entries: a strided view of ``kt``/``vt``
+    in the order of :meth:`_Tables.window` (``windowed``; with ``views`` and no GQA), else
+    gathered in the rows' order; ``index``: the key tile of each column block."""
+    b, h_kv, n_t, bs, d = kt.shape
+    ct = t1 - t0
+    window = tables.window(t0, t1, w) if views and h_kv == kv_head.shape[0] else None
+    if window is not None:  # no copy: the chunk's key tiles are one stride apart
+        first, step, _ = window
+        run = (first + step * torch.arange(ct)[:, None] + torch.arange(w)).expand(h_kv, ct, w)
+        return run, _window(kt, first, step, ct, w), _window(vt, first, step, ct, w), True
+    index = tables.index[:, t0:t1, :w]
+    # One index_select of whole tiles over (kv head, tile) rows: a plain row copy, faster than
+    # advanced indexing over two dims.
+    rows = (kv_head * n_t + index).reshape(-1)  # [H*ct*W]
+    shape = (b * kv_head.shape[0], ct, w * bs, d)
+    return index, _gather_tiles(kt, rows).view(shape), _gather_tiles(vt, rows).view(shape), False
+
+
+def _window(t: torch.Tensor, first: int, step: int, ct: int, w: int) -> torch.Tensor:
+    """``[B * H, ct, w * bs, D]`` view of tiles ``[B, H, T, bs, D]``: for ``c < ct`` the ``w``
+    tiles from ``first + step * c`` on, as one run of rows (tiles are row-contiguous)."""
+    b, h, _, bs, d = t.shape
+    sb, sh, st, sr, sd = t.stride()
+    assert st == bs * sr and (b == 1 or sb == h * sh), "tiles of a [B, H, N, D] view"
+    return t.as_strided((b * h, ct, w * bs, d), (sh, step * st, sr, sd),
+                        t.storage_offset() + first * st)
+
+
+def _fold(t: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """Tiles ``[t0, t1)`` of ``[B, H, NT, bs, ...]`` as ``[B * H, t1 - t0, bs, ...]`` (a view)."""
+    return t[:, :, t0:t1].flatten(0, 1)
 
 
 class _Chunk:
-    """One chunk's gathered tiles and masked, scaled scores."""
+    """One chunk's gathered tiles and masked, scaled scores (the LSE-cotangent backward)."""
 
     def __init__(self, tables: _Tables, kt, vt, kv_head, q_c, t0, t1, w, scale):
         b, h, ct, bs, d = q_c.shape
-        index = tables.index[:, t0:t1, :w]
-        self.index = index
-        # One index_select of whole tiles over (kv head, tile) rows: a plain row copy, faster
-        # than advanced indexing over two dims.
-        rows = (kv_head * kt.shape[2] + index).reshape(-1)  # [H*ct*W]
-        self.k = _gather_tiles(kt, rows).reshape(b, h, ct, w * bs, d)  # [B, H, ct, W*bs, D]
-        self.v = _gather_tiles(vt, rows).reshape(b, h, ct, w * bs, d)
+        self.index, k, v, _ = _gather_kv(tables, kt, vt, kv_head, t0, t1, w, views=False)
+        self.k = k.view(b, h, ct, w * bs, d)  # [B, H, ct, W*bs, D]
+        self.v = v.view(b, h, ct, w * bs, d)
         # Scaling q (bs x D per tile) instead of the scores (bs x W*bs) is W*bs/D times less
         # work; the same product up to fp32 rounding.
         s = torch.matmul(q_c * scale, self.k.transpose(-1, -2))  # [B, H, ct, bs, W*bs]
@@ -361,17 +470,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayo
             out[:, :, r0:r1].zero_()
             lse[:, :, r0:r1].fill_(float("-inf"))
             return
-        c = _Chunk(tables, kt, vt, kv_head, qt[:, :, t0:t1], t0, t1, w, scale)
-        m = c.s.amax(-1, keepdim=True)
-        # A row with no allowed key has max -inf: shift it by 0 instead, so exp gives 0s
-        # (not NaN), the sum 0, the output 0 and log(0) = -inf the LSE.
-        m = torch.where(torch.isfinite(m), m, 0.0)
-        p = _exp_(c.s.sub_(m))
-        denom = p.sum(-1, keepdim=True)
-        o = torch.matmul(p, c.v).div_(torch.where(denom > 0, denom, 1.0))
+        _, k_g, v_g, windowed = _gather_kv(tables, kt, vt, kv_head, t0, t1, w)
+        o, m = _FUSED(_fold(qt, t0, t1), k_g, v_g,
+                      attn_mask=tables.fused_mask(t0, t1, w, b, cdt, windowed), scale=scale)
         rows = r1 - r0
         out[:, :, r0:r1] = o.reshape(b, h, -1, d)[:, :, :rows]
-        lse[:, :, r0:r1] = (m + denom.log()).reshape(b, h, -1)[:, :, :rows]
+        lse[:, :, r0:r1] = m.reshape(b, h, -1)[:, :, :rows]
+        if tables.keyless is not None:
+            lse[:, :, r0:r1].masked_fill_(tables.keyless[:, r0:r1], float("-inf"))
 
     chunks, parallel = _plan(tables, b, d)
     _map_chunks(chunk, chunks, parallel=parallel)
@@ -385,23 +491,46 @@ def backward(q, k, v, out, lse, d_out, d_lse, layout: BlockLayout, scale: float,
     b, h, n, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     bs = layout.block_size
+    if d_lse is not None and not d_lse.any():
+        # A zero LSE cotangent (compiled graphs materialise one) changes nothing: take the
+        # fused kernel, so that compiled and eager gradients are the same bits.
+        d_lse = None
     tables, cdt, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, layout)
     dot = _tiles(d_out, nt, bs, cdt)
     lse = lse.to(cdt)
-    # Delta_i = sum_d dO_id O_id (as the dQ kernel computes it); an LSE cotangent enters
-    # dS = P * (dP - Delta) as Delta - d_lse (d lse_i / d s_ij = p_ij), zero on rows with no key.
-    delta = (d_out.to(cdt) * out.to(cdt)).sum(-1)
-    if d_lse is not None:
-        delta = delta - torch.where(torch.isfinite(lse), d_lse.to(cdt), 0.0)
+    finite = torch.isfinite(lse)
     # Rows with no key have LSE -inf; +inf there makes every exp(s - lse) 0 (their scores are
     # -inf or finite), where -inf would give exp(-inf + inf) = NaN.
-    lse_t = _tiles(torch.where(torch.isfinite(lse), lse, float("inf"))[..., None], nt, bs, cdt)
-    delta_t = _tiles(delta[..., None], nt, bs, cdt)
+    lse_t = _tiles(torch.where(finite, lse, float("inf"))[..., None], nt, bs, cdt)
+    if d_lse is None:
+        ot = _tiles(out, nt, bs, cdt)
+    else:
+        # Delta_i = sum_d dO_id O_id (as the dQ kernel computes it); an LSE cotangent enters
+        # dS = P * (dP - Delta) as Delta - d_lse (d lse_i / d s_ij = p_ij), zero on rows with
+        # no key. The fused kernel has no place for it, so these chunks take matmuls.
+        delta = (d_out.to(cdt) * out.to(cdt)).sum(-1) - torch.where(finite, d_lse.to(cdt), 0.0)
+        delta_t = _tiles(delta[..., None], nt, bs, cdt)
     dq = new_output(q.shape, q.dtype, q.device)
     dk_t = torch.zeros(b, h_kv * kt_n, bs, d, dtype=cdt)
     dv_t = torch.zeros(b, h_kv * kt_n, bs, d, dtype=cdt)
 
-    def chunk(c):  # dq rows of its own; dK/dV contributions returned to add in chunk order
+    def fused(c):  # dq rows of its own; dK/dV contributions returned to add in chunk order
+        t0, t1, w = c
+        r0, r1 = t0 * bs, min(t1 * bs, n)
+        if w == 0:
+            dq[:, :, r0:r1].zero_()
+            return None
+        index, k_g, v_g, windowed = _gather_kv(tables, kt, vt, kv_head, t0, t1, w)
+        # The kernel forms Delta = rowsum(dO * O) from the out it is given, as the dQ kernel.
+        dq_c, dk_g, dv_g = _FUSED_BWD(
+            _fold(dot, t0, t1), _fold(qt, t0, t1), k_g, v_g, _fold(ot, t0, t1),
+            _fold(lse_t, t0, t1)[..., 0], 0.0, False,
+            attn_mask=tables.fused_mask(t0, t1, w, b, cdt, windowed), scale=scale)
+        dq[:, :, r0:r1] = dq_c.reshape(b, h, -1, d)[:, :, :r1 - r0]
+        dest = (kv_head * kt_n + index).reshape(-1)                    # [H*ct*W] key tiles
+        return dest, dk_g.reshape(b, -1, bs, d), dv_g.reshape(b, -1, bs, d)
+
+    def chunk(c):  # as fused(), with Delta - d_lse in dS
         t0, t1, w = c
         r0, r1 = t0 * bs, min(t1 * bs, n)
         if w == 0:
@@ -427,7 +556,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, layout: BlockLayout, scale: float,
             dv_t.index_add_(1, r[0], r[2])
 
     chunks, parallel = _plan(tables, b, d)
-    _map_chunks(chunk, chunks, add, parallel)
+    _map_chunks(chunk if d_lse is not None else fused, chunks, add, parallel)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
     dk.copy_(dk_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k])
