@@ -42,7 +42,7 @@ from sparsetp.core import make_layout, reference  # noqa: E402
 from sparsetp.core import patterns as PT  # noqa: E402
 from sparsetp.core import patterns as patterns_  # noqa: E402
 from sparsetp.core.examples import example_pattern  # noqa: E402
-from sparsetp.kernels import options  # noqa: E402
+from sparsetp.kernels import interpreter, options  # noqa: E402
 from sparsetp.kernels.tiles import TileConfig  # noqa: E402
 
 
@@ -311,6 +311,38 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
             (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, lay), q, k, v)
             grads = vjp((jnp.asarray(d_out), jnp.zeros(lse.shape, lse.dtype)))
         self._check(layout, q, k, v, d_out, out, lse, grads, tag="sub16 longest_first_bh")
+
+    def test_launch_options_key_the_trace_and_reach_the_backward(self):
+        """Launch options are part of the trace key (a static argument of the staged call):
+        the same shapes under other options launch those options' kernels, not the first
+        trace's (work order "natural" gives ORDERED off; GQA with gqa_dkdv="per_head" adds the
+        group-sum launch), and a vjp built under options and called outside the ``with``
+        launches the forward's options, as the torch frontend does. Gradients vs the oracle."""
+        self.enter_context(mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}))
+        n, bs, h, h_kv = 64, 32, 4, 2
+        layout = make_layout(PT.causal(), n, h, bs)
+        lay = jattn.layout_arrays(layout)
+        q, d_out = tu.random_inputs(13, (1, h, n, 16), "float32", count=2)
+        k, v = tu.random_inputs(14, (1, h_kv, n, 16), "float32", count=2)
+        refs = reference.attention_grad(q, k, v, layout, d_out, None)
+
+        def run(**changes):
+            with mock.patch.object(interpreter, "launch", wraps=interpreter.launch) as spy:
+                with options.launch_options(**changes):
+                    _, vjp = jax.vjp(lambda q, k, v: jattn.sparse_attention(q, k, v, lay),
+                                     q, k, v)
+                grads = vjp(jnp.asarray(d_out))  # outside the with
+            for name, g, r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
+                tu.assert_close(g, r, "float32", grad=True,
+                                reduced=1 if name == "dq" else h // h_kv, what=f"{changes} {name}")
+            return [(c.args[0].fn.__name__, c.args[3]) for c in spy.call_args_list]
+
+        for changes in ({}, {"work_order": "natural"}, {"gqa_dkdv": "per_head"}, {}):
+            launched = run(**changes)
+            names = [nm for nm, _ in launched]
+            self.assertEqual("_attn_bwd_dkdv_sum_kernel" in names, "gqa_dkdv" in changes, names)
+            ordered = {consts.get("ORDERED") for nm, consts in launched if "ORDERED" in consts}
+            self.assertEqual(ordered, {"work_order" not in changes}, changes)
 
     @parameterized.product(tp=(2, 4), how=("sharded_metadata", "local_heads"))
     def test_shard_map_over_heads(self, tp, how):

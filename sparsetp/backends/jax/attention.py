@@ -49,6 +49,7 @@ from sparsetp.backends.jax import cpu as _cpu
 from sparsetp.backends.jax import launch as _launch
 from sparsetp.core.layout import BlockLayout
 from sparsetp.kernels import abi as _abi
+from sparsetp.kernels import options as _options
 from sparsetp.kernels import schedule as _schedule
 
 __all__ = ["sparse_attention", "LayoutArrays", "layout_arrays"]
@@ -274,7 +275,7 @@ def _batch_folded(fn, *arrays):
     return fn_vmappable(*arrays)
 
 
-def _fwd(q, k, v, meta, scale, widest):
+def _fwd(q, k, v, meta, scale, widest, opts):
     dtype = jnp.dtype(q.dtype).name
 
     def run(kind):
@@ -282,9 +283,10 @@ def _fwd(q, k, v, meta, scale, widest):
             return _cpu.forward(q, k, v, meta, scale, widest=widest)
 
         def kernel(q, k, v, meta_arrays):
-            return tuple(_launch.run_call(_abi.fwd_call(
-                q, k, v, {**meta, **meta_arrays}, scale=scale, dtype=dtype, device_kind=kind),
-                kind))
+            with _options.using(opts):  # also when a vmap traces this later
+                call = _abi.fwd_call(q, k, v, {**meta, **meta_arrays}, scale=scale, dtype=dtype,
+                                     device_kind=kind)
+            return tuple(_launch.run_call(call, kind))
 
         return _batch_folded(kernel, q, k, v, _arrays_only(meta))
 
@@ -333,7 +335,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
         q, k, v = (t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v))
     out, lse = _attention_jit(q, k, v, lay.metadata(), scale=scale,
                               head_groups=(lay.q_head_group, lay.k_head_group),
-                              widest=(lay.widest_row, lay.partial_row, lay.row_widths))
+                              widest=(lay.widest_row, lay.partial_row, lay.row_widths),
+                              opts=_options.current())
     out, lse = out.reshape(shape), lse.reshape(shape[:3])
     return (out, lse) if return_lse else out
 
@@ -348,35 +351,44 @@ def _with_order(meta, head_groups):
     return {**meta, "q_head_group": head_groups[0], "k_head_group": head_groups[1]}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "head_groups", "widest"))
-def _attention(q, k, v, meta, scale, head_groups, widest):  # by name (static)
-    return _fwd(q, k, v, _with_order(meta, head_groups), scale, widest)
+# ``opts``: the launch options the call was made under (kernels.options, a hashable frozen
+# object), static so that they key the trace (without them a jitted call would keep the
+# options of its first trace) and reach the backward rule, which launches as the forward did
+# (the torch frontend's rule too).
+@functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "head_groups", "widest", "opts"))
+def _attention(q, k, v, meta, scale, head_groups, widest, opts):  # by name (static)
+    return _fwd(q, k, v, _with_order(meta, head_groups), scale, widest, opts)
 
 
 # Always staged: launch.per_platform's platform_dependent then lowers for the devices the call
 # runs on. Evaluated op by op (an eager shard_map over CPU devices of a GPU machine) it took the
 # default backend's CUDA branch on CPU buffers and crashed the process.
-_attention_jit = jax.jit(_attention, static_argnames=("scale", "head_groups", "widest"))
+_attention_jit = jax.jit(_attention, static_argnames=("scale", "head_groups", "widest", "opts"))
 
 
-def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest):
-    out, lse = _fwd(q, k, v, _with_order(meta, head_groups), scale, widest)
+def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest, opts):
+    out, lse = _fwd(q, k, v, _with_order(meta, head_groups), scale, widest, opts)
     return (out, lse), (q, k, v, out, lse, meta)
 
 
 def _kernel_backward(q, k, v, out, lse, d_out, d_lse, meta, scale, kind):
-    """The dQ and dK/dV kernels on the path ``kind``. dQ also writes Delta = rowsum(dO * O) -
-    d_lse (an LSE cotangent enters dS = P * (dP - Delta) that way; zeros when only ``out`` is
-    used), which dK/dV reads."""
+    """The dQ and dK/dV kernels on the path ``kind``, under the caller's launch options. dQ also
+    writes Delta = rowsum(dO * O) - d_lse (an LSE cotangent enters dS = P * (dP - Delta) that
+    way; zeros when only ``out`` is used), which dK/dV reads. GQA under
+    ``gqa_dkdv="per_head"``: dK/dV writes per-query-head float32 partials, which a third launch
+    sums over each group (``abi.bwd_dkdv_sum_call``)."""
     dtype = jnp.dtype(q.dtype).name
     dq, delta = _launch.run_call(_abi.bwd_dq_call(
         q, k, v, d_out, lse, out, d_lse, meta, scale=scale, dtype=dtype, device_kind=kind), kind)
     dk, dv = _launch.run_call(_abi.bwd_dkdv_call(
         q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), kind)
+    if _abi.dkdv_per_head(q.shape[1], k.shape[1]):  # dk, dv are the partials
+        dk, dv = _launch.run_call(_abi.bwd_dkdv_sum_call(
+            dk, dv, k.shape[1], dtype=dtype, device_kind=kind), kind)
     return dq, dk, dv
 
 
-def _attention_bwd_rule(scale, head_groups, widest, residuals, cotangents):
+def _attention_bwd_rule(scale, head_groups, widest, opts, residuals, cotangents):
     q, k, v, out, lse, meta_arrays = residuals
     meta = _with_order(meta_arrays, head_groups)
     d_out, d_lse = cotangents
@@ -387,8 +399,9 @@ def _attention_bwd_rule(scale, head_groups, widest, residuals, cotangents):
             return _cpu.backward(q, k, v, out, lse, d_out, d_lse, meta, scale, widest=widest)
 
         def kernels(q, k, v, out, lse, d_out, d_lse, meta_arrays):
-            return _kernel_backward(q, k, v, out, lse, d_out, d_lse,
-                                    {**meta, **meta_arrays}, scale, kind)
+            with _options.using(opts):  # the forward's options, also when a vmap traces this
+                return _kernel_backward(q, k, v, out, lse, d_out, d_lse,
+                                        {**meta, **meta_arrays}, scale, kind)
 
         return _batch_folded(kernels, q, k, v, out, lse, d_out, d_lse, _arrays_only(meta))
 
