@@ -59,25 +59,9 @@ def load(path: str) -> dict:
     return {nm: getattr(mod, k.fn.__name__) for nm, k in tree().items()}
 
 
-# Constexprs added after some versions were written, with the value that means "as before":
-# a version without the parameter runs the launch when it has that value (so a kernel A/B can
-# take an older copy as its base), and is refused otherwise.
-_ADDED_CONSTEXPRS = {"PER_HEAD": False}
-
-
 def launch(call: abi.KernelCall, kernels: Mapping, outputs, kind: str) -> None:
-    """Launch ``call`` with ``kernels[call.name]`` instead of the tree's kernel (the group sum of
-    GQA's per-query-head dK/dV, ``bwd_dkdv_sum``, with the tree's unless ``kernels`` has one)."""
-    kernel = kernels.get(call.name, call.kernel if call.name == "bwd_dkdv_sum" else None)
-    if kernel is None:
-        raise KeyError(f"kernels has no {call.name!r} kernel")
-    lacking = [n for n in call.constexprs if n not in kernel.arg_names]
-    if any(n not in _ADDED_CONSTEXPRS or call.constexprs[n] != _ADDED_CONSTEXPRS[n]
-           for n in lacking):
-        raise ValueError(f"{call.name}: this kernel version has no parameter(s) {lacking} for "
-                         f"{ {n: call.constexprs[n] for n in lacking} }")
-    call = dataclasses.replace(call, kernel=kernel, constexprs={
-        n: x for n, x in call.constexprs.items() if n not in lacking})
+    """Launch ``call`` with ``kernels[call.name]`` instead of the tree's kernel."""
+    call = dataclasses.replace(call, kernel=kernels[call.name])
     if kind == "interpreter":
         interpreter.launch(call.kernel, call.grid, (*call.args, *outputs), call.constexprs)
         return
@@ -106,7 +90,7 @@ def forward(q, k, v, layout, kernels: Mapping, scale: float):
 
 def backward(q, k, v, out, lse, d_out, d_lse, layout, kernels: Mapping, scale: float):
     """(dq, dk, dv) of ``kernels``: dQ (which writes Delta, the LSE cotangent folded in), then
-    dK/dV (then, for GQA under ``gqa_dkdv="per_head"``, the group sum)."""
+    dK/dV."""
     kind = tlaunch.device_kind(q)
     dtype = abi.check_dtype(q.dtype)
     meta = tlaunch.metadata(layout, q, kind)
@@ -122,10 +106,6 @@ def backward(q, k, v, out, lse, d_out, d_lse, layout, kernels: Mapping, scale: f
     dkdv_call = abi.bwd_dkdv_call(q, k, v, d_out, lse, delta, meta, **kw)
     dk, dv = _outputs(dkdv_call, q.device)
     launch(dkdv_call, kernels, (dk, dv), kind)
-    if abi.dkdv_per_head(q.shape[1], k.shape[1]):  # GQA, gqa_dkdv="per_head": partials
-        sum_call = abi.bwd_dkdv_sum_call(dk, dv, k.shape[1], dtype=dtype, device_kind=kind)
-        dk, dv = _outputs(sum_call, q.device)
-        launch(sum_call, kernels, (dk, dv), kind)
     return dq, dk, dv
 
 

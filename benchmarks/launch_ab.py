@@ -2,19 +2,17 @@
 
 An end-to-end A/B of *arms*, each a way of launching the tree's kernels
 (``attention_common``'s arm spec: layout block, work order, head group, kernel tile, explicit
-tile configs, GQA dK/dV schedule; :func:`sparsetp.kernels.options.launch_options`), never
-another kernel source (that is ``kernel_ab.py``). For each N and pattern it times forward and
-forward+backward through the public torch function (``triton.testing.do_bench`` medians), the
-arms interleaved over ``--rounds`` rounds in one process, and reports the medians and
-``reference / arm`` (> 1: the arm is faster), plus what each arm launched: kernel tile, head
-groups, the dK/dV launch's heads, row tiles and computed elements (the inputs of
-``schedule._TILE_MODEL``'s fit).
+tile configs; :func:`sparsetp.kernels.options.launch_options`), never another kernel source
+(that is ``kernel_ab.py``). For each N and pattern it times forward and forward+backward
+through the public torch function (``triton.testing.do_bench`` medians), the arms interleaved
+over ``--rounds`` rounds in one process, and reports the medians and ``reference / arm``
+(> 1: the arm is faster), plus what each arm launched: kernel tile, head groups, row tiles and
+computed elements (the inputs of ``schedule._TILE_MODEL``'s fit).
 
 Before timing, every arm passes the float32-reference gate (causal and BigBird at N=2048, the
-window at a ragged N, poisoned outputs; with ``--kv_heads``, GQA of the same group size), and
-arms that compute alike (same block, kernel tile, tile configs and GQA dK/dV schedule as the
-first arm: they differ only in dispatch order) must give the first arm's results bit for bit
-at every timed shape. Believe the numbers only if
+window at a ragged N, poisoned outputs), and arms that compute alike (same block, kernel tile
+and tile configs as the first arm: they differ only in dispatch order) must give the first arm's
+results bit for bit at every timed shape. Believe the numbers only if
 ``python -m pytest -q tests/torch_attention_test.py`` passes; a single difference under ~3 % is
 within run-to-run noise (``benchmarks/KERNEL_NOTES.md``).
 
@@ -25,15 +23,11 @@ tiles 128 and 64 pinned)::
     python benchmarks/launch_ab.py --arms='auto;g2:head_group=2' --n=8192 --patterns=causal
     python benchmarks/launch_ab.py --arms='auto;t64:block=64,bwd=32/4/3' --head_dim=64
     python benchmarks/launch_ab.py --arms=tiles --heads=32 --kv_heads=8 --patterns=causal
-    python benchmarks/launch_ab.py --heads=32 --kv_heads=8 --patterns=causal,window \\
-        --arms='group:gqa_dkdv=group;per_head:gqa_dkdv=per_head'
 
-On CPU (the interpreter, which ``SPARSETP_INTERPRET=1`` selects: CPU tensors otherwise take
-the native path, where no launch option applies; a smoke test of this script, not a
-measurement)::
+On CPU (the interpreter; a smoke test of this script, not a measurement)::
 
-    SPARSETP_INTERPRET=1 python benchmarks/launch_ab.py --device=cpu --n=256 --check_n=256 \\
-        --head_dim=32 --heads=2 --rounds=1 --arms=orders --patterns=causal
+    python benchmarks/launch_ab.py --device=cpu --n=256 --check_n=256 --head_dim=32 \\
+        --heads=2 --rounds=1 --arms=orders --patterns=causal
 """
 
 from __future__ import annotations
@@ -44,7 +38,7 @@ import attention_common as C
 from absl import app, flags
 
 from sparsetp.core import make_layout
-from sparsetp.kernels import abi, schedule
+from sparsetp.kernels import schedule
 
 FLAGS = flags.FLAGS
 C.define_target_flags(out="launch_ab.json", n=("8192", "32768"))
@@ -53,8 +47,7 @@ flags.DEFINE_multi_string("arms", ["tiles"], "arm specs or preset names (PRESETS
 flags.DEFINE_string("dtype", "bfloat16", "input dtype")
 flags.DEFINE_integer("rounds", 3, "interleaved rounds")
 flags.DEFINE_integer("kv_heads", None, "H_kv of the timed inputs (GQA; default: --heads); the "
-                     "float32 gate then runs GQA with the same group size (H = 2 * GROUP over "
-                     "2 kv heads), else MHA")
+                     "float32 gate runs MHA")
 
 PRESETS = {
     "orders": ["auto", "bh:work_order=longest_first_bh", "hm:work_order=longest_first",
@@ -65,20 +58,14 @@ PRESETS = {
 
 def _launched(arm: C.Arm, layout) -> dict:
     """What the arm's launches run for ``layout`` (B=1): kernel tile, heads interleaved per group
-    in the query-major and key-major launches, the dK/dV launch's heads (kv heads, or query heads
-    under GQA's per-head schedule, which adds the group-sum launch), row tiles and computed
-    elements."""
+    in the query-major and key-major launches, row tiles and computed elements."""
     kind = "cuda" if FLAGS.device == "cuda" else "interpreter"
-    h = layout.num_heads
-    h_kv = FLAGS.kv_heads or h
     with arm.context():
         kl = schedule.kernel_layout(layout, kind, head_dim=FLAGS.head_dim, dtype=FLAGS.dtype)
         meta = dict(zip(("q_head_group", "k_head_group"), schedule.head_groups(kl), strict=True))
-        dkdv_heads = h if h_kv == h or abi.dkdv_per_head(h, h_kv) else h_kv
-        groups = [schedule.grid_group(meta, "q", 1, h), schedule.grid_group(meta, "k", 1,
-                                                                             dkdv_heads)]
+        groups = [schedule.grid_group(meta, m, 1, kl.num_heads) for m in ("q", "k")]
     return {"kernel_block": kl.block_size, "heads_per_group_q_k": groups,
-            "dkdv_heads": dkdv_heads, "row_tiles": kl.num_heads * kl.num_blocks,
+            "row_tiles": kl.num_heads * kl.num_blocks,
             "computed_elements": int(kl.q_count.sum()) * kl.block_size ** 2}
 
 
@@ -115,14 +102,11 @@ def main(argv):
     rec.data["arms"] = {a.name: {"block": a.block, "options": a.options} for a in arms}
     rec.log(f"env {rec.data['env']}; arms {rec.data['arms']}")
     dev, d, h = FLAGS.device, FLAGS.head_dim, FLAGS.heads
-    if FLAGS.kv_heads and (FLAGS.kv_heads < 1 or h % FLAGS.kv_heads):
-        raise app.UsageError(f"--kv_heads={FLAGS.kv_heads} must divide --heads={h}")
-    group = h // FLAGS.kv_heads if FLAGS.kv_heads else 1
     ok = {}
     for a in arms:
         with a.context():
             if C.gate(rec, f"arm {a.name}", C.library_attention, a.block, dev, d=d,
-                      n=FLAGS.check_n, group=group):
+                      n=FLAGS.check_n):
                 ok[a.name] = a
     rec.save()
     ref = arms[0]

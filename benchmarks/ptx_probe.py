@@ -46,9 +46,6 @@ flags.DEFINE_string("out", None, "also write the results as JSON here")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32", "float64"],
                   "input dtype (statistics: float64 for float64, else float32). float64 kernels "
                   "compile under the GPU's typing rules, which the interpreter does not check")
-flags.DEFINE_bool("per_head", False, "bwd_dkdv as GQA's per-query-head schedule (constexpr "
-                  "PER_HEAD, LaunchOptions.gqa_dkdv='per_head': DK/DV are float32 partials); "
-                  "default: the multi-head launch")
 
 # Arguments by role; anything else that is not a constexpr is an int32 scalar.
 _INPUT = {"Q", "K", "V", "DO", "DQ", "DK", "DV", "Out"}  # the input dtype
@@ -74,10 +71,9 @@ def _kernels(source: str | None) -> dict:
 
 
 def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages: int,
-          capability: int, dtype: str = "bfloat16", per_head: bool = False) -> dict:
+          capability: int, dtype: str = "bfloat16") -> dict:
     """Compile ``fn`` (a ``@triton.jit`` attention kernel) for sm_<capability>; return register
-    use, spills (from cuobjdump) and a histogram of ``cp.async`` copies by width in bytes.
-    ``per_head``: the dK/dV kernel's per-query-head schedule (PER_HEAD, float32 DK/DV)."""
+    use, spills (from cuobjdump) and a histogram of ``cp.async`` copies by width in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -89,16 +85,16 @@ def probe(fn, *, block: int, sub: int, head_dim: int, num_warps: int, num_stages
                   "DOT_PRECISION": abi.dot_precision(dtype), "DOT_UPCAST": False,
                   "ORDERED": True, "ALIGNED": True,
                   "SUB_N": sub, "SUB_M": sub, "HEAD_DIM_PAD": abi.head_dim_padded(head_dim),
-                  "GROUPED": False, "PER_HEAD": per_head, "HAS_DLSE": False}
+                  "GROUPED": False, "HAS_DLSE": False}
     constexprs = {k: v for k, v in constexprs.items() if k in names}
     constexprs.update({n: 1 for n in names if n in _UNIT_STRIDES})
     sig = {}
     for n in names:
         if n in constexprs:
             sig[n] = "constexpr"
-        elif n in _INPUT and not (per_head and n in ("DK", "DV")):
+        elif n in _INPUT:
             sig[n] = _PTR[dtype]
-        elif n in _STATS or n in ("DK", "DV"):  # per_head: the partials, in the stats dtype
+        elif n in _STATS:
             sig[n] = _PTR[abi.stats_dtype(dtype)]
         elif n in ("sm_scale", "sm_scale_lo"):
             sig[n] = "fp32"
@@ -140,7 +136,7 @@ def main(argv):
                   "num_stages": FLAGS.num_stages or cfg.num_stages}
         out[name] = {**config, **probe(kernels[name], block=FLAGS.block, head_dim=FLAGS.head_dim,
                                        capability=FLAGS.capability, dtype=FLAGS.dtype,
-                                       per_head=FLAGS.per_head, **config)}
+                                       **config)}
         print(name, json.dumps(out[name]), flush=True)
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:

@@ -42,7 +42,6 @@ pattern at one small ragged shape, and dtypes / block sizes / head dims on a few
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 
 import numpy as np
 import testing_utils as tu
@@ -51,7 +50,7 @@ from absl.testing import parameterized
 from sparsetp.core import make_layout, reference
 from sparsetp.core import patterns as P
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
-from sparsetp.kernels import abi, interpreter, options, schedule
+from sparsetp.kernels import options, schedule
 
 # (pattern, seq_len, block_size, batch, heads, head_dim, dtype, scale): seq_len is mostly not a
 # multiple of the block size (ragged last tile).
@@ -92,18 +91,6 @@ KV_LEN_CASES = (
     ("bigbird", 64, 128, 32, 1, 2, 2, 32, "bfloat16"),
     ("per_head_mix", 48, 80, 16, 1, 6, 2, 16, "float32"),
     ("strided_causal", 90, 37, 16, 1, 4, 1, 16, "float32"),
-)
-# GQA under LaunchOptions.gqa_dkdv="per_head" (one dK/dV program per query head, float32
-# partials, a fixed-order group sum): group sizes 2, 3 (not a power of two) and 4 (MQA in one
-# case), causal, a per-head pattern (each query head its own mask), fully masked rows, ragged N,
-# B = 2, N_kv > N_q and N_kv < N_q, bfloat16 and float64.
-GQA_DKDV_CASES = (
-    ("causal", 70, 70, 16, 1, 4, 2, 16, "float32"),
-    ("per_head_mix", 80, 80, 32, 2, 6, 2, 32, "float32"),
-    ("masked_rows", 50, 50, 16, 1, 8, 2, 16, "bfloat16"),
-    ("causal", 40, 100, 16, 1, 4, 1, 16, "float32"),
-    ("per_head_mix", 96, 48, 16, 1, 6, 2, 16, "float32"),
-    ("causal", 60, 60, 32, 1, 6, 2, 32, "float64"),
 )
 # Head dims past the power-of-two ladder: 80 (padded to 128), 192 (padded to 256), 256; tiny N
 # (the interpreter pays per element).
@@ -361,41 +348,6 @@ class AttentionTestBase(parameterized.TestCase):
                                                             *rep_grad.shape[2:]).sum(2)
             tu.assert_close(got, summed, dtype, grad=True, reduced=h // h_kv,
                             what=f"{name} vs repeated kv")
-
-    @parameterized.named_parameters((_real_case_name(c), c) for c in GQA_DKDV_CASES)
-    def test_gqa_dkdv_per_head(self, case):
-        """The per-query-head dK/dV schedule (``gqa_dkdv="per_head"``): out, LSE, dq and the
-        group-summed dk, dv vs the oracle with the GQA tolerance, outputs poisoned where the
-        backend can (an unwritten partial would reach dk, dv as NaN), and two runs bitwise
-        equal (the group sum is one fixed order). In the interpreter the launches are checked
-        too: the dK/dV kernel runs one program per (key tile, b, query head) into float32
-        partials, then the sum kernel once. (The native CPU path has no such launch: there
-        the option changes nothing, which the oracle check confirms.)"""
-        name, n, n_kv, bs, b, h, h_kv, d, dtype = case
-        layout, q, k, v, d_out = self._case(name, n, bs, b, h, d, dtype, seed=n + h, n_kv=n_kv,
-                                            h_kv=h_kv)
-        tag = f"per_head dK/dV {_real_case_name(case)}"
-        poison = self.poison_outputs() if self.poisons_outputs else contextlib.nullcontext()
-        spy = (mock.patch.object(interpreter, "launch", wraps=interpreter.launch)
-               if self.device_kind == "interpreter" else contextlib.nullcontext())
-        ctx = self.float64_context() if dtype == "float64" else contextlib.nullcontext()
-        with options.launch_options(gqa_dkdv="per_head"), ctx:
-            self.assertTrue(abi.dkdv_per_head(h, h_kv))
-            with poison, spy as launches:
-                self._check_forward(layout, q, k, v, None, dtype, tag)
-                first = self._check_backward(layout, q, k, v, None, dtype, d_out, tag)
-            second = self.backward(q, k, v, layout, None, dtype, d_out)
-        for g_name, a, b_ in zip(("dq", "dk", "dv"), first, second, strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b_), err_msg=f"{tag} {g_name}")
-        if launches is not None:
-            by_kernel = {}
-            for c in launches.call_args_list:
-                by_kernel.setdefault(c.args[0].fn.__name__, []).append(c)
-            self.assertIn("_attn_bwd_dkdv_sum_kernel", by_kernel, tag)
-            for c in by_kernel["_attn_bwd_dkdv_kernel"]:
-                grid, consts = c.args[1], c.args[3]
-                self.assertTrue(consts["PER_HEAD"] and not consts["GROUPED"], tag)
-                self.assertEqual(int(np.prod(grid)), b * h * -(-n_kv // bs), tag)
 
     def test_fully_masked_rows(self):
         """Rows with no allowed key: output exactly 0, LSE -inf, zero gradients, no NaN."""

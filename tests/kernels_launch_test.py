@@ -242,8 +242,6 @@ class LaunchOptionsTest(parameterized.TestCase):
         ("tiles_value", dict(tiles={"fwd": (64, 64, 4, 2)}), "tiles"),
         ("direct_launch", dict(direct_launch=1), "direct_launch"),
         ("parallel_compile", dict(parallel_compile="yes"), "parallel_compile"),
-        ("gqa_dkdv", dict(gqa_dkdv="per_query_head"), "gqa_dkdv"),
-        ("gqa_dkdv_bool", dict(gqa_dkdv=True), "gqa_dkdv"),
     )
     def test_invalid_values_are_refused(self, changes, regex):
         with self.assertRaisesRegex(ValueError, regex):
@@ -257,8 +255,8 @@ class LaunchOptionsTest(parameterized.TestCase):
         opts = options.current()
         self.assertEqual(opts, options.LaunchOptions())
         self.assertEqual((opts.work_order, opts.head_group, opts.kernel_tile, dict(opts.tiles),
-                          opts.direct_launch, opts.parallel_compile, opts.gqa_dkdv),
-                         ("auto", None, "auto", {}, True, True, "group"))
+                          opts.direct_launch, opts.parallel_compile),
+                         ("auto", None, "auto", {}, True, True))
         with self.assertRaises(dataclasses.FrozenInstanceError):
             opts.work_order = "natural"
         cfg = TileConfig(64, 64, 4, 2, sub=16)
@@ -271,14 +269,9 @@ class LaunchOptionsTest(parameterized.TestCase):
         hash(changed.key())
         keys = {options.LaunchOptions(**c).key() for c in (
             {}, {"work_order": "natural"}, {"head_group": 2}, {"kernel_tile": 64},
-            {"tiles": {"fwd": cfg}}, {"direct_launch": False}, {"parallel_compile": False},
-            {"gqa_dkdv": "per_head"})}
-        self.assertLen(keys, 8)  # every field changes the key
+            {"tiles": {"fwd": cfg}}, {"direct_launch": False}, {"parallel_compile": False})}
+        self.assertLen(keys, 7)  # every field changes the key
         self.assertEqual(options.LaunchOptions(tiles={"fwd": cfg}).key(), changed.key())
-        # Hashable (a static argument of jax.jit), equal options hashing alike.
-        again = options.LaunchOptions(tiles={"fwd": cfg})
-        self.assertEqual((again, hash(again)), (changed, hash(changed)))
-        self.assertNotEqual(options.LaunchOptions(gqa_dkdv="per_head"), opts)
 
     def test_nesting_restores_on_exit_and_error(self):
         with options.launch_options(work_order="natural") as outer:
@@ -417,7 +410,7 @@ class RealModelLaunchTest(parameterized.TestCase):
         """q [B, H, N, D] with k, v [B, H_kv, N_kv, D]: forward and dQ run a program per
         (query tile, b, query head), dK/dV one per (key tile, b, kv head), with outputs in k's
         shape; N, N_kv, H and the group size are runtime ints (no compile per group size),
-        GROUPED (group > 1) is dK/dV's only new constexpr under the default options."""
+        GROUPED (group > 1) is dK/dV's only new constexpr."""
         b, h, h_kv, n, n_kv, d = 2, 6, 2, 128, 320, 64
         lay = make_layout(P.causal(), n, h, 64, kv_len=n_kv)
         meta = lay.metadata()  # no head groups: every head interleaved
@@ -442,72 +435,10 @@ class RealModelLaunchTest(parameterized.TestCase):
         mha = abi.bwd_dkdv_call(q, q, q, q, stats, stats, make_layout(P.causal(), n, h, 64)
                                 .metadata(), **kw)
         self.assertFalse(mha.constexprs["GROUPED"])
-        self.assertFalse(dkdv.constexprs["PER_HEAD"] or mha.constexprs["PER_HEAD"])
         with self.assertRaisesRegex(ValueError, "H_kv"):
             abi.check_attention_shapes(q.shape, (b, 4, n_kv, d), (b, 4, n_kv, d), lay, None)
         with self.assertRaisesRegex(ValueError, "kv_len"):
             abi.check_attention_shapes(q.shape, (b, 2, 64, d), (b, 2, 64, d), lay, None)
-
-    def test_gqa_dkdv_per_head_launches(self):
-        """gqa_dkdv="per_head" under GQA: the dK/dV launch runs a program per (key tile, b,
-        *query* head) (PER_HEAD on, GROUPED off) writing float32 partials [B, H, N_kv, D]
-        (float64 for float64), everything else as the group launch; the sum launch reads them
-        and writes dk, dv [B, H_kv, N_kv, D] in the input dtype. Multi-head attention gets the
-        default launch whatever the option says."""
-        b, h, h_kv, n, n_kv, d = 2, 6, 2, 128, 320, 80
-        meta = make_layout(P.causal(), n, h, 64, kv_len=n_kv).metadata()
-        q = np.zeros((b, h, n, d), np.float32)
-        kv = np.zeros((b, h_kv, n_kv, d), np.float32)
-        stats = q[..., 0]
-        kw = dict(scale=0.125, dtype="bfloat16", device_kind="cuda")
-        group = abi.bwd_dkdv_call(q, kv, kv, q, stats, stats, meta, **kw)
-        self.assertFalse(abi.dkdv_per_head(h, h_kv))
-        with options.launch_options(gqa_dkdv="per_head"):
-            self.assertTrue(abi.dkdv_per_head(h, h_kv))
-            self.assertFalse(abi.dkdv_per_head(h, h))
-            per_head = abi.bwd_dkdv_call(q, kv, kv, q, stats, stats, meta, **kw)
-            f64 = abi.bwd_dkdv_call(q, kv, kv, q, stats, stats, meta,
-                                    **{**kw, "dtype": "float64"})
-            mha_meta = make_layout(P.causal(), n, h, 64).metadata()
-            mha = abi.bwd_dkdv_call(q, q, q, q, stats, stats, mha_meta, **kw)
-        mha_default = abi.bwd_dkdv_call(q, q, q, q, stats, stats, mha_meta, **kw)
-        self.assertEqual((mha.grid, mha.args, mha.outputs, dict(mha.constexprs)),
-                         (mha_default.grid, mha_default.args, mha_default.outputs,
-                          dict(mha_default.constexprs)))
-        self.assertFalse(mha.constexprs["PER_HEAD"] or mha.constexprs["GROUPED"])
-        self.assertEqual((group.grid, per_head.grid), ((b * h_kv, 5, 1), (b * h, 5, 1)))
-        self.assertEqual([(o.name, o.shape, o.dtype) for o in per_head.outputs],
-                         [(nm, (b, h, n_kv, d), "float32") for nm in ("dk_partial", "dv_partial")])
-        self.assertEqual({o.dtype for o in f64.outputs}, {"float64"})
-        self.assertEqual({**group.constexprs, "GROUPED": False, "PER_HEAD": True},
-                         dict(per_head.constexprs))
-        # Same arguments but the output strides ([B, H, N_kv, D] instead of [B, H_kv, ...]).
-        n_out = 8
-        self.assertEqual(group.args[:-n_out], per_head.args[:-n_out])
-        self.assertEqual(per_head.args[-n_out:], abi.contiguous_strides((b, h, n_kv, d)) * 2)
-        for call in (group, per_head):
-            self.assertEqual(len(call.args) + len(call.outputs) + len(call.constexprs),
-                             len(call.kernel.arg_names))
-        part = np.zeros((b, h, n_kv, d), np.float32)
-        total = abi.bwd_dkdv_sum_call(part, part, h_kv, dtype="bfloat16", device_kind="cuda")
-        rows = total.constexprs["BLOCK"]
-        self.assertEqual((rows, total.constexprs["HEAD_DIM_PAD"]), (64, 128))
-        self.assertEqual(total.grid, (-(-n_kv // rows) * b * h_kv, 1, 1))
-        self.assertEqual([(o.name, o.shape, o.dtype) for o in total.outputs],
-                         [(nm, kv.shape, "bfloat16") for nm in ("dk", "dv")])
-        self.assertEqual(total.args[2:5], (n_kv, h_kv, h // h_kv))  # N_KV, H_KV, GROUP
-        self.assertTrue(total.constexprs["ALIGNED"])  # N_kv and strides multiples of 16
-        ragged = np.zeros((1, 4, 100, 16), np.float32)
-        self.assertFalse(abi.bwd_dkdv_sum_call(ragged, ragged, 2, dtype="float32",
-                                               device_kind="cuda").constexprs["ALIGNED"])
-        self.assertEqual(len(total.args) + len(total.outputs) + len(total.constexprs),
-                         len(total.kernel.arg_names))
-        for args, regex in (((part, part[:, :4], h_kv), "share one"),
-                            ((part, part, 4), "divide"), ((part, part, 0), "divide")):
-            with self.subTest(regex=regex), self.assertRaisesRegex(ValueError, regex):
-                abi.bwd_dkdv_sum_call(*args, dtype="bfloat16", device_kind="cuda")
-        with self.assertRaisesRegex(ValueError, "device_kind"):
-            abi.bwd_dkdv_sum_call(part, part, h_kv, dtype="bfloat16", device_kind="tpu")
 
     @parameterized.parameters(16, 48, 80, 96, 128, 144, 192, 256)
     def test_head_dims_supported(self, d):

@@ -396,49 +396,6 @@ class _PerDevice:
             for g_name, t, r in zip(("dq", "dk", "dv"), (tq, tk, tv), refs, strict=True):
                 tu.assert_close(_np(t.grad), r, "float32", grad=True, what=g_name)
 
-        def test_gqa_per_head_dkdv_backward_outside_the_with(self):
-            """GQA with ``gqa_dkdv="per_head"`` set for the forward only: backward() outside
-            the ``with`` still runs the per-query-head dK/dV launch (programs over the query
-            heads, float32 partials [B, H, N_kv, D]) and the group sum, right vs the oracle;
-            under the default the dK/dV launch walks each group and nothing is summed after."""
-            n, bs, h, h_kv = 90, 32, 6, 2
-            layout = make_layout(example_pattern("per_head_mix", n, bs), n, h, bs)
-            q, d_out = tu.random_inputs(6, (1, h, n, 16), "float32", count=2)
-            k, v = tu.random_inputs(7, (1, h_kv, n, 16), "float32", count=2)
-            refs = reference.attention_grad(q, k, v, layout, d_out, None)
-            real = tlaunch.run
-            for mode in ("per_head", "group"):
-                calls = []
-
-                def record(desc, *args, calls=calls):
-                    calls.append(desc.call)
-                    return real(desc, *args)
-
-                tq, tk, tv = (self._to(x, "float32", requires_grad=True) for x in (q, k, v))
-                with mock.patch.object(tlaunch, "run", record):
-                    with options.launch_options(gqa_dkdv=mode):
-                        out = tattn.sparse_attention(tq, tk, tv, layout)
-                    out.backward(self._to(d_out, "float32"))
-                by_name = {c.name: c for c in calls}
-                dkdv = by_name["bwd_dkdv"]
-                if mode == "per_head":
-                    self.assertEqual(sorted(by_name), sorted((*abi.KERNEL_NAMES, "bwd_dkdv_sum")))
-                    self.assertEqual([(o.name, o.shape, o.dtype) for o in dkdv.outputs],
-                                     [(nm, (1, h, n, 16), "float32")
-                                      for nm in ("dk_partial", "dv_partial")])
-                    self.assertEqual(dkdv.grid, (h, 3, 1))  # 3 key tiles per query head
-                    self.assertTrue(dkdv.constexprs["PER_HEAD"])
-                    self.assertFalse(dkdv.constexprs["GROUPED"])
-                else:
-                    self.assertEqual(sorted(by_name), sorted(abi.KERNEL_NAMES))
-                    self.assertEqual(dkdv.grid, (h_kv, 3, 1))
-                    self.assertTrue(dkdv.constexprs["GROUPED"])
-                    self.assertFalse(dkdv.constexprs["PER_HEAD"])
-                for g_name, t, r in zip(("dq", "dk", "dv"), (tq, tk, tv), refs, strict=True):
-                    tu.assert_close(_np(t.grad), r, "float32", grad=True,
-                                    reduced=1 if g_name == "dq" else h // h_kv,
-                                    what=f"{mode} {g_name}")
-
         def test_head_order_never_changes_the_numbers(self):
             """Every program computes its own rows and columns whatever the dispatch order, so
             the work orders and head groups (three grid forms, ordered or not) give

@@ -42,11 +42,7 @@ never repeated in memory) and ``N_kv`` keys (``layout.kv_len``; the layout align
 diagonal to the end of the keys). The layout, and so ``meta``, has one row per *query* head
 (H rows), for every kernel: the dK/dV launch runs one program per (key tile, b, kv head),
 which walks the key-major lists of the query heads of its group one after another (a fixed
-order, no atomics, deterministic) - so a per-head pattern keeps one mask per query head. Under
-``LaunchOptions.gqa_dkdv = "per_head"`` a GQA dK/dV launch runs one program per (key tile, b,
-query head) instead and writes float32 partials ``dk_partial``, ``dv_partial``
-``[B, H, N_kv, D]``; :func:`bwd_dkdv_sum_call` describes the second launch that sums them over
-each group into ``dk``, ``dv`` (:func:`dkdv_per_head` says which of the two a frontend runs).
+order, no atomics, deterministic) - so a per-head pattern keeps one mask per query head.
 ``meta`` is a mapping with the int32 arrays of
 :meth:`sparsetp.core.layout.BlockLayout.metadata` (``q_count``, ``q_partial``, ``q_index``,
 ``q_mask_id``, ``q_order``, ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id``, ``k_order``,
@@ -106,7 +102,7 @@ __all__ = [
     "check_attention_shapes", "check_scale", "scale_args", "stats_dtype", "dot_precision",
     "dot_upcast",
     "mask_words", "aligned", "contiguous_strides", "head_dim_padded", "fwd_call",
-    "bwd_dq_call", "bwd_dkdv_call", "dkdv_per_head", "bwd_dkdv_sum_call",
+    "bwd_dq_call", "bwd_dkdv_call",
 ]
 
 _KERNELS = {
@@ -347,17 +343,11 @@ def _block_size(meta) -> int:
 
 
 _KV_NAMES = ("k", "v", "dk", "dv")
-# The per-query-head dK/dV partials (LaunchOptions.gqa_dkdv = "per_head"): [B, H, N_kv, D].
-_PARTIAL_NAMES = ("dk_partial", "dv_partial")
 
 
-def _all_strides(strides, names4, names3, shape, lse_shape, kv_shape=None, partial_shape=None):
-    def shape_of(nm):
-        if nm in _PARTIAL_NAMES:
-            return partial_shape
-        return kv_shape if kv_shape and nm in _KV_NAMES else shape
-
-    st = {nm: _strides(strides, nm, shape_of(nm)) for nm in names4}
+def _all_strides(strides, names4, names3, shape, lse_shape, kv_shape=None):
+    st = {nm: _strides(strides, nm, kv_shape if kv_shape and nm in _KV_NAMES else shape)
+          for nm in names4}
     st.update({nm: _strides(strides, nm, lse_shape) for nm in names3})
     return st
 
@@ -398,10 +388,8 @@ def _bwd_list_call(name, major, tensors, names4, names3, out_names, sub_name, q,
     scalars, the strides of the inputs ``names4`` ([B, H(_kv), N(_kv), D]) and ``names3``
     ([B, H, N]), the metadata strides, those of the [B, H, N, D] outputs; outputs
     ``out_names`` (q's shape for dq, k's for dk and dv, in the input dtype; ``delta`` in the
-    stats dtype, sharing the ``lse`` strides; ``dk_partial``/``dv_partial`` [B, H, N_kv, D] in
-    the stats dtype). dQ runs a program per (query tile, b, query head), dK/dV one per (key
-    tile, b, kv head), or per query head when its outputs are the partials (:func:`dkdv_per_head`);
-    both read the layout's per-query-head lists.
+    stats dtype, sharing the ``lse`` strides). dQ runs a program per (query tile, b, query
+    head), dK/dV one per (key tile, b, kv head); both read the layout's per-query-head lists.
     ``ALIGNED`` ignores the strides of ``unaligned`` (the kernel never assumes them 16-divisible);
     ``extra``: more constexprs.
     """
@@ -410,32 +398,22 @@ def _bwd_list_call(name, major, tensors, names4, names3, out_names, sub_name, q,
     n_kv, group, kv_shape = _kv(q, k)
     tiles = -(-(n if major == "q" else n_kv) // bs)
     arrays, meta_strides = _check_meta(meta, major, h, tiles, bs)
-    shape, lse_shape, partial_shape = (b, h, n, d), (b, h, n), (b, h, n_kv, d)
-    per_head = out_names[0] in _PARTIAL_NAMES  # dK/dV: programs per query head, partials out
+    shape, lse_shape = (b, h, n, d), (b, h, n)
     outs4 = [o for o in out_names if o != "delta"]
-    st = _all_strides(strides, (*names4, *outs4), names3, shape, lse_shape, kv_shape,
-                      partial_shape)
+    st = _all_strides(strides, (*names4, *outs4), names3, shape, lse_shape, kv_shape)
     args = (*tensors, *arrays, *scale_args(scale), n, n_kv, h, group,
             *(x for nm in (*names4, *names3) for x in st[nm]), *meta_strides,
             *(x for o in outs4 for x in st[o]))
-    # The programs' heads: query heads (forward, dQ, per-head dK/dV) or kv heads (dK/dV).
-    heads = h if major == "q" or per_head else h // group
+    heads = h if major == "q" else h // group  # the programs' heads: query or kv heads
     constexprs = _constexprs(bs, d, dtype, device_kind, cfg, sub_name,
                              aligned(n, {nm: x for nm, x in st.items() if nm not in unaligned},
                                      n_kv))
     if major == "k":
-        constexprs["GROUPED"] = group > 1 and not per_head
-        constexprs["PER_HEAD"] = per_head
+        constexprs["GROUPED"] = group > 1
     constexprs.update(extra or {})
-
-    def spec(o):
-        if o == "delta":
-            return OutputSpec(o, lse_shape, stats_dtype(dtype))
-        if o in _PARTIAL_NAMES:
-            return OutputSpec(o, partial_shape, stats_dtype(dtype))
-        return OutputSpec(o, kv_shape if o in _KV_NAMES else shape, dtype)
-
-    outputs = tuple(spec(o) for o in out_names)
+    outputs = tuple(OutputSpec(o, lse_shape, stats_dtype(dtype)) if o == "delta" else
+                    OutputSpec(o, kv_shape if o in _KV_NAMES else shape, dtype)
+                    for o in out_names)
     return KernelCall(name, _KERNELS[name],
                       list_grid(b, heads, tiles, grid_group(meta, major, b, heads)), args,
                       outputs, constexprs, cfg.num_warps, cfg.num_stages)
@@ -456,82 +434,12 @@ def bwd_dq_call(q, k, v, d_out, lse, out, d_lse, meta: Mapping[str, Any], *, sca
                           unaligned=("d_lse",), extra={"HAS_DLSE": d_lse is not None})
 
 
-def dkdv_per_head(heads: int, kv_heads: int) -> bool:
-    """Whether the dK/dV launch of ``heads`` query heads over ``kv_heads`` kv heads runs a
-    program per query head (:attr:`LaunchOptions.gqa_dkdv` ``"per_head"``, under GQA only):
-    :func:`bwd_dkdv_call` then writes partials, and :func:`bwd_dkdv_sum_call` sums them.
-
-    >>> dkdv_per_head(32, 8)       # the default schedule walks each group in one program
-    False
-    >>> with _options.launch_options(gqa_dkdv="per_head"):
-    ...     dkdv_per_head(32, 8), dkdv_per_head(32, 32)    # multi-head attention: one schedule
-    (True, False)
-    """
-    return int(heads) != int(kv_heads) and _options.current().gqa_dkdv == "per_head"
-
-
 def bwd_dkdv_call(q, k, v, d_out, lse, delta, meta: Mapping[str, Any], *, scale: float,
                   dtype: str, device_kind: str,
                   strides: Mapping[str, Any] | None = None) -> KernelCall:
     """dK/dV launch (key-major lists): outputs ``dk``, ``dv`` [B, H_kv, N_kv, D] in the input
     dtype (GQA: summed over each kv head's group of query heads, in the kernel). ``delta`` is
-    :func:`bwd_dq_call`'s, with the ``lse`` strides.
-
-    Under GQA with :func:`dkdv_per_head` true, the outputs are ``dk_partial``, ``dv_partial``
-    [B, H, N_kv, D] in :func:`stats_dtype` instead (one program per query head, each writing its
-    head's share; strides under those names), which :func:`bwd_dkdv_sum_call` turns into dk, dv.
-    """
-    q_shape, kv_shape = _shape(q), _shape(k)
-    per_head = dkdv_per_head(q_shape[1], kv_shape[1])
+    :func:`bwd_dq_call`'s, with the ``lse`` strides."""
     return _bwd_list_call("bwd_dkdv", "k", (q, k, v, d_out, lse, delta),
-                          ("q", "k", "v", "d_out"), ("lse",),
-                          _PARTIAL_NAMES if per_head else ("dk", "dv"), "SUB_M", q, k, meta,
+                          ("q", "k", "v", "d_out"), ("lse",), ("dk", "dv"), "SUB_M", q, k, meta,
                           scale, dtype, device_kind, strides)
-
-
-# Bytes of partials one program of the group sum adds per step (rows x padded head dim): 32 KB
-# are 64 fp32 per thread at 4 warps, enough in flight for a bandwidth-bound kernel without
-# spilling (sm_90, Triton 3.6 and 3.9: ~115-150 registers; rows = 64 at D = 128 in fp32).
-_SUM_BYTES = 32 * 1024
-
-
-def bwd_dkdv_sum_call(dk_partial, dv_partial, kv_heads: int, *, dtype: str, device_kind: str,
-                      strides: Mapping[str, Any] | None = None) -> KernelCall:
-    """The second launch of the per-query-head dK/dV schedule (:func:`dkdv_per_head`): outputs
-    ``dk``, ``dv`` [B, H_kv, N_kv, D] in ``dtype``, the sums over each group of GROUP = H / H_kv
-    consecutive query heads of ``dk_partial``, ``dv_partial`` [B, H, N_kv, D] (the stats dtype,
-    as :func:`bwd_dkdv_call` writes them), added in head order (a fixed order: deterministic,
-    and the same bits from either frontend). ``strides``: names ``dk_partial dv_partial dk dv``.
-
-    >>> p = np.zeros((1, 8, 100, 128), np.float32)    # 4 query heads per kv head
-    >>> call = bwd_dkdv_sum_call(p, p, 2, dtype="bfloat16", device_kind="cuda")
-    >>> call.grid, call.constexprs["BLOCK"], [(o.name, o.shape) for o in call.outputs]
-    ((4, 1, 1), 64, [('dk', (1, 2, 100, 128)), ('dv', (1, 2, 100, 128))])
-    """
-    partial_shape = _shape(dk_partial)
-    if len(partial_shape) != 4 or _shape(dv_partial) != partial_shape:
-        raise ValueError(f"dk_partial and dv_partial must share one [B, H, N_kv, D] shape, got "
-                         f"{partial_shape} and {_shape(dv_partial)}")
-    b, h, n_kv, d = partial_shape
-    kv_heads = int(kv_heads)
-    if kv_heads < 1 or h % kv_heads:
-        raise ValueError(f"kv_heads={kv_heads} must divide the partials' {h} query heads")
-    check_head_dim(d)
-    dtype = check_dtype(dtype)
-    if device_kind not in DEVICE_KINDS:
-        raise ValueError(f"device_kind must be one of {DEVICE_KINDS}, got {device_kind!r}")
-    kv_shape = (b, kv_heads, n_kv, d)
-    st = {nm: _strides(strides, nm, partial_shape if nm in _PARTIAL_NAMES else kv_shape)
-          for nm in (*_PARTIAL_NAMES, "dk", "dv")}
-    d_pad = head_dim_padded(d)
-    rows = max(16, _SUM_BYTES // (d_pad * (8 if stats_dtype(dtype) == "float64" else 4)))
-    if device_kind == "interpreter":  # fewest (slow, Python-level) programs
-        rows = max(16, min(256, 1 << (n_kv - 1).bit_length()))
-    tiles = -(-n_kv // rows)
-    args = (dk_partial, dv_partial, n_kv, kv_heads, h // kv_heads,
-            *(x for nm in (*_PARTIAL_NAMES, "dk", "dv") for x in st[nm]))
-    return KernelCall("bwd_dkdv_sum", _k._attn_bwd_dkdv_sum_kernel, (tiles * b * kv_heads, 1, 1),
-                      args, (OutputSpec("dk", kv_shape, dtype), OutputSpec("dv", kv_shape, dtype)),
-                      {"BLOCK": rows, "HEAD_DIM": d, "HEAD_DIM_PAD": d_pad,
-                       "ALIGNED": aligned(n_kv, st)},
-                      4, 1)

@@ -16,9 +16,7 @@ Conventions shared by the three kernels
   :mod:`sparsetp.core.layout`).
 * One program per (tile, batch, head): it owns query tile ``i`` (forward, dQ) of batch ``b``,
   query head ``h``, or key tile ``i`` (dK/dV) of batch ``b``, kv head ``g`` (which sums over
-  the query heads of its group in a fixed order: no atomics; or, under ``PER_HEAD``, of query
-  head ``h``, writing a partial that :func:`_attn_bwd_dkdv_sum_kernel` sums over each group in
-  a fixed order). Program ids map through
+  the query heads of its group in a fixed order: no atomics). Program ids map through
   :func:`_program` (optionally a per-head longest-first work order, optionally head-fastest
   dispatch). The backward is two launches: dQ (which also writes ``Delta``, the softmax
   backward's row term) then dK/dV (which reads it).
@@ -33,8 +31,7 @@ Conventions shared by the three kernels
   ``DOT_UPCAST`` (an interpreter-only bf16 workaround, see :func:`_dot`), the work-order
   switch ``ORDERED`` (:func:`_program`), ``ALIGNED`` (:func:`_hint16`), ``HEAD_DIM_PAD`` (the
   head dim rounded up to a power of two, :func:`_cols_ok`), in dK/dV ``GROUPED``
-  (GROUP > 1, the group walked in one program) and ``PER_HEAD`` (GROUP > 1, one program per
-  query head) and in dQ ``HAS_DLSE`` (an LSE cotangent to fold into Delta). None depends on the
+  (GROUP > 1) and in dQ ``HAS_DLSE`` (an LSE cotangent to fold into Delta). None depends on the
   pattern's values, so a new pattern never recompiles. (How heads are interleaved, which the
   layout decides, is read off the grid's shape at run time: see :func:`_program`.)
 * Every kernel bounds its loads by ``N`` (queries) and ``N_KV`` (keys): full tiles of the ragged
@@ -54,7 +51,6 @@ __all__ = [
     "_attn_fwd_kernel",
     "_attn_bwd_dq_kernel",
     "_attn_bwd_dkdv_kernel",
-    "_attn_bwd_dkdv_sum_kernel",
 ]
 
 # log2(e): folds the natural-exp softmax into exp2 (scores * sm_scale * LOG2E).
@@ -581,7 +577,7 @@ def _attn_bwd_dkdv_kernel(
     BLOCK: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ORDERED: tl.constexpr, ALIGNED: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    GROUPED: tl.constexpr, PER_HEAD: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     """dV = sum_i P_i^T dO_i and dK = sm_scale * sum_i dS_i^T Q_i over the key-major lists.
 
@@ -596,36 +592,19 @@ def _attn_bwd_dkdv_kernel(
     query tile in sub-tiles of SUB_M queries (one flattened loop per head, as
     FlashAttention-2 / the Triton tutorial do), so only [SUB_M, HEAD_DIM] q and dO tiles are
     live per step. The sum over the group is in a fixed order: deterministic.
-
-    PER_HEAD (GQA with ``LaunchOptions.gqa_dkdv = "per_head"``; never with GROUPED): one program
-    per (key tile, b, *query* head) instead, the multi-head body on K, V of kv head
-    h // GROUP, so a causal launch has GROUP times more programs, each GROUP times shorter
-    (the group walk makes the longest programs, the launch's tail, GROUP times longer).
-    DK, DV are then [B, H, N_KV, HEAD_DIM] float32 (float64 for fp64 inputs) scratch: query
-    head h's scaled partial, which :func:`_attn_bwd_dkdv_sum_kernel` sums over each group.
     """
     tl.static_assert(BLOCK >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(SUB_M >= 16 and BLOCK % SUB_M == 0, "query sub-tiles: >= 16, divide BLOCK")
     tl.static_assert(MASK_WORDS * 32 >= BLOCK, "one bit per key column of a tile")
     tl.static_assert(HEAD_DIM >= 16, "tl.dot needs a head dim of at least 16")
     tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM, "padded head dim covers the head dim")
-    tl.static_assert(not (GROUPED and PER_HEAD), "a program walks its group or one query head")
-    if PER_HEAD:
-        # Programs over the H query heads, each with its own work-order row (head stride 1).
-        start_n, off_bh = _program(k_order, stride_ch, stride_cm, H, tl.cdiv(N_KV, BLOCK), 1,
-                                   ORDERED)
-        off_b = (off_bh // H).to(tl.int64)
-        off_o = off_bh % H  # query head: its layout row and its slice of the DK/DV partials
-        off_g = off_o // GROUP  # the kv head it reads
-    else:
-        H_KV = H // GROUP
-        start_n, off_bh = _program(k_order, stride_ch, stride_cm, H_KV, tl.cdiv(N_KV, BLOCK),
-                                   GROUP, ORDERED)
-        off_b = (off_bh // H_KV).to(tl.int64)
-        off_g = off_bh % H_KV  # kv head
-        off_o = off_g  # the DK/DV head it writes (and, unless GROUPED, its one query head)
+    H_KV = H // GROUP
+    start_n, off_bh = _program(k_order, stride_ch, stride_cm, H_KV, tl.cdiv(N_KV, BLOCK), GROUP,
+                               ORDERED)
     N = _hint16(N, ALIGNED)
     N_KV = _hint16(N_KV, ALIGNED)
+    off_b = (off_bh // H_KV).to(tl.int64)
+    off_g = off_bh % H_KV  # kv head
     off_g64 = off_g.to(tl.int64)
     offs_n = start_n * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -657,7 +636,7 @@ def _attn_bwd_dkdv_kernel(
                                 stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw,
                                 BLOCK, SUB_M, DOT_PRECISION, DOT_UPCAST, ALIGNED)
     else:
-        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_o,
+        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_g,
                             start_n, offs_d, d_ok, N, qk_scale, k_count, k_partial, k_index,
                             k_mask_id, masks, stride_qb, stride_qh, stride_qn, stride_qd,
                             stride_dob, stride_doh, stride_don, stride_dod,
@@ -665,70 +644,9 @@ def _attn_bwd_dkdv_kernel(
                             stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw,
                             BLOCK, SUB_M, DOT_PRECISION, DOT_UPCAST, ALIGNED)
     dk = dk * scale  # gradient w.r.t. natural scaled scores, as in dQ
-    off_o64 = off_o.to(tl.int64)
-    tl.store(DK + off_b * _hint16(stride_dkb, ALIGNED) + off_o64 * _hint16(stride_dkh, ALIGNED)
-             + offs_n[:, None] * _hint16(stride_dkn, ALIGNED) + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & d_ok[None, :])
-    tl.store(DV + off_b * _hint16(stride_dvb, ALIGNED) + off_o64 * _hint16(stride_dvh, ALIGNED)
-             + offs_n[:, None] * _hint16(stride_dvn, ALIGNED) + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=key_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _group_sum(P, off_b, off_g, GROUP, offs_n, offs_d, ok, stride_pb, stride_ph, stride_pn,
-               stride_pd, ALIGNED: tl.constexpr):
-    """Sum of the GROUP partials of kv head ``off_g`` (query heads off_g * GROUP + j), rows
-    ``offs_n``, in head order j = 0, 1, ...: one fixed order, so bitwise-deterministic."""
-    base = (P + off_b * _hint16(stride_pb, ALIGNED) + offs_n[:, None] * _hint16(stride_pn, ALIGNED)
-            + offs_d[None, :] * stride_pd)
-    stride_ph = _hint16(stride_ph, ALIGNED)
-    first = (off_g * GROUP).to(tl.int64)
-    # Starting from head 0's partial (not tl.zeros) keeps the accumulator in the partials' dtype
-    # (fp32, fp64 for fp64 inputs) with no dtype switch; 0 + x would be x anyway.
-    acc = tl.load(base + first * stride_ph, mask=ok, other=0.0)
-    for j in range(1, GROUP):
-        acc += tl.load(base + (first + j) * stride_ph, mask=ok, other=0.0)
-    return acc
-
-
-@triton.jit
-def _attn_bwd_dkdv_sum_kernel(
-    PDK, PDV, N_KV, H_KV, GROUP,
-    stride_pkb, stride_pkh, stride_pkn, stride_pkd,
-    stride_pvb, stride_pvh, stride_pvn, stride_pvd,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    DK, DV,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    ALIGNED: tl.constexpr,
-):
-    """dK, dV of the per-query-head schedule (``PER_HEAD`` in :func:`_attn_bwd_dkdv_kernel`):
-    each kv head's GROUP partials summed and cast to the output dtype.
-
-    PDK, PDV: [B, H_KV * GROUP, N_KV, HEAD_DIM] float32 (float64 for fp64 inputs), query head
-    h's partial at head h; DK, DV: [B, H_KV, N_KV, HEAD_DIM] in the input dtype. One program per
-    (row tile of BLOCK keys, b, kv head), on a one-axis grid (tile fastest): it sums the group
-    in head order (no atomics, and no framework reduction whose order could differ between
-    torch and XLA: both frontends get the same bits) and rounds once, as the group schedule
-    does.
-    """
-    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM, "padded head dim covers the head dim")
-    tiles = tl.cdiv(N_KV, BLOCK)
-    pid = tl.program_id(0)
-    off_bg = pid // tiles
-    off_b = (off_bg // H_KV).to(tl.int64)
-    off_g = off_bg % H_KV
-    offs_n = (pid % tiles) * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    ok = (offs_n < N_KV)[:, None] & _cols_ok(offs_d, HEAD_DIM, HEAD_DIM_PAD)[None, :]
-    off_g64 = off_g.to(tl.int64)
-    dk = _group_sum(PDK, off_b, off_g, GROUP, offs_n, offs_d, ok, stride_pkb, stride_pkh,
-                    stride_pkn, stride_pkd, ALIGNED)
     tl.store(DK + off_b * _hint16(stride_dkb, ALIGNED) + off_g64 * _hint16(stride_dkh, ALIGNED)
              + offs_n[:, None] * _hint16(stride_dkn, ALIGNED) + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=ok)
-    dv = _group_sum(PDV, off_b, off_g, GROUP, offs_n, offs_d, ok, stride_pvb, stride_pvh,
-                    stride_pvn, stride_pvd, ALIGNED)
+             dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & d_ok[None, :])
     tl.store(DV + off_b * _hint16(stride_dvb, ALIGNED) + off_g64 * _hint16(stride_dvh, ALIGNED)
              + offs_n[:, None] * _hint16(stride_dvn, ALIGNED) + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=ok)
+             dv.to(DV.dtype.element_ty), mask=key_ok[:, None] & d_ok[None, :])

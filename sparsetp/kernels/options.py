@@ -24,8 +24,7 @@ from typing import Any
 
 from sparsetp.core.layout import SUPPORTED_BLOCK_SIZES
 
-__all__ = ["WORK_ORDERS", "KERNEL_TILES", "GQA_DKDV", "LaunchOptions", "current", "using",
-           "launch_options"]
+__all__ = ["WORK_ORDERS", "KERNEL_TILES", "LaunchOptions", "current", "using", "launch_options"]
 
 # "auto": per view, the layout's head groups, longest lists first (schedule.grid_group);
 # "natural": heads one after another, tile = rank; "longest_first": heads one after another,
@@ -34,10 +33,6 @@ WORK_ORDERS = ("auto", "natural", "longest_first", "longest_first_bh")
 # "auto": schedule.kernel_layout's cost model on CUDA, the layout's own block elsewhere;
 # "layout": always the layout's own block; an int: that tile wherever it is >= the layout's.
 KERNEL_TILES = ("auto", "layout", *SUPPORTED_BLOCK_SIZES)
-# The dK/dV schedule under grouped-query attention: "group", one program per (kv head, key
-# tile) walking its group's query heads; "per_head", one per (query head, key tile) into a
-# float32 scratch, then a fixed-order sum over each group (LaunchOptions.gqa_dkdv).
-GQA_DKDV = ("group", "per_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +48,6 @@ class LaunchOptions:
         go straight to the compiled kernel (saves host time per call; off falls back to the
         public entry point, and so does a Triton whose private launch API is not the tested one).
       parallel_compile: torch on CUDA: the backward's kernels compile in threads on first use.
-      gqa_dkdv: one of :data:`GQA_DKDV`, the dK/dV schedule under grouped-query attention.
-        ``"group"`` (the default): one program per (kv head, key tile) sums its group's GROUP
-        query heads in turn. ``"per_head"``: one program per (query head, key tile), GROUP
-        times more and GROUP times shorter programs (the multi-head launch), each writing its
-        query head's dK/dV in float32 (float64 for float64 inputs) to a scratch buffer
-        ``[B, H, N_kv, D]``, summed over each group in a fixed order by a second small kernel
-        and cast to the input dtype. Extra memory while the backward runs: two such buffers,
-        ``2 * B * H * N_kv * D * 4`` bytes (GROUP times dK and dV together in float32,
-        ``2 * GROUP`` times in bfloat16: 1 GiB at B=1, H=32, N_kv=32768, D=128). Both
-        schedules are deterministic; their results differ in the last bits. Multi-head
-        attention (H_kv = H) ignores it.
     """
 
     work_order: str = "auto"
@@ -72,7 +56,6 @@ class LaunchOptions:
     tiles: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     direct_launch: bool = True
     parallel_compile: bool = True
-    gqa_dkdv: str = "group"
 
     def __post_init__(self):
         if self.work_order not in WORK_ORDERS:
@@ -83,8 +66,6 @@ class LaunchOptions:
         if self.kernel_tile not in KERNEL_TILES or isinstance(self.kernel_tile, bool):
             raise ValueError(f"kernel_tile must be one of {KERNEL_TILES}, got "
                              f"{self.kernel_tile!r}")
-        if self.gqa_dkdv not in GQA_DKDV:
-            raise ValueError(f"gqa_dkdv must be one of {GQA_DKDV}, got {self.gqa_dkdv!r}")
         from sparsetp.kernels.tiles import KERNEL_NAMES, TileConfig  # noqa: PLC0415 (cycle)
 
         for name, cfg in dict(self.tiles).items():
@@ -98,7 +79,7 @@ class LaunchOptions:
         # Launch caches key on this per call: computed once (the object is frozen).
         object.__setattr__(self, "_key", (
             self.work_order, self.head_group, self.kernel_tile, tuple(sorted(self.tiles.items())),
-            self.direct_launch, self.parallel_compile, self.gqa_dkdv))
+            self.direct_launch, self.parallel_compile))
 
     def key(self) -> tuple:
         """A hashable value that changes whenever a launch built under these options could."""

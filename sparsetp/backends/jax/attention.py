@@ -374,17 +374,12 @@ def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest, opts):
 def _kernel_backward(q, k, v, out, lse, d_out, d_lse, meta, scale, kind):
     """The dQ and dK/dV kernels on the path ``kind``, under the caller's launch options. dQ also
     writes Delta = rowsum(dO * O) - d_lse (an LSE cotangent enters dS = P * (dP - Delta) that
-    way; zeros when only ``out`` is used), which dK/dV reads. GQA under
-    ``gqa_dkdv="per_head"``: dK/dV writes per-query-head float32 partials, which a third launch
-    sums over each group (``abi.bwd_dkdv_sum_call``)."""
+    way; zeros when only ``out`` is used), which dK/dV reads."""
     dtype = jnp.dtype(q.dtype).name
     dq, delta = _launch.run_call(_abi.bwd_dq_call(
         q, k, v, d_out, lse, out, d_lse, meta, scale=scale, dtype=dtype, device_kind=kind), kind)
     dk, dv = _launch.run_call(_abi.bwd_dkdv_call(
         q, k, v, d_out, lse, delta, meta, scale=scale, dtype=dtype, device_kind=kind), kind)
-    if _abi.dkdv_per_head(q.shape[1], k.shape[1]):  # dk, dv are the partials
-        dk, dv = _launch.run_call(_abi.bwd_dkdv_sum_call(
-            dk, dv, k.shape[1], dtype=dtype, device_kind=kind), kind)
     return dq, dk, dv
 
 

@@ -138,34 +138,22 @@ class _Plan:
         dq = _launch.new_output(q.shape, q.dtype, q.device)
         dk = _launch.new_output(k.shape, k.dtype, k.device)
         dv = _launch.new_output(v.shape, v.dtype, v.device)
-        # GQA under gqa_dkdv="per_head": dK/dV writes per-query-head partials (float32 scratch,
-        # [B, H, N_kv, D] each, freed on return), which a second launch sums over each group.
-        partials = None
-        if abi.dkdv_per_head(q.shape[1], k.shape[1]):
-            shape = (k.shape[0], q.shape[1], *k.shape[2:])
-            partials = tuple(_launch.new_output(shape, _stats_dtype(q.dtype), k.device)
-                             for _ in range(2))
         key = (d_out.stride(), out.stride(), lse.stride(),
-               None if d_lse is None else d_lse.stride(), partials is None)
+               None if d_lse is None else d_lse.stride())
         descs = self.bwd.get(key)
         if descs is None:
             descs = self.bwd[key] = self._backward_descriptions(
-                q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv, partials)
-        dq_desc, dkdv_desc, sum_desc = descs
+                q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv)
+        dq_desc, dkdv_desc = descs
         # dQ also writes delta = rowsum(dO * O) - d_lse, which dK/dV reads.
         _launch.run(dq_desc, (q, k, v, d_out, lse, out, lse if d_lse is None else d_lse),
                     (dq, delta), kind)
-        if partials is None:
-            _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), (dk, dv), kind)
-        else:
-            _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), partials, kind)
-            _launch.run(sum_desc, partials, (dk, dv), kind)
+        _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), (dk, dv), kind)
         return dq, dk, dv
 
-    def _backward_descriptions(self, q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv,
-                               partials=None):
-        """The dQ and dK/dV descriptions, and with per-query-head ``partials`` the group sum's
-        (else None), their kernels compiled together (in threads) on their first use."""
+    def _backward_descriptions(self, q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv):
+        """The dQ and dK/dV descriptions, their kernels compiled together (in threads) on their
+        first use."""
         kind, meta = self.kind, self.meta
         kw = dict(scale=self.scale, dtype=abi.check_dtype(q.dtype), device_kind=kind)
         strides = {"q": q.stride(), "k": k.stride(), "v": v.stride(), "d_out": d_out.stride(),
@@ -176,23 +164,12 @@ class _Plan:
             {**strides, "out": out.stride(), "dq": dq.stride(),
              **({} if d_lse is None else {"d_lse": d_lse.stride()})}, **kw)
         dkdv_ins = (q, k, v, d_out, lse, delta)
-        out_strides = {"dk": dk.stride(), "dv": dv.stride()}
-        if partials is not None:
-            part_strides = {"dk_partial": partials[0].stride(), "dv_partial": partials[1].stride()}
         dkdv_desc = _launch.describe(abi.bwd_dkdv_call, dkdv_ins, meta,
-                                     {**strides, **(out_strides if partials is None
-                                                    else part_strides)}, **kw)
-        launches = [(dq_desc.with_tensors(dq_ins), (dq, delta)),
-                    (dkdv_desc.with_tensors(dkdv_ins), (dk, dv) if partials is None else partials)]
-        sum_desc = None
-        if partials is not None:
-            sum_desc = _launch.describe(abi.bwd_dkdv_sum_call, partials, None,
-                                        {**part_strides, **out_strides}, kv_heads=k.shape[1],
-                                        dtype=kw["dtype"], device_kind=kind)
-            launches.append((sum_desc.with_tensors(partials), (dk, dv)))
-        if not all(desc.compiled for desc in (dq_desc, dkdv_desc, sum_desc) if desc is not None):
-            _launch.compile_together(launches, kind)
-        return dq_desc, dkdv_desc, sum_desc
+                                     {**strides, "dk": dk.stride(), "dv": dv.stride()}, **kw)
+        if not (dq_desc.compiled and dkdv_desc.compiled):
+            _launch.compile_together(((dq_desc.with_tensors(dq_ins), (dq, delta)),
+                                      (dkdv_desc.with_tensors(dkdv_ins), (dk, dv))), kind)
+        return dq_desc, dkdv_desc
 
 
 def _dq_call_without_dlse(q, k, v, d_out, lse, out, lse_again, meta, **kw):
