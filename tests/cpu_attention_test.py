@@ -209,6 +209,27 @@ class JaxNativeTransformsTest(absltest.TestCase):
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, lay).as_text()
         self.assertNotIn("callback", text)
 
+    def test_loop_steps_under_vmap_and_grad(self):
+        """Small steps: a loop of two tiles per step plus a rest, and the global row's heads
+        split over steps (GQA), under vmap and jit(grad): the oracle's numbers."""
+        layout, q, k, v, d_out = _case("bigbird", 216, 216, 16, 4, 2)
+        lay = jattn.layout_arrays(layout, static_widths=True)
+        with mock.patch.object(jcpu, "CHUNK_ELEMENTS", 16 * 16 * 5 * 8):
+            plan = jcpu._plan(1, 4, layout.num_blocks, 16, D, lay.widest_row, lay.row_widths)
+            self.assertTrue(any(hc < 4 for *_, hc in plan))
+            self.assertTrue(any(ct > 1 and (t1 - t0) % ct for t0, t1, _, ct, _ in plan))
+            qs = np.stack([q, -0.5 * q])
+            out = jax.vmap(lambda q: jattn.sparse_attention(q, k, v, lay))(qs)
+            grads = jax.jit(jax.grad(
+                lambda q, k, v: jnp.vdot(jattn.sparse_attention(q, k, v, lay), d_out),
+                argnums=(0, 1, 2)))(q, k, v)
+        for i in range(2):
+            tu.assert_close(np.asarray(out[i]), reference.attention(qs[i], k, v, layout)[0],
+                            "float32", what=f"vmap out {i}")
+        for name, g, r in zip(("dq", "dk", "dv"), grads,
+                              reference.attention_grad(q, k, v, layout, d_out), strict=True):
+            tu.assert_close(np.asarray(g), r, "float32", grad=True, reduced=2, what=name)
+
 
 if __name__ == "__main__":
     absltest.main()

@@ -17,9 +17,9 @@ Shapes are static, so each row is padded to ``widest`` listed tiles (the layout'
 :attr:`LayoutArrays.widest_row`; the ELL width when unknown), only the leading partial entries
 (:attr:`LayoutArrays.partial_row` of them) gather element masks (the others are full tiles, empty
 padding or the ragged last tile: compares against the row's count and ``N_kv``), and the query
-tiles are processed in
-static chunks of at most :data:`CHUNK_ELEMENTS` per temporary: memory grows with the computed
-blocks of a chunk, never with ``N x N``.
+tiles are processed in steps of a ``fori_loop`` over static runs of tiles, at most
+:data:`CHUNK_ELEMENTS` per temporary: memory grows with the computed blocks of a step, never
+with ``N x N``.
 
 Example::
 
@@ -40,8 +40,13 @@ import jax.numpy as jnp
 
 __all__ = ["forward", "backward", "CHUNK_ELEMENTS"]
 
-# Elements of the largest per-chunk temporary (as in the torch path: 16 MiB of fp32).
-CHUNK_ELEMENTS = 1 << 22
+# Elements of the largest temporary of one loop step (2 MiB of fp32). Small, because XLA's CPU
+# runtime takes a program's temporaries from malloc on every call, and a block over 32 MiB
+# (glibc's largest mmap threshold) comes back as fresh pages the kernel faults in and zeroes,
+# which cost more than the arithmetic; a loop's steps reuse one set of buffers, in cache.
+CHUNK_ELEMENTS = 1 << 19
+
+_HI = jax.lax.Precision.HIGHEST
 
 
 def _compute_dtype(dtype):
@@ -88,24 +93,46 @@ def _tiles(t, n_tiles: int, bs: int, dtype):
 
 
 def _plan(b, h, nt, bs, d, w, widths):
-    """Static chunks ``(t0, t1, w_c)``: query tiles ``[t0, t1)`` padded to ``w_c`` entries, at
-    most :data:`CHUNK_ELEMENTS` per temporary; with per-tile ``widths``, a chunk holds tiles
-    within 2x of each other's width, so one wide row (a global token) widens only its own."""
-    per_tile = b * h * bs * max(bs, d)
-    if widths is None:
-        ct = max(1, CHUNK_ELEMENTS // (per_tile * w))
-        return [(t0, min(t0 + ct, nt), w) for t0 in range(0, nt, ct)]
-    widths = [max(1, min(int(x), w)) for x in widths]
-    chunks, t0 = [], 0
+    """Static runs ``(t0, t1, w_c, ct, hc)``: query tiles ``[t0, t1)`` padded to ``w_c``
+    entries, computed ``ct`` tiles of ``hc`` heads per step (:func:`_steps`), each step's
+    temporaries at most :data:`CHUNK_ELEMENTS` where a tile of one head fits; heads are split
+    (``hc < h``, then ``ct = 1``) only for a row too wide for one step. With per-tile
+    ``widths``, a run holds tiles within 2x of each other's width, so one wide row (a global
+    token) widens only its own."""
+    per_head = b * bs * max(bs, d)  # per listed entry of one tile of one head
+    widths = [w] * nt if widths is None else [max(1, min(int(x), w)) for x in widths]
+    runs, t0 = [], 0
     while t0 < nt:
         t1, lo, hi = t0 + 1, widths[t0], widths[t0]
-        while t1 < nt and per_tile * (t1 + 1 - t0) * max(hi, widths[t1]) <= CHUNK_ELEMENTS \
-                and max(hi, widths[t1]) <= 2 * min(lo, widths[t1]):
+        while t1 < nt and max(hi, widths[t1]) <= 2 * min(lo, widths[t1]):
             lo, hi = min(lo, widths[t1]), max(hi, widths[t1])
             t1 += 1
-        chunks.append((t0, t1, hi))
+        fit = CHUNK_ELEMENTS // (per_head * hi)  # (tile, head) pairs per step
+        hc = h if fit >= h else max(x for x in range(1, max(fit, 1) + 1) if h % x == 0)
+        runs.append((t0, t1, hi, max(1, min(t1 - t0, fit // h)), hc))
         t0 = t1
-    return chunks
+    return runs
+
+
+def _steps(runs, h: int, step, carry):
+    """``carry = step(carry, t0, ct, w_c, h0, hc)`` for query tiles ``[t0, t0 + ct)`` of heads
+    ``[h0, h0 + hc)`` over every run: a ``fori_loop`` over a run's whole steps (starts traced:
+    one small set of temporaries that every step reuses, where a program's large temporaries
+    are mapped and zeroed afresh by each call), then one step of the rest."""
+    for t0, t1, w_c, ct, hc in runs:
+        groups, whole = h // hc, (t1 - t0) // ct
+
+        def body(i, c, t0=t0, ct=ct, w_c=w_c, hc=hc, groups=groups):
+            h0 = 0 if groups == 1 else (i % groups) * hc
+            return step(c, t0 + (i // groups) * ct, ct, w_c, h0, hc)
+
+        if whole * groups == 1:
+            carry = step(carry, t0, ct, w_c, 0, hc)
+        else:
+            carry = jax.lax.fori_loop(0, whole * groups, body, carry)
+        if t0 + whole * ct < t1:  # groups == 1 here: split heads come with ct = 1
+            carry = step(carry, t0 + whole * ct, t1 - t0 - whole * ct, w_c, 0, hc)
+    return carry
 
 
 def _operands(q, k, v, meta, widest: int):
@@ -122,52 +149,74 @@ def _operands(q, k, v, meta, widest: int):
     return tables, cdt, bs, w, nt, kt_n, qt, kt, vt, kv_head
 
 
-def _chunk(tables, kt, vt, kv_head, q_c, t0, t1, w, scale):
-    """Gathered K/V tiles [B, H, ct, W*bs, D] and the masked, scaled scores [B, H, ct, bs, W*bs]
-    of query tiles [t0, t1), their rows cut to their first ``w`` entries."""
+def _window(a, h0, hc: int, t0, ct: int, axis: int = 0):
+    """``a`` cut to heads ``[h0, h0 + hc)`` along ``axis`` and query tiles ``[t0, t0 + ct)``
+    along the next axis (starts an int or traced)."""
+    starts, sizes = [0] * a.ndim, list(a.shape)
+    starts[axis], starts[axis + 1], sizes[axis], sizes[axis + 1] = h0, t0, hc, ct
+    return jax.lax.dynamic_slice(a, starts, sizes)
+
+
+def _put(a, x, h0, t0):
+    """``a`` [B, H, NT, ...] with ``x`` written at heads ``h0...``, query tiles ``t0...``."""
+    return jax.lax.dynamic_update_slice(a, x, (0, h0, t0) + (0,) * (a.ndim - 3))
+
+
+def _chunk(tables, kt, vt, kv_head, qt, t0, ct: int, w: int, h0, hc: int, scale):
+    """For query tiles ``[t0, t0 + ct)`` of heads ``[h0, h0 + hc)`` (starts may be traced),
+    their rows cut to their first ``w`` entries: the key tiles [hc, ct, W], the scaled q tiles
+    [B, hc, ct, bs, D], the gathered K/V tiles [B, hc, ct, W*bs, D] and the masked, scaled
+    scores [B, hc, ct, bs, W*bs]."""
     index, blocked, ids, count, n_k = tables
-    b, h, ct, bs, d = q_c.shape
-    idx = index[:, t0:t1, :w]
-    # One take of whole tiles over the flattened (kv head, tile) axis, as the torch path does.
+    b, _, _, bs, d = qt.shape
+    idx = _window(index, h0, hc, t0, ct)[..., :w]
+    # One take of whole tiles over the flattened (kv head, tile) axis, as the torch path does;
+    # "clip" (the indices are in range) spares the out-of-range select "fill" would add.
     h_kv, n_t = kt.shape[1], kt.shape[2]
-    rows = (kv_head * n_t + idx).reshape(-1)
-    k_g = jnp.take(kt.reshape(b, h_kv * n_t, bs, d), rows, axis=1).reshape(b, h, ct, w * bs, d)
-    v_g = jnp.take(vt.reshape(b, h_kv * n_t, bs, d), rows, axis=1).reshape(b, h, ct, w * bs, d)
-    hi = jax.lax.Precision.HIGHEST
+    rows = (_window(kv_head, h0, hc, 0, 1) * n_t + idx).reshape(-1)
+    k_g = jnp.take(kt.reshape(b, h_kv * n_t, bs, d), rows, axis=1, mode="clip")
+    v_g = jnp.take(vt.reshape(b, h_kv * n_t, bs, d), rows, axis=1, mode="clip")
+    k_g, v_g = k_g.reshape(b, hc, ct, w * bs, d), v_g.reshape(b, hc, ct, w * bs, d)
     # Scaling q (bs x D per tile) instead of the scores (bs x W*bs): less work, same product up
-    # to fp32 rounding.
-    s = jnp.matmul(q_c * scale, k_g.swapaxes(-1, -2), precision=hi)
+    # to fp32 rounding. Contracting D of both operands: no transposed copy of the gathered K.
+    q_c = _window(qt, h0, hc, t0, ct, axis=1) * scale
+    s = jax.lax.dot_general(q_c, k_g, (((4,), (4,)), ((0, 1, 2), (0, 1, 2))), precision=_HI)
     e = min(ids.shape[-1], w)
-    mask = blocked[ids[:, t0:t1, :e]].transpose(0, 1, 3, 2, 4).reshape(h, ct, bs, e * bs)
+    mask = blocked[_window(ids, h0, hc, t0, ct)[..., :e]].transpose(0, 1, 3, 2, 4)
+    mask = mask.reshape(hc, ct, bs, e * bs)
     if e < w:  # the other entries: padding past the row's count, keys past N_kv
         pos = jnp.arange(e, w)[:, None]
-        rest = (pos >= count[:, t0:t1, :, None]) | (idx[..., e:, None] * bs + jnp.arange(bs) >= n_k)
-        rest = jnp.broadcast_to(rest.reshape(h, ct, 1, (w - e) * bs), (h, ct, bs, (w - e) * bs))
+        rest = (pos >= _window(count, h0, hc, t0, ct)[..., None]) | \
+            (idx[..., e:, None] * bs + jnp.arange(bs) >= n_k)
+        rest = jnp.broadcast_to(rest.reshape(hc, ct, 1, (w - e) * bs), (hc, ct, bs, (w - e) * bs))
         mask = jnp.concatenate([mask, rest], axis=-1)
-    return idx, k_g, v_g, jnp.where(mask, -jnp.inf, s)
+    return idx, q_c, k_g, v_g, jnp.where(mask, -jnp.inf, s)
 
 
 def forward(q, k, v, meta, scale: float, *, widest: int | tuple = 0):
     """``(out [B, H, N, D] in q's dtype, lse [B, H, N] float32/float64)`` for the layout
     metadata ``meta`` (the arrays of ``LayoutArrays.metadata()``); ``widest``: a static bound on
     the listed tiles per row (0: the ELL width), or ``(that, bound on the partial tiles per
-    row)`` (``LayoutArrays.widest_row, partial_row``)."""
+    row, per-query-tile bounds)`` (``LayoutArrays.widest_row, partial_row, row_widths``)."""
     b, h, n, d = q.shape
     tables, cdt, bs, w, nt, kt_n, qt, kt, vt, kv_head = _operands(q, k, v, meta, widest)
-    outs, lses = [], []
-    for t0, t1, w_c in _plan(b, h, nt, bs, d, w, _bounds(widest)[2]):
-        _, _, v_g, s = _chunk(tables, kt, vt, kv_head, qt[:, :, t0:t1], t0, t1, w_c, scale)
+
+    def step(carry, t0, ct, w_c, h0, hc):
+        out, lse = carry
+        _, _, _, v_g, s = _chunk(tables, kt, vt, kv_head, qt, t0, ct, w_c, h0, hc, scale)
         m = s.max(-1, keepdims=True)
         # A row with no allowed key has max -inf: shift by 0 instead, so exp gives 0s (not
         # NaN), the output 0 and log(0) = -inf the LSE.
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.exp(s - m)
         denom = p.sum(-1, keepdims=True)
-        o = jnp.matmul(p, v_g, precision=jax.lax.Precision.HIGHEST)
-        outs.append(o / jnp.where(denom > 0, denom, 1.0))
-        lses.append((m + jnp.log(denom))[..., 0])
-    out = jnp.concatenate(outs, axis=2).reshape(b, h, nt * bs, d)[:, :, :n]
-    lse = jnp.concatenate(lses, axis=2).reshape(b, h, nt * bs)[:, :, :n]
+        o = jnp.matmul(p, v_g, precision=_HI) / jnp.where(denom > 0, denom, 1.0)
+        return _put(out, o, h0, t0), _put(lse, (m + jnp.log(denom))[..., 0], h0, t0)
+
+    out, lse = _steps(_plan(b, h, nt, bs, d, w, _bounds(widest)[2]), h, step,
+                      (jnp.zeros((b, h, nt, bs, d), cdt), jnp.zeros((b, h, nt, bs), cdt)))
+    out = out.reshape(b, h, nt * bs, d)[:, :, :n]
+    lse = lse.reshape(b, h, nt * bs)[:, :, :n]
     return out.astype(q.dtype), lse
 
 
@@ -188,25 +237,37 @@ def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int
     # LSE +inf on rows with no key makes every exp(s - lse) 0 (-inf would give NaN).
     lse_t = _tiles(jnp.where(finite, lse, jnp.inf)[..., None], nt, bs, cdt)
     delta_t = _tiles(delta[..., None], nt, bs, cdt)
-    hi = jax.lax.Precision.HIGHEST
-    dk_t = jnp.zeros((b, h_kv * kt_n, bs, d), cdt)
-    dv_t = jnp.zeros((b, h_kv * kt_n, bs, d), cdt)
-    dqs = []
-    for t0, t1, w_c in _plan(b, h, nt, bs, d, w, _bounds(widest)[2]):
-        q_c, do_c = qt[:, :, t0:t1], dot[:, :, t0:t1]
-        idx, k_g, v_g, s = _chunk(tables, kt, vt, kv_head, q_c, t0, t1, w_c, scale)
-        ct = t1 - t0
-        p = jnp.exp(s - lse_t[:, :, t0:t1])                              # [B, H, ct, bs, W*bs]
-        dv_g = jnp.matmul(p.swapaxes(-1, -2), do_c, precision=hi)         # [B, H, ct, W*bs, D]
-        dp = jnp.matmul(do_c, v_g.swapaxes(-1, -2), precision=hi)
-        ds = p * (dp - delta_t[:, :, t0:t1])
-        dqs.append(jnp.matmul(ds, k_g, precision=hi) * scale)
-        dk_g = jnp.matmul(ds.swapaxes(-1, -2), q_c, precision=hi) * scale
+
+    def step(carry, t0, ct, w_c, h0, hc):
+        dq, dk_t, dv_t = carry
+        idx, q_c, k_g, v_g, s = _chunk(tables, kt, vt, kv_head, qt, t0, ct, w_c, h0, hc, scale)
+        do_c = _window(dot, h0, hc, t0, ct, axis=1)
+        p = jnp.exp(s - _window(lse_t, h0, hc, t0, ct, axis=1))         # [B, hc, ct, bs, W*bs]
+        dp = jax.lax.dot_general(do_c, v_g, (((4,), (4,)), ((0, 1, 2), (0, 1, 2))),
+                                 precision=_HI)
+        ds = p * (dp - _window(delta_t, h0, hc, t0, ct, axis=1))
+        dq_c = jnp.matmul(ds, k_g, precision=_HI) * scale
+        # dK^T = scale Q^T dS and dV^T = dO^T P [B, hc, ct, D, W*bs], the small operand
+        # transposed: plain matmuls, which XLA's CPU backend gives its fast matmul library,
+        # where dS^T Q (contracting the leading axis of both) takes a generic dot several times
+        # slower. The tiles accumulate transposed.
+        dkt_g = jnp.matmul(q_c.swapaxes(-1, -2), ds, precision=_HI)
+        dvt_g = jnp.matmul(do_c.swapaxes(-1, -2), p, precision=_HI)
+
+        def tiles(x):  # [B, hc, ct, D, W*bs] -> [B, hc*ct*W, D, bs]
+            x = x.reshape(b, hc, ct, d, w_c, bs).transpose(0, 1, 2, 4, 3, 5)
+            return x.reshape(b, hc * ct * w_c, d, bs)
+
         # Entries past a row's count have P = 0: they add exact zeros to key tile 0.
-        dest = (kv_head * kt_n + idx).reshape(-1)
-        dk_t = dk_t.at[:, dest].add(dk_g.reshape(b, h * ct * w_c, bs, d))
-        dv_t = dv_t.at[:, dest].add(dv_g.reshape(b, h * ct * w_c, bs, d))
-    dq = jnp.concatenate(dqs, axis=2).reshape(b, h, nt * bs, d)[:, :, :n]
-    dk = dk_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]
-    dv = dv_t.reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]
+        dest = (_window(kv_head, h0, hc, 0, 1) * kt_n + idx).reshape(-1)
+        return (_put(dq, dq_c, h0, t0), dk_t.at[:, dest].add(tiles(dkt_g)),
+                dv_t.at[:, dest].add(tiles(dvt_g)))
+
+    dq, dk_t, dv_t = _steps(_plan(b, h, nt, bs, d, w, _bounds(widest)[2]), h, step,
+                            (jnp.zeros((b, h, nt, bs, d), cdt),
+                             jnp.zeros((b, h_kv * kt_n, d, bs), cdt),
+                             jnp.zeros((b, h_kv * kt_n, d, bs), cdt)))
+    dq = dq.reshape(b, h, nt * bs, d)[:, :, :n]
+    dk = dk_t.swapaxes(-1, -2).reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]
+    dv = dv_t.swapaxes(-1, -2).reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
