@@ -60,19 +60,19 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 # bound memory, large enough that per-chunk Python overhead is noise.
 CHUNK_ELEMENTS = 1 << 22
 
-# Threads for the chunks (None: torch.get_num_threads() up to POOL_MAX_THREADS, else 1: the
-# caller's thread, whose ops use torch's own threads). Each worker runs its chunks' ops on one
-# torch thread: a chunk's ~15 ops each parallelised over torch's threads would meet at ~15
-# barriers, and one thread descheduled by other load stalls every barrier.
+# Threads for the backward's chunks (None: torch.get_num_threads() up to POOL_MAX_THREADS, else
+# 1: the caller's thread, whose ops use torch's own threads). Each worker runs its chunks' ops on
+# one torch thread, while the caller adds finished chunks' dK/dV (index_add_, one thread) in
+# order. The forward always runs on the caller.
 WORKERS: int | None = None
 # The most torch threads the worker pool stands in for. Measured (KERNEL_NOTES, "Native CPU
-# path"): the pool ran the N=4096 window forward 2x faster than torch's threads on 2 cores,
-# and 1.5-3x slower on 16 (many Python threads issuing small ops queue on the GIL); counts
+# path"): on 2 cores the pool ran the N=4096 window backward 1.3x faster than torch's threads
+# (the caller's dK/dV adds overlap the workers' chunks), on 16 the caller won 2-3x; counts
 # between 2 and 16 are untested.
 POOL_MAX_THREADS = 4
 
 # Work is split among the workers only into chunks of at least this many elements: a chunk's
-# ~15 ops and its hand-over cost ~0.3 ms, a 2**17-element chunk ~1 ms of work on one core.
+# few ops and its hand-over cost ~0.3 ms, a 2**17-element chunk ~1 ms of work on one core.
 MIN_SPLIT_ELEMENTS = 1 << 17
 # Chunks per worker, so that the workers finish together when chunks differ in cost.
 CHUNKS_PER_WORKER = 8
@@ -479,8 +479,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayo
         if tables.keyless is not None:
             lse[:, :, r0:r1].masked_fill_(tables.keyless[:, r0:r1], float("-inf"))
 
-    chunks, parallel = _plan(tables, b, d)
-    _map_chunks(chunk, chunks, parallel=parallel)
+    # On the caller: the fused kernel threads itself, and the pool's single-threaded workers
+    # lost to it (2 cores: 15.4 vs 9.3 ms at N=4096, KERNEL_NOTES "Native CPU path").
+    chunks, _ = _plan(tables, b, d)
+    _map_chunks(chunk, chunks, parallel=False)
     return out, lse
 
 
