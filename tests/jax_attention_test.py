@@ -342,6 +342,22 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
             ordered = {consts.get("ORDERED") for nm, consts in launched if "ORDERED" in consts}
             self.assertEqual(ordered, {"work_order" not in changes}, changes)
 
+    def test_interpreter_switch_is_not_a_cached_trace(self):
+        """The same shapes and options first on the native CPU path, then under
+        ``SPARSETP_INTERPRET=1``, then natively again: each call takes its own path (a trace
+        reused across the switch ran the interpreter's host callback on GPU buffers)."""
+        layout = make_layout(PT.causal(), 64, 2, 32)
+        lay = jattn.layout_arrays(layout)
+        q, k, v = tu.random_inputs(21, (1, 2, 64, 16), "float32", count=3)
+        ref = reference.attention(q, k, v, layout)[0]
+        for interpret in (False, True, False):
+            env = {"SPARSETP_INTERPRET": "1"} if interpret else {}
+            with mock.patch.dict(os.environ, env), \
+                    mock.patch.object(interpreter, "launch", wraps=interpreter.launch) as spy:
+                out = jax.device_get(jattn.sparse_attention(q, k, v, lay))
+            self.assertEqual(spy.called, interpret)
+            tu.assert_close(out, ref, "float32", what=f"interpret={interpret}")
+
     @parameterized.product(tp=(2, 4), how=("sharded_metadata", "local_heads"))
     def test_shard_map_over_heads(self, tp, how):
         """Heads split over a mesh axis (check_vma on): every shard runs its heads' metadata.

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsetp import _runtime
 from sparsetp.backends.jax import cpu as _cpu
 from sparsetp.backends.jax import launch as _launch
 from sparsetp.core.layout import BlockLayout
@@ -362,8 +363,23 @@ def _attention(q, k, v, meta, scale, head_groups, widest, opts):  # by name (sta
 
 # Always staged: launch.per_platform's platform_dependent then lowers for the devices the call
 # runs on. Evaluated op by op (an eager shard_map over CPU devices of a GPU machine) it took the
-# default backend's CUDA branch on CPU buffers and crashed the process.
-_attention_jit = jax.jit(_attention, static_argnames=("scale", "head_groups", "widest", "opts"))
+# default backend's CUDA branch on CPU buffers and crashed the process. One staged function per
+# path rule (whether the GPU path is staged, and the CPU kind; SPARSETP_INTERPRET switches both):
+# a trace made under one rule, reused under another, ran the interpreter's host callback on GPU
+# buffers.
+_STAGED: dict = {}
+
+
+def _attention_jit(*args, **kwargs):
+    rule = (_launch.gpu_path(), _runtime.device_kind("cpu"))
+    staged = _STAGED.get(rule)
+    if staged is None:
+        def attention(*args, **kwargs):  # its own function: jit caches traces per function
+            return _attention(*args, **kwargs)
+
+        staged = _STAGED[rule] = jax.jit(
+            attention, static_argnames=("scale", "head_groups", "widest", "opts"))
+    return staged(*args, **kwargs)
 
 
 def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest, opts):
