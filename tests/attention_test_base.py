@@ -438,9 +438,12 @@ class AttentionTestBase(parameterized.TestCase):
                     self._check_forward(layout, q, k, v, None, "float32", tag)
                     self._check_backward(layout, q, k, v, None, "float32", d_out, tag)
 
-    def test_strided_inputs(self):
-        """[B, H, N, D] views of [B, N, H, D] buffers (non-contiguous strides) are honoured."""
-        b, h, n, d = 2, 2, 70, 32
+    @parameterized.named_parameters(("ragged", 70), ("whole_tiles", 64))
+    def test_strided_inputs(self, n):
+        """[B, H, N, D] views of [B, N, H, D] buffers (non-contiguous strides), and of a
+        [B, H, D, N] buffer (the last axis strided, as a transposed key cache), are honoured;
+        N ragged (the native path pads: a copy) or a multiple of the block (views throughout)."""
+        b, h, d = 2, 2, 32
         layout = make_layout(example_pattern("local", n, 32), n, h, 32)
         rng = np.random.default_rng(11)
         q, k, v, d_out = (np.swapaxes(rng.standard_normal((b, n, h, d)).astype(np.float32), 1, 2)
@@ -448,6 +451,11 @@ class AttentionTestBase(parameterized.TestCase):
         self.assertFalse(q.flags.c_contiguous)
         self._check_forward(layout, q, k, v, None, "float32", "strided")
         self._check_backward(layout, q, k, v, None, "float32", d_out, "strided")
+        q, k, v = (np.swapaxes(rng.standard_normal((b, h, d, n)).astype(np.float32), 2, 3)
+                   for _ in range(3))
+        self.assertNotEqual(q.strides[-1], q.itemsize)
+        self._check_forward(layout, q, k, v, None, "float32", "last axis strided")
+        self._check_backward(layout, q, k, v, None, "float32", d_out, "last axis strided")
 
     def test_new_pattern_same_shapes(self):
         """Two patterns with the same shapes in one process: both right (metadata as tensors)."""

@@ -138,6 +138,12 @@ class NativeMatchesInterpreterTest(parameterized.TestCase):
             grad = name[0] == "d"
             tu.assert_close(a, r, "float32", grad=grad, what=f"views {name}")
             tu.assert_close(a, g, "float32", grad=grad, what=f"views vs gathered {name}")
+        # The band's chunks share their masks: one kept per content, none per batch size.
+        kept = len(tables.fused_masks)
+        _torch_run(layout, q[:1], k[:1], v[:1], d_out[:1])
+        self.assertEqual(len(tables.fused_masks), kept)
+        self.assertTrue(all(m.shape[0] in (1, h) and m.shape[1] == 1
+                            for m in tables.fused_masks.values()))
 
     def test_worker_threads(self):
         """Chunks on two worker threads (tiny chunks, so every call uses them) through autograd
@@ -215,6 +221,8 @@ class JaxNativeTransformsTest(absltest.TestCase):
         layout, q, k, v, d_out = _case("bigbird", 216, 216, 16, 4, 2)
         lay = jattn.layout_arrays(layout, static_widths=True)
         with mock.patch.object(jcpu, "CHUNK_ELEMENTS", 16 * 16 * 5 * 8):
+            jax.clear_caches()  # trace under the patched step size, not a cached trace
+            self.addCleanup(jax.clear_caches)  # and leave no trace of it to later tests
             plan = jcpu._plan(1, 4, layout.num_blocks, 16, D, lay.widest_row, lay.row_widths)
             self.assertTrue(any(hc < 4 for *_, hc in plan))
             self.assertTrue(any(ct > 1 and (t1 - t0) % ct for t0, t1, _, ct, _ in plan))

@@ -176,18 +176,22 @@ class _Tables:
         scores ``[B * H, t1 - t0, bs, w * bs]`` (0 where a query may see a key, -inf elsewhere),
         or None when every listed entry is a full tile; ``windowed``: its key tiles in the
         order of :meth:`window`, else of the rows' entries. A mask shared by the chunk's tiles
-        (``[H, 1, ...]``, then ``B`` times over the batch) is kept per chunk; one that differs per
-        tile is built per call (kept, it would hold an N x W x bs float per head)."""
-        key = (t0, t1, w, batch, dtype, windowed)
-        hit = self.fused_masks.get(key)
-        if hit is not None:
-            return hit[0]
+        is kept once per content (``[1, 1, ...]`` when the heads agree, else ``[H, 1, ...]``,
+        repeated over a batch per call): a band's chunks share one. One that differs per tile
+        is built per call (kept, it would hold an N x W x bs float per head)."""
         e, bias, ids, pads = self.chunk_mask(t0, t1, w)
         if not e and not pads:
-            self.fused_masks[key] = (None,)
             return None
         h, bs, ct = self.ids_np.shape[0], self.bias.shape[-1], t1 - t0
+        order = self.window(t0, t1, w)[2] if windowed else None
         shared = ids is None and not pads
+        key = None
+        if shared:
+            head = self.ids_np[:, t0, :e]
+            key = (e, w, head.tobytes(), None if order is None else order.tobytes(), dtype)
+            mask = self.fused_masks.get(key)
+            if mask is not None:
+                return mask if batch == 1 or mask.shape[0] == 1 else mask.repeat(batch, 1, 1, 1)
         mask = torch.zeros(h, 1 if shared else ct, bs, w * bs, dtype=dtype)
         if bias is not None:
             mask[..., :e * bs] = bias.reshape(h, 1, bs, e * bs)
@@ -197,14 +201,14 @@ class _Tables:
                                   .reshape(h, ct, bs, e * bs))
         for start, which in pads:  # pads make the mask per tile
             mask.view(h * ct, bs, w * bs)[which, :, start * bs:] = float("-inf")
-        if windowed:  # entry e's columns go to tile order[e] of the run
-            order = torch.from_numpy(np.argsort(self.window(t0, t1, w)[2]))
-            mask = mask.unflatten(-1, (w, bs)).index_select(-2, order).flatten(-2)
-        if batch > 1:
-            mask = mask.repeat(batch, 1, 1, 1)
+        if order is not None:  # entry e's columns go to tile order[e] of the run
+            mask = mask.unflatten(-1, (w, bs)).index_select(
+                -2, torch.from_numpy(np.argsort(order))).flatten(-2)
         if shared:
-            self.fused_masks[key] = (mask,)
-        return mask
+            if (head == head[:1]).all():
+                mask = mask[:1].clone()  # one head's: broadcasts over B * H
+            self.fused_masks[key] = mask
+        return mask if batch == 1 or mask.shape[0] == 1 else mask.repeat(batch, 1, 1, 1)
 
     def window(self, t0: int, t1: int, w: int) -> tuple[int, int, np.ndarray] | None:
         """``(first, step, order)`` when every head's rows of chunk ``(t0, t1, w)`` list exactly
@@ -286,6 +290,8 @@ def _tiles(t: torch.Tensor, n_tiles: int, bs: int, dtype: torch.dtype) -> torch.
     """``[B, H, L, D]`` -> ``[B, H, n_tiles, bs, D]`` in ``dtype``, zero padded."""
     b, h, n, d = t.shape
     t = t.to(dtype)
+    if t.stride(-1) != 1:  # ATen's fused kernel reads rows as contiguous (wrong numbers else)
+        t = t.contiguous()
     if n_tiles * bs != n:  # pad copies even when it adds nothing (N=65536: 3 x 64 MiB)
         t = torch.nn.functional.pad(t, (0, 0, 0, n_tiles * bs - n))
     return t.reshape(b, h, n_tiles, bs, d)
@@ -321,7 +327,8 @@ def _gather_kv(tables: _Tables, kt, vt, kv_head, t0: int, t1: int, w: int,
     gathered in the rows' order; ``index``: the key tile of each column block."""
     b, h_kv, n_t, bs, d = kt.shape
     ct = t1 - t0
-    window = tables.window(t0, t1, w) if views and h_kv == kv_head.shape[0] else None
+    window = tables.window(t0, t1, w) \
+        if views and h_kv == kv_head.shape[0] and _viewable(kt) and _viewable(vt) else None
     if window is not None:  # no copy: the chunk's key tiles are one stride apart
         first, step, _ = window
         run = (first + step * torch.arange(ct)[:, None] + torch.arange(w)).expand(h_kv, ct, w)
@@ -334,12 +341,20 @@ def _gather_kv(tables: _Tables, kt, vt, kv_head, t0: int, t1: int, w: int,
     return index, _gather_tiles(kt, rows).view(shape), _gather_tiles(vt, rows).view(shape), False
 
 
+def _viewable(t: torch.Tensor) -> bool:
+    """Whether :func:`_window` can view tiles ``[B, H, T, bs, D]``: rows one stride apart across
+    tile boundaries, and batch and heads one axis (else the chunk gathers: e.g. a batch of
+    ``[B, N, H, D].transpose(1, 2)`` views, or K/V expanded over the batch)."""
+    b, h, _, bs, _ = t.shape
+    sb, sh, st, sr, _ = t.stride()
+    return st == bs * sr and (b == 1 or sb == h * sh)
+
+
 def _window(t: torch.Tensor, first: int, step: int, ct: int, w: int) -> torch.Tensor:
-    """``[B * H, ct, w * bs, D]`` view of tiles ``[B, H, T, bs, D]``: for ``c < ct`` the ``w``
-    tiles from ``first + step * c`` on, as one run of rows (tiles are row-contiguous)."""
+    """``[B * H, ct, w * bs, D]`` view of tiles ``[B, H, T, bs, D]`` (:func:`_viewable`): for
+    ``c < ct`` the ``w`` tiles from ``first + step * c`` on, as one run of rows."""
     b, h, _, bs, d = t.shape
-    sb, sh, st, sr, sd = t.stride()
-    assert st == bs * sr and (b == 1 or sb == h * sh), "tiles of a [B, H, N, D] view"
+    _, sh, st, sr, sd = t.stride()
     return t.as_strided((b * h, ct, w * bs, d), (sh, step * st, sr, sd),
                         t.storage_offset() + first * st)
 
@@ -441,13 +456,16 @@ def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
     return _POOL[key]
 
 
-def _plan(tables: _Tables, batch: int, head_dim: int) -> tuple[list, bool]:
-    """The chunks of a call, their masks built (on the caller: the tables are not locked), and
-    whether the call is large enough (2 x :data:`MIN_SPLIT_ELEMENTS`) for the workers."""
-    n = _workers()
+def _plan(tables: _Tables, batch: int, head_dim: int, pooled: bool = True) -> tuple[list, bool]:
+    """The chunks of a call (cut for the workers when ``pooled``), their masks and windows
+    built on the caller (workers then only read them; were two to build one, each would make
+    the same value), and whether the call is large enough (2 x :data:`MIN_SPLIT_ELEMENTS`)
+    for the workers."""
+    n = _workers() if pooled else 1
     chunks = tables.plan(batch, head_dim, CHUNKS_PER_WORKER * n if n > 1 else 1)
     for c in chunks:
         tables.chunk_mask(*c)
+        tables.window(*c)
     return chunks, tables.per_tile(batch, head_dim) * int(tables.widest.sum()) \
         >= 2 * MIN_SPLIT_ELEMENTS
 
@@ -481,7 +499,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayo
 
     # On the caller: the fused kernel threads itself, and the pool's single-threaded workers
     # lost to it (2 cores: 15.4 vs 9.3 ms at N=4096, KERNEL_NOTES "Native CPU path").
-    chunks, _ = _plan(tables, b, d)
+    chunks, _ = _plan(tables, b, d, pooled=False)
     _map_chunks(chunk, chunks, parallel=False)
     return out, lse
 
