@@ -19,7 +19,9 @@ forward+backward calls (``torch.profiler``, both threads, Python stacks).
 Believe it only if ``python -m pytest -q tests/torch_attention_test.py`` passes; host times move
 with the machine's load, so compare arms of one run only::
 
-    python benchmarks/host_overhead.py --out=$OUT/host.json --trace=$OUT/host_trace.json
+    python benchmarks/host_overhead.py --out=$OUT/host.json --trace=$OUT/host_trace.json \
+        --plot=$OUT/host.png
+    python benchmarks/host_overhead.py --from_json=host.json --plot=docs/host_overhead.png
 
 On CPU (the interpreter; a smoke test of this script, not a measurement)::
 
@@ -54,6 +56,8 @@ flags.DEFINE_integer("warmup", 20, "calls before each measurement")
 flags.DEFINE_integer("rounds", 2, "interleaved rounds")
 flags.DEFINE_string("trace", None, "write a Chrome trace of 20 fwd+bwd calls here")
 flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smoke test only)")
+flags.DEFINE_string("plot", None, "also draw the medians as a bar chart (PNG) here")
+flags.DEFINE_string("from_json", None, "do not measure: draw --plot from this run's JSON")
 
 
 KEYS = ("fwd_us", "fwd_recording_graph_us", "fwd_bwd_us", "direct_backward_us",
@@ -73,8 +77,55 @@ def host_us(fn, device) -> float:
     return (time.perf_counter() - t0) / FLAGS.calls * 1e6
 
 
+# (label, key) of the bar chart, our path's and SDPA's side by side where both exist.
+_BARS = (("forward", "fwd_us", "sdpa_fwd_us"),
+         ("forward, autograd recording", "fwd_recording_graph_us", None),
+         ("forward + backward", "fwd_bwd_us", "sdpa_fwd_bwd_us"),
+         ("backward called directly", "direct_backward_us", None),
+         ("backward inside autograd", "backward_inside_autograd_us", None),
+         ("autograd floor: trivial ops,\nno attention", "trivial_autograd_fwd_bwd_us", None))
+
+
+def plot(data: dict, path: str) -> None:
+    """Bar chart of a run's medians (microseconds per call), each arm beside dense SDPA."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    medians = data["medians"]
+    arms = list(medians)
+    width = 0.8 / (len(arms) + 1)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for i, arm in enumerate(arms):
+        ax.bar([j + i * width for j in range(len(_BARS))], [medians[arm][k] for _, k, _ in _BARS],
+               width, label=f"sparsetp ({arm})")
+    sdpa = [medians[arms[0]][s] if s else 0.0 for _, _, s in _BARS]
+    ax.bar([j + len(arms) * width for j in range(len(_BARS))], sdpa, width,
+           label="dense SDPA (same process)", color="grey")
+    ax.set_xticks([j + width * len(arms) / 2 for j in range(len(_BARS))],
+                  [label for label, _, _ in _BARS], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("host microseconds per call")
+    env = data.get("env", {})
+    command = env.get("command", "").split(" --out")[0]
+    ax.set_title(f"host time per call, {env.get('device', '?')} host, torch "
+                 f"{env.get('torch', '?')}, triton {env.get('triton', '?')}\n{command}",
+                 fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv):
     del argv
+    if FLAGS.from_json:
+        import json  # noqa: PLC0415
+
+        if not FLAGS.plot:
+            raise app.UsageError("--from_json draws --plot; give both")
+        with open(FLAGS.from_json) as f:
+            plot(json.load(f), FLAGS.plot)
+        return
     rec = C.Record(FLAGS.out)
     dev, n, h, d = FLAGS.device, FLAGS.n, FLAGS.heads, FLAGS.head_dim
     arms = C.parse_arms(FLAGS.arms)
@@ -129,6 +180,8 @@ def main(argv):
     rec.data["raw"] = {a: [dict(zip(KEYS, r, strict=True)) for r in rs] for a, rs in rows.items()}
     rec.log(f"medians: {rec.data['medians']}")
     rec.save()
+    if FLAGS.plot:
+        plot(rec.data, FLAGS.plot)
 
     prof = cProfile.Profile()
     prof.enable()
