@@ -15,18 +15,15 @@ too small to run anything still records every stage (as skipped) instead of drop
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
+import testing_utils as tu
 import torch
 from absl.testing import absltest
 
 from sparsetp.bench import tp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL_STAGES = ["comm", "torch_mlp", "torch_overlap", "torch_overlap_ab", "dtensor", "ddp",
               "pipeline", "torch_block",
               "jax:jax_mlp", "jax:jax_dp", "jax:jax_block", "jax:jax_overlap",
@@ -38,13 +35,9 @@ def _gpus() -> int:
 
 
 def _bench(out_dir, *extra, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "sparsetp.bench", "tp", "--preset=cpu", "--tp_world=2",
-           f"--out_dir={out_dir}", *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    with open(os.path.join(out_dir, "tp.json")) as f:
-        return proc, json.load(f)
+    return tu.run_json_script(["-m", "sparsetp.bench", "tp", "--preset=cpu", "--tp_world=2",
+                               f"--out_dir={out_dir}", *extra],
+                              os.path.join(out_dir, "tp.json"), timeout)
 
 
 class BenchTpTest(absltest.TestCase):

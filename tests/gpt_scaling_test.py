@@ -22,30 +22,23 @@ Runs in ~35 s on the 2-core machine (the full preset ~27 s, the failing run ~8 s
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
+import testing_utils as tu
 from absl.testing import absltest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "gpt_scaling.py")
+SCRIPT = os.path.join(tu.REPO, "benchmarks", "gpt_scaling.py")
 LAYOUTS = ("tp1", "dp2", "tp2")
 FRAMEWORKS = ("torch", "jax")
 RTOL = 1e-5
 
 
 def _run(out_dir: str, *extra: str, timeout: float = 150.0):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, SCRIPT, "--preset=cpu", f"--out_dir={out_dir}", "--noplots",
-           "--noprogress", "--budget_s=600", *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    with open(os.path.join(out_dir, "gpt_scaling.json")) as f:
-        return proc, json.load(f)
+    return tu.run_json_script([SCRIPT, "--preset=cpu", f"--out_dir={out_dir}", "--noplots",
+                               "--noprogress", "--budget_s=600", *extra],
+                              os.path.join(out_dir, "gpt_scaling.json"), timeout)
 
 
 class GptScalingCpuPresetTest(absltest.TestCase):

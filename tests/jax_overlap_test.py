@@ -38,6 +38,7 @@ import jax_test_utils as jtu  # noqa: E402
 import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax_test_utils import count_primitives, rng_arrays  # noqa: E402
 from testing_utils import assert_close  # noqa: E402
 
 from sparsetp.backends.jax import block as B  # noqa: E402
@@ -59,17 +60,6 @@ from sparsetp.core.examples import example_pattern  # noqa: E402
 TOKENS = P(None, "tp", None)  # [B, N, d] split along N: the SP activation layout
 
 
-def _rng_arrays(seed, *shapes, scale=1.0):
-    rng = np.random.default_rng(seed)
-    return [(scale * rng.standard_normal(s)).astype(np.float32) for s in shapes]
-
-
-def _psums(fn, *args) -> int:
-    """All-reduces in the jaxpr of ``fn(*args)`` (nested jaxprs too)."""
-    text = str(jax.make_jaxpr(fn)(*args))
-    return sum(text.count(f"{name}[") for name in ("psum", "psum_invariant", "psum2"))
-
-
 def _vjp(fn, args, dy):
     """``(y, grads)`` of ``fn(*args)`` for the cotangent ``dy`` (laid out as ``y``)."""
     y, vjp = jax.vjp(fn, *args)
@@ -84,7 +74,7 @@ class OverlapLayersTest(parameterized.TestCase):
     d_in, d_out, tokens = 16, 32, 8  # 8 tokens: 4 or 2 per shard
 
     def _linear_problem(self, seed):
-        return _rng_arrays(seed, (2, self.tokens, self.d_in), (self.d_in, self.d_out),
+        return rng_arrays(seed, (2, self.tokens, self.d_in), (self.d_in, self.d_out),
                            (self.d_out,), (2, self.tokens, self.d_out))
 
     def _both(self, layer, in_specs, out_specs, args, dy, **kw):
@@ -141,7 +131,7 @@ class OverlapLayersTest(parameterized.TestCase):
     @parameterized.product(tp=(2, 4), sequence_parallel=(False, True), bias=(True, False))
     def test_parallel_mlp(self, tp, sequence_parallel, bias):
         d, ff = 16, 64
-        x, w1, b1, w2, b2, dy = _rng_arrays(3, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))
+        x, w1, b1, w2, b2, dy = rng_arrays(3, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))
         w1, w2 = w1 / np.sqrt(d), w2 / np.sqrt(ff)
         if not bias:
             b1 = b2 = None
@@ -176,14 +166,14 @@ class OverlapLayersTest(parameterized.TestCase):
             **specs))
         self._assert_all_close(_vjp(fn, (x, w, b), dy), _vjp(plain, (x, w, b), dy),
                                ("dx", "dw", "db"), f"comm_chunks={comm_chunks} vs plain")
-        self.assertEqual(_psums(fn, x, w, b), comm_chunks)
+        self.assertEqual(count_primitives(fn, x, w, b), comm_chunks)
         _, vjp = jax.vjp(fn, x, w, b)
-        self.assertEqual(_psums(lambda c: vjp(c), jnp.asarray(dy)), 0)
+        self.assertEqual(count_primitives(lambda c: vjp(c), jnp.asarray(dy)), 0)
 
     def test_one_shard_is_the_plain_path(self):
         # tp=1: no ring to run; bitwise the plain layers, SP or not.
         d, ff = 16, 64
-        x, w1, b1, w2, b2 = _rng_arrays(5, (2, 8, d), (d, ff), (ff,), (ff, d), (d,))
+        x, w1, b1, w2, b2 = rng_arrays(5, (2, 8, d), (d, ff), (ff,), (ff, d), (d,))
         mesh = jtu.mesh(1)
         for sp in (False, True):
             act = TOKENS if sp else P()
@@ -199,7 +189,7 @@ class OverlapLayersTest(parameterized.TestCase):
         # As tests/jax_tp_test.py checks for the plain path: every GEMM of the bf16 overlap
         # MLP's fwd+bwd, and every ring hop and psum, in bf16 (fp32 ones ran 26x slower).
         d, ff = 16, 64
-        arrays = [jnp.asarray(a, "bfloat16") for a in _rng_arrays(
+        arrays = [jnp.asarray(a, "bfloat16") for a in rng_arrays(
             10, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))]
         act = TOKENS if sequence_parallel else P()
         fn = jax.shard_map(functools.partial(parallel_mlp, axis_name="tp",
@@ -222,7 +212,7 @@ class OverlapLayersTest(parameterized.TestCase):
 
     def test_deterministic(self):
         d, ff = 16, 64
-        x, w1, b1, w2, b2, dy = _rng_arrays(6, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))
+        x, w1, b1, w2, b2, dy = rng_arrays(6, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))
         fn = jax.jit(jax.shard_map(
             functools.partial(parallel_mlp, axis_name="tp", sequence_parallel=True,
                               overlap_comm=True), mesh=jtu.mesh(4), out_specs=TOKENS,
@@ -240,7 +230,7 @@ class OverlapLayersTest(parameterized.TestCase):
         reduce-scatter, and all-reduces only of fc2's [d] bias gradient. The plain SP path
         (the control) all-gathers and reduce-scatters instead."""
         d, ff = 16, 64
-        args = _rng_arrays(7, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))
+        args = rng_arrays(7, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))
         mesh = jtu.mesh(tp)
 
         def compiled(overlap, backward):
@@ -371,7 +361,7 @@ class OverlapBlockTest(parameterized.TestCase):
     def test_matches_oracle_and_plain_block(self, tp, sequence_parallel):
         config = _block_config()
         params = init_params(config, tp)
-        x, dy = _rng_arrays(100 + tp, (2, self.seq_len, config.d_model),
+        x, dy = rng_arrays(100 + tp, (2, self.seq_len, config.d_model),
                             (2, self.seq_len, config.d_model))
         sp = dict(sequence_parallel=sequence_parallel)
         got = self._run(params, x, dy, config, tp, overlap_comm=True, **sp)
@@ -384,7 +374,7 @@ class OverlapBlockTest(parameterized.TestCase):
     def test_comm_chunks_and_no_bias(self):
         config = _block_config(bias=False, pattern="per_head_mix")
         params = init_params(config, 7)
-        x, dy = _rng_arrays(107, (2, self.seq_len, config.d_model),
+        x, dy = rng_arrays(107, (2, self.seq_len, config.d_model),
                             (2, self.seq_len, config.d_model))
         got = self._run(params, x, dy, config, 2, overlap_comm=True, comm_chunks=8)
         self._assert_matches(got, reference.hybrid_block_value_and_grad(params, x, config, dy),

@@ -39,6 +39,7 @@ import jax_test_utils as jtu  # noqa: E402
 import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax_test_utils import count_primitives, rng_arrays  # noqa: E402
 from testing_utils import assert_close  # noqa: E402
 
 from sparsetp.backends.jax import block as B  # noqa: E402
@@ -54,27 +55,10 @@ MESH_SIZES = (1, 2, 4)
 TOKENS = P(None, "tp", None)  # [B, N, d] split along N: the SP activation layout
 
 
-def _rng_arrays(seed, *shapes, scale=1.0):
-    rng = np.random.default_rng(seed)
-    return [(scale * rng.standard_normal(s)).astype(np.float32) for s in shapes]
-
-
-def _count(fn, *args, names) -> int:
-    """Occurrences of the primitives ``names`` in the jaxpr of ``fn(*args)`` (nested too)."""
-    text = str(jax.make_jaxpr(fn)(*args))
-    return sum(text.count(f"{name}[") for name in names)
-
-
-def _psums(fn, *args):
-    return _count(fn, *args, names=("psum", "psum_invariant", "psum2"))
-
-
-def _gathers(fn, *args):
-    return _count(fn, *args, names=("all_gather",))
-
-
-def _scatters(fn, *args):
-    return _count(fn, *args, names=("reduce_scatter",))
+def _collectives(fn, *args) -> tuple[int, int, int]:
+    """``(all-gathers, reduce-scatters, all-reduces)`` in the jaxpr of ``fn(*args)``."""
+    return tuple(count_primitives(fn, *args, names=names)
+                 for names in (("all_gather",), ("reduce_scatter",), jtu.PSUMS))
 
 
 class SequenceParallelLayersTest(parameterized.TestCase):
@@ -83,7 +67,7 @@ class SequenceParallelLayersTest(parameterized.TestCase):
     d_in, d_out, tokens = 16, 32, 8  # 8 tokens: 8, 4 or 2 per shard
 
     def _linear_problem(self, seed):
-        return _rng_arrays(seed, (2, self.tokens, self.d_in), (self.d_in, self.d_out),
+        return rng_arrays(seed, (2, self.tokens, self.d_in), (self.d_in, self.d_out),
                            (self.d_out,), (2, self.tokens, self.d_out))
 
     @parameterized.parameters(*MESH_SIZES)
@@ -103,10 +87,9 @@ class SequenceParallelLayersTest(parameterized.TestCase):
         assert_close(dw, ref_dw, "float32", grad=True, what="dw")
         assert_close(db, ref_db, "float32", grad=True, what="db")
         # All-gather forward, its transpose (a reduce-scatter of dx) backward, no all-reduce.
-        self.assertEqual((_gathers(fn, x, w, b), _scatters(fn, x, w, b), _psums(fn, x, w, b)),
-                         (1, 0, 0))
+        self.assertEqual(_collectives(fn, x, w, b), (1, 0, 0))
         bwd = (lambda c: vjp(c), jnp.asarray(dy))
-        self.assertEqual((_gathers(*bwd), _scatters(*bwd), _psums(*bwd)), (0, 1, 0))
+        self.assertEqual(_collectives(*bwd), (0, 1, 0))
 
     @parameterized.product(tp=MESH_SIZES, bias=(True, False))
     def test_row_parallel_linear(self, tp, bias):
@@ -130,16 +113,15 @@ class SequenceParallelLayersTest(parameterized.TestCase):
             assert_close(db, ref_db, "float32", grad=True, what="db (summed over token shards)")
         else:
             self.assertIsNone(db)
-        self.assertEqual((_gathers(fn, x, w, b), _scatters(fn, x, w, b), _psums(fn, x, w, b)),
-                         (0, 1, 0))
+        self.assertEqual(_collectives(fn, x, w, b), (0, 1, 0))
         # Backward: all-gather of dy (psum_scatter's transpose); the bias gradient's all-reduce.
         bwd = (lambda c: vjp(c), jnp.asarray(dy))
-        self.assertEqual((_gathers(*bwd), _scatters(*bwd), _psums(*bwd)), (1, 0, int(bias)))
+        self.assertEqual(_collectives(*bwd), (1, 0, int(bias)))
 
     @parameterized.product(tp=MESH_SIZES, bias=(True, False))
     def test_parallel_mlp(self, tp, bias):
         d, ff = 16, 64
-        x, w1, b1, w2, b2, dy = _rng_arrays(3, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))
+        x, w1, b1, w2, b2, dy = rng_arrays(3, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))
         w1, w2 = w1 / np.sqrt(d), w2 / np.sqrt(ff)
         if not bias:
             b1 = b2 = None
@@ -165,10 +147,9 @@ class SequenceParallelLayersTest(parameterized.TestCase):
             else:
                 assert_close(g, r, "float32", grad=True, what=name)
         # One all-gather and one reduce-scatter each way; the only all-reduce is of d b2.
-        self.assertEqual((_gathers(fn, *args), _scatters(fn, *args), _psums(fn, *args)),
-                         (1, 1, 0))
+        self.assertEqual(_collectives(fn, *args), (1, 1, 0))
         bwd = (lambda c: vjp(c), jnp.asarray(dy))
-        self.assertEqual((_gathers(*bwd), _scatters(*bwd), _psums(*bwd)), (1, 1, int(bias)))
+        self.assertEqual(_collectives(*bwd), (1, 1, int(bias)))
 
     def test_bad_inputs(self):
         mesh = jtu.mesh(2)
@@ -211,7 +192,7 @@ class SequenceParallelBlockTest(parameterized.TestCase):
 
     def _problem(self, config, seed=0):
         params = init_params(config, seed)
-        x, dy = _rng_arrays(seed + 100, (2, self.seq_len, config.d_model),
+        x, dy = rng_arrays(seed + 100, (2, self.seq_len, config.d_model),
                             (2, self.seq_len, config.d_model))
         return params, x, dy
 

@@ -124,3 +124,23 @@ def hlo_collectives(hlo: str) -> dict[str, list[tuple[int, ...]]]:
             for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", m.group(1)):
                 out[m.group(2)].append(tuple(int(d) for d in dims.split(",") if d))
     return out
+
+
+def rng_arrays(seed: int, *shapes, scale: float = 1.0) -> list:
+    """float32 standard-normal arrays of ``shapes`` (times ``scale``) from one seeded generator."""
+    import numpy as np  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    return [(scale * rng.standard_normal(s)).astype(np.float32) for s in shapes]
+
+
+PSUMS = ("psum", "psum_invariant", "psum2")  # the all-reduce primitives' names across JAX versions
+
+
+def count_primitives(fn, *args, names=PSUMS) -> int:
+    """Occurrences of the primitives ``names`` (default: all-reduces) in the jaxpr of
+    ``fn(*args)``, nested jaxprs included."""
+    import jax  # noqa: PLC0415
+
+    text = str(jax.make_jaxpr(fn)(*args))
+    return sum(text.count(f"{name}[") for name in names)

@@ -32,6 +32,7 @@ import jax_test_utils as jtu  # noqa: E402
 import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax_test_utils import count_primitives, rng_arrays  # noqa: E402
 from testing_utils import assert_close  # noqa: E402
 
 from sparsetp.backends.jax import block as B  # noqa: E402
@@ -47,24 +48,13 @@ from sparsetp.core.examples import example_pattern  # noqa: E402
 MESH_SIZES = (1, 2, 4)
 
 
-def _rng_arrays(seed, *shapes, scale=1.0):
-    rng = np.random.default_rng(seed)
-    return [(scale * rng.standard_normal(s)).astype(np.float32) for s in shapes]
-
-
-def _count_psums(fn, *args) -> int:
-    """All-reduces in the jaxpr of ``fn(*args)`` (nested jaxprs included)."""
-    text = str(jax.make_jaxpr(fn)(*args))
-    return sum(text.count(f"{name}[") for name in ("psum", "psum_invariant", "psum2"))
-
-
 class LayersTest(parameterized.TestCase):
     """column/row-parallel linear and the parallel MLP on 1, 2, 4 shards."""
 
     d_in, d_out = 16, 32
 
     def _linear_problem(self, seed):
-        x, w, b, dy = _rng_arrays(seed, (2, 5, self.d_in), (self.d_in, self.d_out),
+        x, w, b, dy = rng_arrays(seed, (2, 5, self.d_in), (self.d_in, self.d_out),
                                   (self.d_out,), (2, 5, self.d_out))
         return x, w, b, dy
 
@@ -84,8 +74,8 @@ class LayersTest(parameterized.TestCase):
         assert_close(dw, ref_dw, "float32", grad=True, what="dw")
         assert_close(db, ref_db, "float32", grad=True, what="db")
         # Megatron's f: exactly one all-reduce in the backward (of dx), none forward.
-        self.assertEqual(_count_psums(fn, x, w, b), 0)
-        self.assertEqual(_count_psums(lambda c: vjp(c), jnp.asarray(dy)), 1)
+        self.assertEqual(count_primitives(fn, x, w, b), 0)
+        self.assertEqual(count_primitives(lambda c: vjp(c), jnp.asarray(dy)), 1)
 
     @parameterized.parameters(*MESH_SIZES)
     def test_row_parallel_linear(self, tp):
@@ -103,13 +93,13 @@ class LayersTest(parameterized.TestCase):
         assert_close(dw, ref_dw, "float32", grad=True, what="dw")
         assert_close(db, ref_db, "float32", grad=True, what="db (bias added once)")
         # Megatron's g: one all-reduce forward, none backward.
-        self.assertEqual(_count_psums(fn, x, w, b), 1)
-        self.assertEqual(_count_psums(lambda c: vjp(c), jnp.asarray(dy)), 0)
+        self.assertEqual(count_primitives(fn, x, w, b), 1)
+        self.assertEqual(count_primitives(lambda c: vjp(c), jnp.asarray(dy)), 0)
 
     @parameterized.product(tp=MESH_SIZES, bias=(True, False))
     def test_parallel_mlp(self, tp, bias):
         d, ff = 16, 64
-        x, w1, b1, w2, b2, dy = _rng_arrays(3, (2, 7, d), (d, ff), (ff,), (ff, d), (d,), (2, 7, d))
+        x, w1, b1, w2, b2, dy = rng_arrays(3, (2, 7, d), (d, ff), (ff,), (ff, d), (d,), (2, 7, d))
         w1, w2 = w1 / np.sqrt(d), w2 / np.sqrt(ff)
         if not bias:
             b1 = b2 = None
@@ -133,8 +123,8 @@ class LayersTest(parameterized.TestCase):
                 self.assertIsNone(g)
             else:
                 assert_close(g, r, "float32", grad=True, what=name)
-        self.assertEqual(_count_psums(fn, x, w1, b1, w2, b2), 1)
-        self.assertEqual(_count_psums(lambda c: vjp(c), jnp.asarray(dy)), 1)
+        self.assertEqual(count_primitives(fn, x, w1, b1, w2, b2), 1)
+        self.assertEqual(count_primitives(lambda c: vjp(c), jnp.asarray(dy)), 1)
 
     @parameterized.parameters("bfloat16", "float16")
     def test_low_precision_mlp_gemms_stay_low_precision(self, dtype):
@@ -142,7 +132,7 @@ class LayersTest(parameterized.TestCase):
         # as torch's Megatron layers run them: a fp32 output requested from the forward GEMMs
         # made all backward GEMMs fp32 (26x slower on an H200) and doubled the psum bytes.
         d, ff = 16, 64
-        arrays = [jnp.asarray(a, dtype) for a in _rng_arrays(
+        arrays = [jnp.asarray(a, dtype) for a in rng_arrays(
             4, (2, 8, d), (d, ff), (ff,), (ff, d), (d,), (2, 8, d))]
         mesh = jtu.mesh(2)
         fn = jax.shard_map(lambda x, w1, b1, w2, b2: parallel_mlp(x, w1, b1, w2, b2,
@@ -194,7 +184,7 @@ class HybridBlockTest(parameterized.TestCase):
 
     def _problem(self, config, seed=0):
         params = init_params(config, seed)
-        x, dy = _rng_arrays(seed + 100, (2, self.seq_len, config.d_model),
+        x, dy = rng_arrays(seed + 100, (2, self.seq_len, config.d_model),
                             (2, self.seq_len, config.d_model))
         return params, x, dy
 

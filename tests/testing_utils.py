@@ -22,9 +22,17 @@ contribution, and a 1e-4 relative error in every token's contribution all fail.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 
-__all__ = ["ATOL", "tolerance", "round_to_dtype", "random_inputs", "assert_close"]
+__all__ = ["ATOL", "tolerance", "round_to_dtype", "random_inputs", "assert_close",
+           "REPO", "run_json_script"]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ATOL = {
     "float64": 1e-10,
@@ -91,3 +99,13 @@ def assert_close(actual, expected, dtype: str, *, grad: bool = False, reduced: i
             f"{what} ({dtype}, atol={atol}, rtol={rtol}): {int(bad.sum())}/{bad.size} elements "
             f"out of tolerance; max abs err {err.max():.3g}; worst at flat index {i}: "
             f"got {a[i]!r}, expected {e[i]!r}")
+
+
+def run_json_script(args, json_path: str, timeout: float):
+    """``python *args`` from the repository root, with it on PYTHONPATH (a fresh process, as a
+    user runs a benchmark); returns ``(the finished process, the JSON it wrote to json_path)``."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    with open(json_path) as f:
+        return proc, json.load(f)

@@ -171,14 +171,19 @@ def _check_replicated(x, axis_name: str, what: str):
                          f"PartitionSpec() / no {axis_name!r} in its in_spec); it varies over it")
 
 
-def _check_sequence_parallel(x, axis_name: str | None, what: str):
-    """``x [..., T_local, features]`` is a token shard: it varies over ``axis_name``."""
+def _check_token_dim(x, axis_name: str | None, what: str, features: str = "features"):
+    """Sequence parallelism's first needs: a mesh axis, and ``x [..., T, features]``."""
     if axis_name is None:
         raise ValueError("sequence_parallel=True needs an axis_name (the tensor-parallel mesh "
                          "axis the tokens are split over)")
     if x.ndim < 2:
         raise ValueError(f"sequence_parallel=True needs {what} with a token dim [..., T, "
-                         f"features], got shape {x.shape}")
+                         f"{features}], got shape {x.shape}")
+
+
+def _check_sequence_parallel(x, axis_name: str | None, what: str):
+    """``x [..., T_local, features]`` is a token shard: it varies over ``axis_name``."""
+    _check_token_dim(x, axis_name, what)
     if axis_name not in compat.varying_axes(x):
         raise ValueError(f"with sequence_parallel=True, {what} must be split along its tokens "
                          f"over mesh axis {axis_name!r} (e.g. in_spec P(None, {axis_name!r}, "
@@ -365,12 +370,7 @@ def _check_row_input(x_shard, w_shard, b, axis_name, sequence_parallel):
     if b is not None and b.shape != w_shard.shape[1:]:
         raise ValueError(f"b must have shape {w_shard.shape[1:]}, got {b.shape}")
     if sequence_parallel:
-        if axis_name is None:
-            raise ValueError("sequence_parallel=True needs an axis_name (the tensor-parallel "
-                             "mesh axis the tokens are split over)")
-        if x_shard.ndim < 2:
-            raise ValueError(f"sequence_parallel=True needs x_shard with a token dim [..., T, "
-                             f"in / tp], got shape {x_shard.shape}")
+        _check_token_dim(x_shard, axis_name, "x_shard", "in / tp")
         tp = jax.lax.axis_size(axis_name)
         if x_shard.shape[-2] % tp:
             raise ValueError(f"sequence_parallel=True splits the {x_shard.shape[-2]} tokens of "
