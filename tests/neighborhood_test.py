@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
+from unittest import mock
 
 import numpy as np
 import testing_utils as tu
@@ -23,6 +25,7 @@ from absl.testing import absltest, parameterized
 from layout_test import _check_layout
 
 from sparsetp.core import grid_tiling, make_layout, reference
+from sparsetp.core import layout as layout_module
 from sparsetp.core import patterns as P
 
 HAS_NATTEN = importlib.util.find_spec("natten") is not None
@@ -199,6 +202,127 @@ class TilingTest(parameterized.TestCase):
         tl = make_layout(P.neighborhood(grid, 13, tile_shape=(8, 8)), n, 1, 64)
         self.assertEqual(rm.nnz_blocks, 64 * 13)
         self.assertEqual(tl.nnz_blocks, 22 * 22)
+
+
+def _random_composition(rng, heads):
+    """(pattern, n): a neighbourhood (1-3 D, dilations, causal axes, sometimes tiled) composed
+    with global tokens (0 to more than n), causal, local bands, documents, strided columns,
+    random blocks, another neighbourhood, or per_head mixes of such with dense patterns."""
+    dims = int(rng.integers(1, 4))
+    grid, kernel, dil, causal = random_config(rng, dims, {1: 300, 2: 40, 3: 14}[dims])
+    tile = None
+    if rng.random() < 0.3:  # a divisor of each axis
+        tile = tuple(int(rng.choice([t for t in range(1, g + 1) if g % t == 0])) for g in grid)
+    nbh = P.neighborhood(grid, kernel, dil, causal, tile_shape=tile)
+    n = int(np.prod(grid))
+    glob = P.global_tokens(int(rng.choice([0, 1, int(rng.integers(1, 40)),
+                                           int(rng.integers(1, n + 20))])))
+    band = P.local(int(rng.integers(0, 60)), int(rng.integers(0, 60)))
+    cuts = np.sort(rng.choice(np.arange(1, n), size=min(3, n - 1), replace=False))
+    docs = P.documents(np.diff(np.concatenate([[0], cuts, [n]])).tolist()) if n > 1 else band
+    other = P.neighborhood(grid, tuple(1 + k // 2 for k in kernel), 1, False)
+    choices = [
+        nbh | glob, nbh & P.causal(), nbh & band, nbh | band, (nbh & P.causal()) | glob,
+        nbh | glob | band, (nbh | glob) & P.causal(), nbh & docs, nbh | other,
+        nbh & P.strided(3, int(rng.integers(1, 20)), per_head_offset=True),
+        nbh & P.random_blocks(1, int(rng.integers(1, 40)), seed=int(rng.integers(9))),
+        (nbh | glob) & band, glob, band, glob | band, nbh,
+    ]
+    pick = [choices[int(rng.integers(len(choices)))] for _ in range(heads)]
+    if heads > 1 and rng.random() < 0.5:
+        pick[int(rng.integers(heads))] = [P.causal(), P.dense(), P.strided(2, 8)][
+            int(rng.integers(3))]
+    return (pick[0] if heads == 1 else P.per_head(pick)), n
+
+
+def _assert_same_layout(test, a, b):
+    """Every field of two layouts equal, arrays by dtype, shape and value."""
+    for f in dataclasses.fields(a):
+        if f.name == "handle":  # a process-unique name, not part of the value
+            continue
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            test.assertEqual((x.dtype, x.shape), (y.dtype, y.shape), f.name)
+            np.testing.assert_array_equal(x, y, err_msg=f.name)
+        else:
+            test.assertEqual(x, y, f.name)
+
+
+def _both_ways(p, n, heads, bs):
+    """The layout from the sparse tile lists (every part that can list its tiles does) and the
+    one from the dense nb x nb kinds."""
+    P._KINDS_CACHE.clear()  # no dense kinds left from another build
+    with mock.patch.object(P, "_SPARSE_MAX_FRACTION", 1.0):
+        sparse = make_layout(p, n, heads, bs)
+    with mock.patch.object(layout_module, "_USE_SPARSE_TILES", False):
+        dense = make_layout(p, n, heads, bs)
+    return sparse, dense
+
+
+class SparseCompositionTest(absltest.TestCase):
+    """Unions and intersections with a neighbourhood (and global tokens, bands) list their
+    tiles sparsely; the layout must be the dense path's, bit for bit."""
+
+    def test_listed_kinds_are_the_dense_kinds(self):
+        """``_sparse_tiles`` scattered, and ``_kinds_at`` everywhere, equal ``block_kinds``."""
+        rng = np.random.default_rng(7)
+        with mock.patch.object(P, "_SPARSE_MAX_FRACTION", 1.0):
+            for t in range(120):
+                p, n = _random_composition(rng, 1)
+                bs = int(rng.choice([16, 32, 64, 128]))
+                nb = -(-n // bs)
+                with self.subTest(t=t, pattern=repr(p), bs=bs):
+                    dense = np.broadcast_to(p.block_kinds(0, bs, n), (nb, nb))
+                    r = np.arange(nb)
+                    np.testing.assert_array_equal(p._kinds_at(0, bs, n, r[:, None], r), dense)
+                    listed = p._sparse_tiles(0, bs, n)
+                    if isinstance(p, (P._Intersection, P.Neighborhood)) or any(
+                            isinstance(x, P.Neighborhood) for x in getattr(p, "parts", ())):
+                        self.assertIsNotNone(listed)
+                    if listed is not None:
+                        qi, kj, kind = listed
+                        order = qi * nb + kj
+                        self.assertTrue((np.diff(order) > 0).all())  # row-major, each once
+                        self.assertTrue(np.isin(kind, [P.PARTIAL, P.FULL]).all())
+                        got = np.zeros((nb, nb), np.int8)
+                        got[qi, kj] = kind
+                        np.testing.assert_array_equal(got, dense)
+                    if isinstance(p, P._Union):  # classes from the parts' kinds, as before
+                        qi, kj = np.nonzero(dense == P.PARTIAL)
+                        classes = []
+                        for part in p.parts:
+                            k = np.broadcast_to(part.block_kinds(0, bs, n), (nb, nb))[qi, kj]
+                            c = part._tile_classes(0, bs, n, qi, kj) if (
+                                k == P.PARTIAL).any() else k
+                            classes += [k.astype(np.int64), np.where(k == P.PARTIAL, c, 0)]
+                        P._KINDS_CACHE.clear()  # the parts' closed forms, not dense kinds
+                        np.testing.assert_array_equal(p._tile_classes(0, bs, n, qi, kj),
+                                                      P._combine_classes(classes))
+
+    def test_layout_is_the_dense_paths_bit_for_bit(self):
+        rng = np.random.default_rng(32)
+        for t in range(150):
+            heads = int(rng.integers(1, 4))
+            p, n = _random_composition(rng, heads)
+            bs = int(rng.choice([16, 32, 64, 128]))
+            with self.subTest(t=t, pattern=repr(p), bs=bs, heads=heads):
+                sparse, dense = _both_ways(p, n, heads, bs)
+                _assert_same_layout(self, sparse, dense)
+                if n <= 400:  # and both right, token for token
+                    i = np.arange(n)
+                    _check_layout(self, sparse, np.stack([
+                        p.token_mask(h, i[:, None], i, n) for h in range(heads)]))
+
+    def test_issue_case_at_full_size(self):
+        """The benchmark's union at N = 131072 (block 128) goes the sparse way, with the
+        default thresholds, and gives the dense path's layout."""
+        p = P.neighborhood((32, 64, 64), 7) | P.global_tokens(64)
+        self.assertIsNotNone(p._sparse_tiles(0, 128, 131072))
+        sparse = make_layout(p, 131072, 2, 128)
+        with mock.patch.object(layout_module, "_USE_SPARSE_TILES", False):
+            dense = make_layout(p, 131072, 2, 128)
+        _assert_same_layout(self, sparse, dense)
+        self.assertEqual(int(sparse.q_count[0, 0]), 1024)  # a global row lists every tile
 
 
 class BadInputTest(absltest.TestCase):

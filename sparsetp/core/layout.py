@@ -98,6 +98,9 @@ from sparsetp.core.patterns import EMPTY, FULL, PARTIAL, Pattern, validate_batch
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary bool arrays while evaluating partial tiles
+# False: every layout from the dense nb x nb kinds, never from Pattern._sparse_tiles (tests
+# build layouts both ways and compare them field by field).
+_USE_SPARSE_TILES = True
 
 __all__ = ["BlockLayout", "make_layout", "check_tables", "block_kinds", "work_order",
            "layout_from_handle", "SUPPORTED_BLOCK_SIZES"]
@@ -363,6 +366,9 @@ class _HeadSlice(Pattern):
     def _sparse_tiles(self, h, block_size, n):
         return self.base._sparse_tiles(h + self.start, block_size, n)
 
+    def _kinds_at(self, h, block_size, n, qi, kj):
+        return self.base._kinds_at(h + self.start, block_size, n, qi, kj)
+
     def _tile_classes(self, h, block_size, n, qi, kj):
         return self.base._tile_classes(h + self.start, block_size, n, qi, kj)
 
@@ -403,6 +409,10 @@ class _BatchHeads(Pattern):
     def _sparse_tiles(self, h, block_size, n):
         p, hh = self._at(h)
         return p._sparse_tiles(hh, block_size, n)
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
+        p, hh = self._at(h)
+        return p._kinds_at(hh, block_size, n, qi, kj)
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         p, hh = self._at(h)
@@ -509,7 +519,8 @@ def _head_tiles(pattern: Pattern, h: int, bs: int, g: _Geometry, mask_ids: dict)
     partial), in row-major tile order. From the pattern's sparse candidates when it lists them
     (``Pattern._sparse_tiles``, square layouts only), else from its dense :func:`block_kinds`."""
     nbq, nbk = -(-g.nq // bs), -(-g.nk // bs)
-    sparse = pattern._sparse_tiles(h, bs, g.n) if g.sq == 0 and g.sk == 0 else None
+    square = g.sq == 0 and g.sk == 0
+    sparse = pattern._sparse_tiles(h, bs, g.n) if square and _USE_SPARSE_TILES else None
     if sparse is None:
         kinds = np.asarray(block_kinds(pattern, h, bs, g.nq, g.nk), dtype=np.int8)
         if kinds.shape != (nbq, nbk):
@@ -590,9 +601,12 @@ _ELL_ALIGN = 16
 def _stack_padded(arrays, fill):
     width = max(a.shape[-1] for a in arrays)
     width = -(-width // _ELL_ALIGN) * _ELL_ALIGN
-    out = np.full((len(arrays), arrays[0].shape[0], width), fill, np.int32)
+    # Each element written once (heads x tiles x width: 16 x 2048 x 2048 for a union with
+    # global tokens at N = 131072, block 64, where a full-then-copy doubled the build).
+    out = np.empty((len(arrays), arrays[0].shape[0], width), np.int32)
     for h, a in enumerate(arrays):
         out[h, :, : a.shape[-1]] = a
+        out[h, :, a.shape[-1]:] = fill
     return out
 
 
@@ -608,8 +622,10 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
 
     Cost is O(H' * nb^2) for the tile classification (``H'`` distinct head masks, ``nb`` tiles
     per side) plus O(bs^2) per class of partial tiles; no N x N array is ever built. A pattern
-    that lists its candidate tiles sparsely (``Pattern._sparse_tiles``: neighbourhoods) skips
-    the nb^2 classification: only ``block_mask`` itself is nb^2 (a memset and a scatter).
+    that lists its candidate tiles sparsely (``Pattern._sparse_tiles``: neighbourhoods, narrow
+    bands and few global tokens, unions of such and intersections with one) skips the nb^2
+    classification: only ``block_mask`` itself is nb^2 (a memset and a scatter). Both ways
+    give the same layout, bit for bit.
 
     >>> from sparsetp.core import patterns as P
     >>> make_layout(P.local(64, 0), seq_len=200, num_heads=1, block_size=64).q_count.tolist()

@@ -15,7 +15,13 @@ Every pattern answers two questions, both vectorised with numpy and never over a
   except :func:`neighborhood`, which calls every tile it lists "maybe".
 * ``_sparse_tiles(h, block_size, n)`` (optional): the same answer as a sparse list of the tiles
   that may be non-empty, for patterns with 10^6 tiles of which few are ever computed
-  (:func:`neighborhood`); the layout then never classifies all ``nb x nb`` tiles.
+  (:func:`neighborhood`; global tokens and bounded bands when they cover at most
+  ``_SPARSE_MAX_FRACTION`` of the tiles; a union whose every part lists its tiles, an
+  intersection of which one part does); the layout then never classifies all ``nb x nb`` tiles.
+* ``_kinds_at(h, block_size, n, qi, kj)``: ``block_kinds`` at the tiles ``(qi, kj)`` only
+  (broadcastable index arrays), in closed form for every constructor but
+  :func:`random_blocks`; what a union or intersection asks of its parts per listed tile.
+  Closed-form patterns compute ``block_kinds`` through it, so the two agree by construction.
 
 Grids: :func:`neighborhood` is NATTEN's neighbourhood attention on a 1-3 D grid flattened
 row-major; :func:`grid_tiling` gives the token permutation to a tiled order (compact tiles)
@@ -96,6 +102,27 @@ def _intersection_kinds(kinds: Sequence[np.ndarray]) -> np.ndarray:
     return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
 
 
+# A pattern other than a neighbourhood lists its tiles (``_sparse_tiles``) only when they are at
+# most this fraction of the nb x nb tiles: a listed tile costs several int64 passes and a sort,
+# a dense one a few int8 passes, so past about 1/8 the dense classification is the cheaper.
+_SPARSE_MAX_FRACTION = 0.125
+
+
+def _few_tiles(count: int, nb: int) -> bool:
+    return count <= _SPARSE_MAX_FRACTION * nb * nb
+
+
+def _kinds_grid(pattern, h, block_size, n) -> np.ndarray:
+    """int8[nb, nb] ``block_kinds`` of a closed-form pattern: its ``_kinds_at`` over every tile
+    (broadcast index vectors, so the same numpy expressions as a dense formula)."""
+    nb = -(-n // block_size)
+    r = np.arange(nb, dtype=np.int64)
+    kinds = pattern._kinds_at(h, block_size, n, r[:, None], r[None, :])
+    # order="C": a broadcast column (stride 0 on rows) would otherwise come back F-ordered,
+    # and every nb x nb pass over it (unions, intersections) strided.
+    return np.broadcast_to(kinds, (nb, nb)).astype(np.int8, order="C")
+
+
 def _relative_classes(block: int, block_size: int, n: int, qi, kj) -> np.ndarray:
     """Classes of a predicate of (i // block, j // block, j - i): determined by i0 % block and
     j0 - i0 (i0, j0 the tiles' first tokens)."""
@@ -108,7 +135,9 @@ def _parts_classes(parts, h, block_size, n, qi, kj) -> np.ndarray | None:
     constant (its mask there is known), so only parts that are partial split the classes."""
     classes = []
     for p in parts:
-        k = _part(p, h, block_size, n)[qi, kj]
+        # The dense kinds where a dense build made them already, else the part's closed form.
+        dense = _KINDS_CACHE.get((p, p.head_key(h), block_size, n))
+        k = dense[qi, kj] if dense is not None else p._kinds_at(h, block_size, n, qi, kj)
         c = p._tile_classes(h, block_size, n, qi, kj) if (k == PARTIAL).any() else k
         if c is None:
             return None
@@ -166,12 +195,20 @@ class Pattern:
 
     def _sparse_tiles(self, h: int, block_size: int, n: int):
         """``(qi, kj, kinds)``: the tiles that may be non-empty, listed sparsely (int64, int64,
-        int8 arrays; each tile once; kinds PARTIAL or FULL, sound like :meth:`block_kinds`),
-        every other tile EMPTY; or ``None`` to use :meth:`block_kinds`. For patterns whose
-        dense ``nb x nb`` kinds would dominate the build (neighbourhoods at 10^5 tokens have
-        10^6 tiles and a few 10^4 candidates); :func:`~sparsetp.core.layout.make_layout` then
-        never builds a per-tile-pair array except ``block_mask`` itself."""
+        int8 arrays; each tile once, in row-major order; kinds PARTIAL or FULL, exactly those
+        of :meth:`block_kinds`, so a layout is the same bit for bit either way and compositions
+        can merge lists), every other tile EMPTY; or ``None`` to use :meth:`block_kinds`. For
+        patterns whose dense ``nb x nb`` kinds would dominate the build (neighbourhoods at 10^5
+        tokens have 10^6 tiles and a few 10^4 candidates);
+        :func:`~sparsetp.core.layout.make_layout` then never builds a per-tile-pair array
+        except ``block_mask`` itself."""
         return None
+
+    def _kinds_at(self, h: int, block_size: int, n: int, qi, kj) -> np.ndarray:
+        """int8: ``block_kinds(h, block_size, n)[qi, kj]`` for broadcastable int64 tile index
+        arrays, without the ``nb x nb`` array where the pattern has a closed form (this
+        default builds it once per head key and indexes it)."""
+        return _part(self, h, block_size, n)[qi, kj]
 
     def _tile_classes(self, h: int, block_size: int, n: int, qi, kj) -> np.ndarray | None:
         """int64[P] ids of the tiles ``(qi[p], kj[p])`` such that two *interior* tiles (not in
@@ -240,6 +277,9 @@ class Dense(Pattern):
         nb = -(-n // block_size)
         return np.full((nb, nb), FULL, np.int8)
 
+    def _kinds_at(self, h, block_size, n, qi, kj):
+        return np.full(np.broadcast_shapes(np.shape(qi), np.shape(kj)), FULL, np.int8)
+
     def _tile_classes(self, h, block_size, n, qi, kj):
         return np.zeros(qi.shape, np.int64)
 
@@ -269,10 +309,24 @@ class Local(Pattern):
         return (d >= lo) & (d <= hi)
 
     def block_kinds(self, h, block_size, n) -> np.ndarray:
+        return _kinds_grid(self, h, block_size, n)
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
         lo_t, hi_t = _tile_bounds(block_size, n)
-        dmin = lo_t[None, :] - hi_t[:, None]
-        dmax = hi_t[None, :] - lo_t[:, None]
-        return _band_kinds(dmin, dmax, *self._bounds())
+        return _band_kinds(lo_t[kj] - hi_t[qi], hi_t[kj] - lo_t[qi], *self._bounds())
+
+    def _sparse_tiles(self, h, block_size, n):
+        """The band's tiles row by row: per query tile, the key tiles from the first whose last
+        token reaches ``i - left`` to the last whose first token is within ``i + right``."""
+        lo, hi = self._bounds()
+        lo_t, hi_t = _tile_bounds(block_size, n)
+        first = np.searchsorted(hi_t, lo_t + lo, side="left")
+        width = np.maximum(np.searchsorted(lo_t, hi_t + hi, side="right") - first, 0)
+        if not _few_tiles(int(width.sum()), lo_t.size):
+            return None
+        qi = np.repeat(np.arange(lo_t.size, dtype=np.int64), width)
+        kj = np.repeat(first, width) + _ranges(width)
+        return qi, kj, self._kinds_at(h, block_size, n, qi, kj)
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         return kj - qi
@@ -297,13 +351,15 @@ class BlockDiagonal(Pattern):
         return (i // self.size) == (j // self.size)
 
     def block_kinds(self, h, block_size, n) -> np.ndarray:
+        return _kinds_grid(self, h, block_size, n)
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
         lo, hi = _tile_bounds(block_size, n)
         g_lo, g_hi = lo // self.size, hi // self.size
         # Group ranges of rows and columns are contiguous integer ranges: the tile is full when
         # both collapse to one equal group, empty when they do not meet.
-        full = (g_lo[:, None] == g_hi[:, None]) & (g_lo[None, :] == g_hi[None, :]) & (
-            g_lo[:, None] == g_lo[None, :])
-        empty = (g_hi[:, None] < g_lo[None, :]) | (g_lo[:, None] > g_hi[None, :])
+        full = (g_lo[qi] == g_hi[qi]) & (g_lo[kj] == g_hi[kj]) & (g_lo[qi] == g_lo[kj])
+        empty = (g_hi[qi] < g_lo[kj]) | (g_lo[qi] > g_hi[kj])
         return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
 
     def _tile_classes(self, h, block_size, n, qi, kj):
@@ -346,13 +402,16 @@ class Documents(Pattern):
         return self._doc(i) == self._doc(j)
 
     def block_kinds(self, h, block_size, n) -> np.ndarray:
+        return _kinds_grid(self, h, block_size, n)
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
         # Closed form, as for block_diagonal with irregular groups: the documents a tile row or
         # column spans are the contiguous range doc(lo) .. doc(hi).
         lo, hi = _tile_bounds(block_size, n)
         g_lo, g_hi = self._doc(lo), self._doc(hi)
         one = g_lo == g_hi
-        full = one[:, None] & one[None, :] & (g_lo[:, None] == g_lo[None, :])
-        empty = (g_hi[:, None] < g_lo[None, :]) | (g_lo[:, None] > g_hi[None, :])
+        full = one[qi] & one[kj] & (g_lo[qi] == g_lo[kj])
+        empty = (g_hi[qi] < g_lo[kj]) | (g_lo[qi] > g_hi[kj])
         return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
 
     def _tile_classes(self, h, block_size, n, qi, kj):
@@ -380,8 +439,11 @@ class _Column(Pattern):
         return np.broadcast_to(self._col(h, j, n), np.broadcast_shapes(i.shape, j.shape))
 
     def block_kinds(self, h, block_size, n) -> np.ndarray:
+        return _kinds_grid(self, h, block_size, n)
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
         col = _vector_kinds(self._col(h, np.arange(n, dtype=np.int64), n), block_size)
-        return np.broadcast_to(col[None, :], (col.shape[0], col.shape[0])).copy()
+        return np.broadcast_to(col[kj], np.broadcast_shapes(np.shape(qi), np.shape(kj)))
 
     def _period(self) -> int | None:
         return None
@@ -453,7 +515,10 @@ class Fixed(Pattern):
         return a._token(h, i, j, n) | b._token(h, i, j, n)
 
     def block_kinds(self, h, block_size, n) -> np.ndarray:
-        return _union_kinds([p.block_kinds(h, block_size, n) for p in self._parts()])
+        return _kinds_grid(self, h, block_size, n)
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
+        return _union_kinds([p._kinds_at(h, block_size, n, qi, kj) for p in self._parts()])
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         return _parts_classes(self._parts(), h, block_size, n, qi, kj)
@@ -471,9 +536,28 @@ class GlobalTokens(Pattern):
     def _token(self, h, i, j, n):
         return (i < self.n_global) | (j < self.n_global)
 
+    def _axis_kinds(self, block_size, n) -> np.ndarray:
+        return _vector_kinds(np.arange(n) < self.n_global, block_size)
+
     def block_kinds(self, h, block_size, n) -> np.ndarray:
-        k = _vector_kinds(np.arange(n) < self.n_global, block_size)
-        return _union_kinds([k[:, None], k[None, :]])
+        return _kinds_grid(self, h, block_size, n)
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
+        k = self._axis_kinds(block_size, n)
+        return _union_kinds([k[qi], k[kj]])
+
+    def _sparse_tiles(self, h, block_size, n):
+        """The ``t`` tile rows holding a global token (every key tile), then the ``t`` tile
+        columns of every other row: ``t * (2 * nb - t)`` tiles, in row-major order."""
+        k = self._axis_kinds(block_size, n)
+        nb = k.size
+        t = int(np.count_nonzero(k != EMPTY))  # the first t tiles (tokens 0 .. n_global - 1)
+        if not _few_tiles(t * (2 * nb - t), nb):
+            return None
+        r = np.arange(nb, dtype=np.int64)
+        qi = np.concatenate([np.repeat(r[:t], nb), np.repeat(r[t:], t)])
+        kj = np.concatenate([np.tile(r, t), np.tile(r[:t], nb - t)])
+        return qi, kj, np.maximum(k[qi], k[kj])  # union of the row and column kinds
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         i0, j0 = qi * block_size, kj * block_size
@@ -631,10 +715,13 @@ class BlockLocal(Pattern):
         return (d >= -self.left_blocks) & (d <= self.right_blocks)
 
     def block_kinds(self, h, block_size, n) -> np.ndarray:
+        return _kinds_grid(self, h, block_size, n)
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
         lo, hi = _tile_bounds(block_size, n)
         r0, r1 = lo // self.block, hi // self.block
-        return _band_kinds(r0[None, :] - r1[:, None], r1[None, :] - r0[:, None],
-                           -self.left_blocks, self.right_blocks)
+        return _band_kinds(r0[kj] - r1[qi], r1[kj] - r0[qi], -self.left_blocks,
+                           self.right_blocks)
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         return _relative_classes(self.block, block_size, n, qi, kj)
@@ -669,6 +756,32 @@ class _Union(_OfMembers):
     def block_kinds(self, h, block_size, n) -> np.ndarray:
         return _union_kinds([_part(p, h, block_size, n) for p in self.parts])
 
+    def _kinds_at(self, h, block_size, n, qi, kj):
+        return _union_kinds([p._kinds_at(h, block_size, n, qi, kj) for p in self.parts])
+
+    def _sparse_tiles(self, h, block_size, n):
+        """Every part's listed tiles, merged: a union's kind is the largest of its parts' kinds
+        (EMPTY < PARTIAL < FULL, :func:`_union_kinds`), and a tile no part lists is EMPTY in
+        all of them. ``None`` unless every part lists its tiles (each decided that listing is the
+        cheaper: merging costs about what the parts spent listing)."""
+        nb = -(-n // block_size)
+        listed = []
+        for p in self.parts:
+            tiles = p._sparse_tiles(h, block_size, n)
+            if tiles is None:
+                return None
+            listed.append(tiles)
+        pair = np.concatenate([np.asarray(q, np.int64) * nb + k for q, k, _ in listed])
+        kind = np.concatenate([np.asarray(c, np.int8) for _, _, c in listed])
+        # Stable sort of sorted runs (each part lists in row-major order): timsort merges them.
+        order = np.argsort(pair, kind="stable")
+        pair, kind = pair[order], kind[order]
+        start = np.flatnonzero(np.append(True, pair[1:] != pair[:-1]))
+        if kind.size:
+            pair, kind = pair[start], np.maximum.reduceat(kind, start)
+        qi = pair // nb
+        return qi, pair - qi * nb, kind
+
     def _tile_classes(self, h, block_size, n, qi, kj):
         return _parts_classes(self.parts, h, block_size, n, qi, kj)
 
@@ -687,6 +800,30 @@ class _Intersection(_Union):
 
     def block_kinds(self, h, block_size, n) -> np.ndarray:
         return _intersection_kinds([_part(p, h, block_size, n) for p in self.parts])
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
+        return _intersection_kinds([p._kinds_at(h, block_size, n, qi, kj) for p in self.parts])
+
+    def _sparse_tiles(self, h, block_size, n):
+        """The shortest list of a part that lists its tiles (every tile outside it is EMPTY in
+        that part, hence in the intersection), classified against every other part per listed
+        tile (:meth:`_kinds_at`: the smallest kind, :func:`_intersection_kinds`); tiles found
+        EMPTY are dropped. ``None`` when no part lists its tiles."""
+        best = None
+        for a, p in enumerate(self.parts):
+            tiles = p._sparse_tiles(h, block_size, n)
+            if tiles is not None and (best is None or tiles[0].size < best[1][0].size):
+                best = a, tiles
+        if best is None:
+            return None
+        a, (qi, kj, kind) = best
+        qi, kj = np.asarray(qi, np.int64), np.asarray(kj, np.int64)
+        kind = np.asarray(kind, np.int8)
+        for b, p in enumerate(self.parts):
+            if b != a:
+                kind = np.minimum(kind, p._kinds_at(h, block_size, n, qi, kj))
+        keep = np.flatnonzero(kind != EMPTY)
+        return qi[keep], kj[keep], kind[keep]
 
 
 @_frozen
@@ -715,6 +852,9 @@ class PerHead(_OfMembers):
 
     def _sparse_tiles(self, h, block_size, n):
         return self._pick(h)._sparse_tiles(h, block_size, n)
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
+        return self._pick(h)._kinds_at(h, block_size, n, qi, kj)
 
     def _tile_classes(self, h, block_size, n, qi, kj):
         return self._pick(h)._tile_classes(h, block_size, n, qi, kj)
@@ -754,7 +894,7 @@ class PerBatchRow(Pattern):
         raise ValueError("a per-row pattern has no token mask of its own: lay it out with "
                          "make_layout (one row of heads per batch row), or take ._batch_row(r)")
 
-    block_kinds = _sparse_tiles = _tile_classes = _token
+    block_kinds = _sparse_tiles = _kinds_at = _tile_classes = _token
 
     def _validate(self, seq_len):
         validate_batch_rows(self.patterns, seq_len)
@@ -927,6 +1067,11 @@ def _row_ids(rel: np.ndarray, spread: np.ndarray) -> np.ndarray:
     return ids
 
 
+# Neighbourhoods' listed tiles, per (pattern, block_size, n): layout_build.py clears it
+# between timed builds, like _KINDS_CACHE.
+_TILES_CACHE: dict = {}
+
+
 @_frozen
 class Neighborhood(Pattern):
     """NATTEN neighbourhood attention over ``grid`` (see :func:`neighborhood`)."""
@@ -980,7 +1125,30 @@ class Neighborhood(Pattern):
     def _sparse_tiles(self, h, block_size, n):
         """Candidate tiles (every other tile is empty), all PARTIAL: per query tile, the boxes
         of grid coordinates it holds, the union of their windows per axis, and the key tiles
-        that box touches. O(candidates), never O(nb^2)."""
+        that box touches. O(candidates), never O(nb^2). Kept for the next call (read-only):
+        a union lists them, then classifies its tiles against them (:meth:`_kinds_at`)."""
+        key = (self, int(block_size), int(n))
+        out = _TILES_CACHE.get(key)
+        if out is None:
+            if len(_TILES_CACHE) >= 4:
+                _TILES_CACHE.clear()
+            out = self._list_tiles(block_size, n)
+            for a in out:
+                a.setflags(write=False)
+            _TILES_CACHE[key] = out
+        return out
+
+    def _kinds_at(self, h, block_size, n, qi, kj):
+        qs, ks, kinds = self._sparse_tiles(h, block_size, n)
+        nb = -(-n // block_size)
+        listed = qs * nb + ks  # ascending (row-major, each tile once)
+        pair = np.asarray(qi, np.int64) * nb + np.asarray(kj, np.int64)
+        if not listed.size:
+            return np.zeros(pair.shape, np.int8)
+        at = np.minimum(np.searchsorted(listed, pair), listed.size - 1)
+        return np.where(listed[at] == pair, kinds[at], EMPTY).astype(np.int8)
+
+    def _list_tiles(self, block_size, n):
         self._validate(n)
         idx, bs, dims = self._index(), block_size, len(self.grid)
         nb = -(-n // bs)
@@ -1375,7 +1543,8 @@ def neighborhood(grid, kernel_size, dilation=1, causal=False, tile_shape=None) -
 
     The layout is built from per-axis windows in time linear in the listed tiles (a 3-D grid
     of 131072 tokens, kernel 7: 16-36 ms on a shared 2-core VM, ``benchmarks/KERNEL_NOTES.md``).
-    It composes like any pattern, e.g. with global tokens:
+    It composes like any pattern, e.g. with global tokens (a union with global tokens or a narrow
+    band, or an intersection with anything, keeps the sparse build):
 
     >>> p = neighborhood((8, 12), kernel_size=(3, 5), dilation=(1, 2)) | global_tokens(4)
     >>> nb = neighborhood((8, 12), 3)
