@@ -561,3 +561,92 @@ class SeedRunTest(absltest.TestCase):
 
 if __name__ == "__main__":
     absltest.main()
+
+
+class FrontierPresetTest(parameterized.TestCase):
+    """The ``frontier`` preset (issue #34): how FA4 is asked to run each layout, the targets
+    from hand-made records, and a CPU run that records every GPU-only arm as skipped."""
+
+    def _plan(self, spec, n=2048, bs=128):
+        from sparsetp.bench import frontier  # noqa: PLC0415
+
+        bp = A.bench_pattern(spec, n, bs)
+        return frontier.fa4_plan(make_layout(bp.pattern, n, 4, bs), bp)
+
+    def test_fa4_plan_per_pattern(self):
+        self.assertEqual(self._plan("causal"), {"mode": "causal"})
+        self.assertEqual(self._plan("window:1024"), {"mode": "window",
+                                                     "window_size": (511, 511)})
+        self.assertEqual(self._plan("bigbird"), {"mode": "block_sparse", "mask_mod": None})
+        self.assertEqual(self._plan("strided_causal"),
+                         {"mode": "block_sparse", "mask_mod": "causal"})
+        with self.assertRaisesRegex(ValueError, "partial tiles under the 'bitmask_table' rule"):
+            self._plan("per_head_mix")
+        with self.assertRaisesRegex(ValueError, "block 64"):
+            self._plan("causal", bs=64)
+
+    @parameterized.parameters(2048, 4096)
+    def test_strided_causal_partial_tiles_are_causal_diagonal_tiles(self, n):
+        """The causal mask_mod FA4 gets for strided causal is right only if every partial tile
+        is a diagonal tile whose element mask is ``q >= kv``."""
+        lay = make_layout(A.bench_pattern("strided_causal", n, 128).pattern, n, 4, 128)
+        part = np.asarray(lay.q_partial)
+        idx, mid = np.asarray(lay.q_index), np.asarray(lay.q_mask_id)
+        masks = np.asarray(lay.masks)
+        col = np.arange(128)
+        tril = col[:, None] >= col[None, :]
+        seen = 0
+        for h in range(lay.num_heads):
+            for i in range(lay.num_blocks):
+                for e in range(part[h, i]):
+                    self.assertEqual(idx[h, i, e], i)
+                    bits = (masks[mid[h, i, e]][:, col // 32] >> (col % 32)) & 1
+                    np.testing.assert_array_equal(bits.astype(bool), tril)
+                    seen += 1
+        self.assertEqual(seen, lay.num_heads * lay.num_blocks)
+
+    def test_targets_from_hand_made_records(self):
+        from sparsetp.bench import frontier  # noqa: PLC0415
+
+        def rec(impl, pattern, fwd, fwd_bwd, **extra):
+            return dict(_rec(impl, pattern, 8192, fwd, fwd_bwd, **extra), section="frontier")
+
+        recs = [rec("sparsetp", "causal", 1.0, 3.0), rec("fa4", "causal", 0.8, 2.4),
+                rec("sparsetp", "bigbird", 1.0, 3.0), rec("fa4", "bigbird", 1.3, 3.9),
+                rec("flex", "bigbird", 1.2, 4.0),
+                rec("sparsetp_jax", "causal", 1.0, 3.0, jax_over_torch_fwd=1.04,
+                    jax_over_torch_fwd_bwd=1.06)]
+        res = A.add_derived({"records": recs, "device_kind": "cuda", "preset": "frontier",
+                             "gemm_anchor": {"tflops": 700.0}})
+        t = {(x["id"], x["name"]): x for x in A.compute_targets(res)}
+        f1 = t[("F1", "fwd vs fa4, causal, N=8192")]
+        self.assertAlmostEqual(f1["value"], 0.8)
+        self.assertIs(f1["pass"], False)
+        self.assertIs(t[("F2", "fwd vs fa4, bigbird, N=8192")]["pass"], True)      # 1.3
+        self.assertIs(t[("F2", "bwd vs fa4, bigbird, N=8192")]["pass"], True)      # 2.9 / 2.0
+        self.assertIs(t[("F2", "fwd vs flex, bigbird, N=8192")]["pass"], False)    # 1.2
+        self.assertIs(t[("F3", "JAX / torch fwd, causal, N=8192")]["pass"], True)
+        self.assertIs(t[("F3", "JAX / torch fwd_bwd, causal, N=8192")]["pass"], False)
+        self.assertEqual(t[("F2", "fwd vs fa4, per_head_mix, N=8192")]["status"],
+                         "not measured")
+        self.assertNotIn(("F1", "fwd vs flex, causal, N=8192"), t)  # F1 compares with FA4
+        text = frontier.summary({**res, "targets": list(t.values())})
+        self.assertIn("bf16 GEMM 8192^3: 700 TFLOP/s", text)
+        self.assertIn("causal N=8192: sparsetp 1.000/2.000 ms", text)
+
+    def test_cpu_run_skips_the_gpu_arms_with_their_reasons(self):
+        _, res, saved = run_preset_on_cpu("frontier", "frontier", plots=False)
+        self.assertEqual(saved["errors"], [])
+        timed = {(r["impl"], r["pattern"]) for r in saved["records"] if "fwd_ms" in r}
+        from sparsetp.bench import frontier  # noqa: PLC0415
+
+        for p in frontier.PATTERNS:
+            self.assertIn(("sparsetp", p), timed)
+            self.assertIn(("sparsetp_jax", p), timed)
+        skipped = {(s["impl"], s["pattern"]): s["reason"] for s in saved["skipped"]}
+        for p in frontier.PATTERNS:
+            self.assertEqual(skipped[("fa4", p)], "fa4 needs a GPU")
+            self.assertEqual(skipped[("flex", p)], "flex needs a GPU")
+        self.assertEqual(skipped[("cudnn_causal", "causal")], "cudnn_causal needs a GPU")
+        self.assertNotIn("gemm_anchor", saved)
+        self.assertTrue(all(t["pass"] is None for t in saved["targets"]))

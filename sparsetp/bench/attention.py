@@ -18,6 +18,9 @@ Implementations (``--impls``; each (case, implementation) pair is one job, run i
 ``sdpa_mask``       SDPA with the layout's dense boolean ``[1, H, N, N]`` mask
 ``naive``           ``sparsetp.torch.naive_sparse_attention`` (gather listed tiles, plain torch)
 ``reference``       ``sparsetp.core.reference`` float64 numpy oracle (CPU, small N only)
+``fa4``             FlashAttention-4 (CuTe DSL; causal, window, block-sparse), when importable
+                    (``sparsetp/bench/frontier.py``)
+``cudnn_causal``    dense causal SDPA through cuDNN (causal pattern only)
 ==================  ===========================================================================
 
 Timing: on GPU the median of ``triton.testing.do_bench`` (it flushes L2 between calls); JAX on
@@ -38,6 +41,8 @@ this implementation is faster).
 Presets: ``targets`` (the performance targets, ~150 s on one H200 with compiles), ``sweep``
 (speed-up over dense vs N, time vs sparsity), ``seed`` (issue #30's seed regime, below),
 ``natten`` (issue #32's neighbourhood cases against cuDNN dense and Flex: ``bench/natten.py``),
+``frontier`` (issue #34's table: ours against FlashAttention-4, cuDNN and Flex, with a bf16
+GEMM as the anchor: ``bench/frontier.py``),
 ``cpu`` (tiny sizes; what CI runs). Devices
 (:func:`resolve_device`): with ``--device=auto`` the ``cpu`` preset runs on CPU tensors and CPU
 JAX arrays (the native CPU path) on any machine, the GPU presets on the GPU when there is one;
@@ -98,8 +103,8 @@ __all__ = [
 ]
 
 IMPLS = ("sparsetp", "sparsetp_jax", "flex", "sdpa_flash", "sdpa_cudnn", "sdpa", "sdpa_causal",
-         "sdpa_mask", "naive", "reference")
-GPU_ONLY = ("flex", "sdpa_flash", "sdpa_cudnn")
+         "sdpa_mask", "naive", "reference", "fa4", "cudnn_causal")
+GPU_ONLY = ("flex", "sdpa_flash", "sdpa_cudnn", "fa4", "cudnn_causal")
 DENSE_BASELINES = ("sdpa_flash", "sdpa_cudnn", "sdpa")  # first one measured is "dense"
 ANCHOR_PATTERNS = ("causal", "window", "bigbird", "strided_causal")
 SCHEMA_VERSION = 1
@@ -107,7 +112,7 @@ SCHEMA_VERSION = 1
 FLAGS = flags.FLAGS
 
 
-_PRESETS = ["auto", "targets", "sweep", "seed", "natten", "cpu", "none"]
+_PRESETS = ["auto", "targets", "sweep", "seed", "natten", "frontier", "cpu", "none"]
 # (absl DEFINE_ function, name, default, help[, extra args]): defined by define_flags().
 _FLAG_DEFS = [
     (flags.DEFINE_enum, "preset", "auto", "Case set (auto: targets on a GPU, cpu otherwise; "
@@ -187,6 +192,7 @@ class BenchConfig:
     command: str = ""
     rounds: dict = dataclasses.field(default_factory=dict)
     dense_order: tuple = DENSE_BASELINES  # which measured dense SDPA is "dense" (the first)
+    gemm_anchor: bool = False  # GPU: time a bf16 GEMM in the run (result["gemm_anchor"])
 
 
 def _case(pattern, n, *, b=1, h=16, d=128, dtype="bfloat16", block=128) -> dict:
@@ -264,6 +270,10 @@ def preset_config(preset: str, device: str) -> BenchConfig:
         from sparsetp.bench import natten  # noqa: PLC0415
 
         return natten.preset_config(device)
+    if preset == "frontier":  # issue #34: against FlashAttention-4 (sparsetp/bench/frontier)
+        from sparsetp.bench import frontier  # noqa: PLC0415
+
+        return frontier.preset_config(device)
     if preset == "none":
         return BenchConfig("none", device, [], budget_s=600.0)
     raise ValueError(f"unknown preset {preset!r}")
@@ -989,13 +999,25 @@ def _prep_sparsetp_jax(cfg, case, layout, bp, rec):
     return Prepared(fwd, fwd_bwd, timer="jax")
 
 
+def _prep_fa4(cfg, case, layout, bp, rec):
+    from sparsetp.bench import frontier  # noqa: PLC0415
+
+    return frontier.prep_fa4(cfg, case, layout, bp, rec)
+
+
+def _prep_cudnn_causal(cfg, case, layout, bp, rec):
+    from sparsetp.bench import frontier  # noqa: PLC0415
+
+    return frontier.prep_cudnn_causal(cfg, case, layout, bp, rec)
+
+
 _PREP = {"sparsetp": _prep_sparsetp, "sparsetp_jax": _prep_sparsetp_jax, "flex": _prep_flex,
          "sdpa_flash": _prep_sdpa_flash, "sdpa_cudnn": _prep_sdpa_cudnn, "sdpa": _prep_sdpa,
          "sdpa_causal": _prep_sdpa_causal, "sdpa_mask": _prep_sdpa_mask, "naive": _prep_naive,
-         "reference": _prep_reference}
+         "reference": _prep_reference, "fa4": _prep_fa4, "cudnn_causal": _prep_cudnn_causal}
 # Rough cost of one job on the GPU (compiles dominate): a job starts only if this much of the
 # budget is left, so the run ends near its budget instead of one Flex compile past it.
-_EXPECTED_S = {"flex": 12.0, "sparsetp_jax": 4.0, "naive": 1.0, "sdpa_mask": 1.0}
+_EXPECTED_S = {"flex": 12.0, "sparsetp_jax": 4.0, "naive": 1.0, "sdpa_mask": 1.0, "fa4": 10.0}
 # Dense SDPA does not depend on the pattern: one measurement per shape serves every pattern.
 _PATTERN_FREE = ("sdpa_flash", "sdpa_cudnn", "sdpa")
 
@@ -1264,6 +1286,13 @@ def run(cfg: BenchConfig) -> dict:
         common.write_json(path, result)
 
     layouts = _Layouts()
+    if cfg.gemm_anchor and cfg.device == "cuda":
+        from sparsetp.bench import frontier  # noqa: PLC0415
+
+        try:
+            result["gemm_anchor"] = frontier.measure_gemm(cfg.device)
+        except Exception as e:  # noqa: BLE001 - recorded; the timings below still run
+            result["errors"].append({"section": "gemm_anchor", "error": f"{type(e).__name__}: {e}"})
     if cfg.first_call and cfg.first_call_case:
         try:
             result["records"].append(_first_call(cfg, cfg.first_call_case))
@@ -1431,6 +1460,10 @@ def compute_targets(result: dict) -> list:
         from sparsetp.bench import natten  # noqa: PLC0415
 
         return natten.targets(result)
+    if result.get("preset") == "frontier":  # issue #34's targets only
+        from sparsetp.bench import frontier  # noqa: PLC0415
+
+        return frontier.targets(result)
     shape_note = "bf16, B=1, H=16, D=128, block 128"
     for n in (8192, 32768):
         for p in ANCHOR_PATTERNS:
