@@ -10,6 +10,7 @@ layouts, on CPU tensors), the markdown and the plots.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import math
@@ -559,10 +560,6 @@ class SeedRunTest(absltest.TestCase):
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
 
-if __name__ == "__main__":
-    absltest.main()
-
-
 class FrontierPresetTest(parameterized.TestCase):
     """The ``frontier`` preset (issue #34): how FA4 is asked to run each layout, the targets
     from hand-made records, and a CPU run that records every GPU-only arm as skipped."""
@@ -584,6 +581,12 @@ class FrontierPresetTest(parameterized.TestCase):
             self._plan("per_head_mix")
         with self.assertRaisesRegex(ValueError, "block 64"):
             self._plan("causal", bs=64)
+
+    def test_fa4_plan_reads_the_partial_tiles_not_the_name(self):
+        """Strided causal at pattern block 64 has partial tiles off the diagonal (at layout
+        block 128): a causal mask_mod there would be wrong, so FA4 is not asked to run it."""
+        with self.assertRaisesRegex(ValueError, "partial tiles under the 'strided_causal' rule"):
+            self._plan("strided_causal:64")
 
     @parameterized.parameters(2048, 4096)
     def test_strided_causal_partial_tiles_are_causal_diagonal_tiles(self, n):
@@ -633,6 +636,17 @@ class FrontierPresetTest(parameterized.TestCase):
         text = frontier.summary({**res, "targets": list(t.values())})
         self.assertIn("bf16 GEMM 8192^3: 700 TFLOP/s", text)
         self.assertIn("causal N=8192: sparsetp 1.000/2.000 ms", text)
+        # What the command line prints (attention.summary) is this preset's summary.
+        self.assertEqual(A.summary({**res, "targets": list(t.values())}), text)
+
+    def test_every_test_class_runs_as_a_script(self):
+        """``python tests/bench_attention_test.py`` calls absltest.main() at the end of the
+        module: a class defined after it would never run that way."""
+        with open(os.path.abspath(__file__)) as f:
+            body = ast.parse(f.read()).body
+        last = body[-1]
+        self.assertIsInstance(last, ast.If)
+        self.assertIn("__main__", ast.unparse(last.test))
 
     def test_cpu_run_skips_the_gpu_arms_with_their_reasons(self):
         _, res, saved = run_preset_on_cpu("frontier", "frontier", plots=False)
@@ -650,3 +664,7 @@ class FrontierPresetTest(parameterized.TestCase):
         self.assertEqual(skipped[("cudnn_causal", "causal")], "cudnn_causal needs a GPU")
         self.assertNotIn("gemm_anchor", saved)
         self.assertTrue(all(t["pass"] is None for t in saved["targets"]))
+
+
+if __name__ == "__main__":
+    absltest.main()

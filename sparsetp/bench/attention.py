@@ -1358,8 +1358,9 @@ CONVENTIONS = {
     "computed_elements": "B * sum over heads of computed tiles * block^2 (tile padding and "
                          "masked-out pairs inside partial tiles included)",
     "flop_elements": "the elements an implementation computes: computed_elements for sparsetp, "
-                     "sparsetp_jax and flex; B*H*N*N for dense SDPA, sdpa_mask and reference; "
-                     "B*H*N(N+1)/2 for sdpa_causal; B*H*N_tiles*W*block^2 for naive",
+                     "sparsetp_jax, flex and fa4; B*H*N*N for dense SDPA, sdpa_mask and "
+                     "reference; B*H*N(N+1)/2 for sdpa_causal and cudnn_causal; "
+                     "B*H*N_tiles*W*block^2 for naive",
     "tflops": "fwd: 4 * D * flop_elements / fwd time; bwd: 2.5x the fwd FLOPs / bwd time; "
               "fwd_bwd: 3.5x / fwd_bwd time",
     "true_tflops": "true_fwd_tflops / true_bwd_tflops: the same with allowed_elements (the "
@@ -1915,6 +1916,10 @@ def summary(res: dict) -> str:
         from sparsetp.bench import natten  # noqa: PLC0415
 
         return natten.summary(res)
+    if res.get("preset") == "frontier":  # with the GEMM anchor and the targets F1-F3
+        from sparsetp.bench import frontier  # noqa: PLC0415
+
+        return frontier.summary(res)
     rows = [f"{'impl':13s} {'pattern':18s} {'N':>6s} {'bs':>4s} {'fwd ms':>9s} {'bwd ms':>9s} "
             f"{'fwd TF/s':>9s} {'vsFlex f/b':>11s}"]
     for r in res["records"]:

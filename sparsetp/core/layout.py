@@ -601,8 +601,9 @@ _ELL_ALIGN = 16
 def _stack_padded(arrays, fill):
     width = max(a.shape[-1] for a in arrays)
     width = -(-width // _ELL_ALIGN) * _ELL_ALIGN
-    # Each element written once (heads x tiles x width: 16 x 2048 x 2048 for a union with
-    # global tokens at N = 131072, block 64, where a full-then-copy doubled the build).
+    # Each element written once: a row of global tokens lists every tile, so these tables can
+    # be heads x nb x nb int32 (16 x 2048 x 2048 at N = 131072, block 64), and filling them
+    # before copying would write them twice.
     out = np.empty((len(arrays), arrays[0].shape[0], width), np.int32)
     for h, a in enumerate(arrays):
         out[h, :, : a.shape[-1]] = a

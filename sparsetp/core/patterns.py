@@ -20,7 +20,8 @@ Every pattern answers two questions, both vectorised with numpy and never over a
   intersection of which one part does); the layout then never classifies all ``nb x nb`` tiles.
 * ``_kinds_at(h, block_size, n, qi, kj)``: ``block_kinds`` at the tiles ``(qi, kj)`` only
   (broadcastable index arrays), in closed form for every constructor but
-  :func:`random_blocks`; what a union or intersection asks of its parts per listed tile.
+  :func:`random_blocks` (its dense kinds, built once) and :func:`neighborhood` (a search in
+  its listed tiles); what a union or intersection asks of its parts per listed tile.
   Closed-form patterns compute ``block_kinds`` through it, so the two agree by construction.
 
 Grids: :func:`neighborhood` is NATTEN's neighbourhood attention on a 1-3 D grid flattened
