@@ -16,28 +16,42 @@ import traceback
 CTAS = [int(x) for x in os.environ.get("CTAS", "2,4,8,16").split(",")]
 
 
-def rank_main(rank, world, port, out, rounds):
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ.setdefault(k, v)
-    import datetime
+def init_ranks(rank: int, world: int, port: int, ctas=()):
+    """This rank's NCCL set-up as the TP bench makes it (``sparsetp.bench.tp._torch_rank``'s
+    environment): ``(device, default TP group, {c: group with max_ctas=c}, one-rank group)``."""
+    import datetime  # noqa: PLC0415
 
+    from sparsetp.bench import tp as T  # noqa: PLC0415  (imports no torch)
+
+    # Before CUDA and NCCL start in this process (the bench sets the same).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for k, v in T._GPU_ENV.items():
+        os.environ.setdefault(k, v)
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    group = dist.new_group(list(range(world)))
+    limited = {}
+    for c in ctas:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = c
+        limited[c] = dist.new_group(list(range(world)), pg_options=opts)
+    # new_group is collective: every rank creates every one-rank group, keeps its own.
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    return torch.device("cuda", rank), group, limited, solo
+
+
+def rank_main(rank, world, port, out, rounds):
     import torch
     import torch.distributed as dist
 
     from sparsetp.bench import tp as T
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
-    groups = {"default": dist.new_group(list(range(world)))}
-    for c in CTAS:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.max_ctas = c
-        groups[f"ctas{c}"] = dist.new_group(list(range(world)), pg_options=opts)
-    solo = [dist.new_group([r]) for r in range(world)][rank]
+    device, default, limited, solo = init_ranks(rank, world, port, CTAS)
+    groups = {"default": default, **{f"ctas{c}": g for c, g in limited.items()}}
     spec = T.resolve_spec("gpu2", world, "cuda")
     rows = []
     for model in ("mlp", "block"):

@@ -47,33 +47,19 @@ def _covered(intervals) -> float:
 
 
 def rank_main(rank, world, port, out):
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ.setdefault(k, v)
-    import datetime
     import time
 
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
+    from tp_nccl_ctas_ab import init_ranks  # benchmarks/, the script's own directory
 
     from sparsetp.bench import tp as T
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
-    g2 = dist.new_group(list(range(world)))
-    gc = {}
-    for c in (8, 16):
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.max_ctas = c
-        gc[c] = dist.new_group(list(range(world)), pg_options=opts)
+    device, g2, gc, solo = init_ranks(rank, world, port, (8, 16))
     carve = getattr(torch._C, "_set_sm_carveout_experimental", None)
     if rank == 0:
         print("carveout fn:", carve, flush=True)
-    solo = [dist.new_group([r]) for r in range(world)][rank]
     spec = T.resolve_spec("gpu2", world, "cuda")
     report = {}
     arms = [("mlp_tp1", "mlp", solo, False, True, None, None),

@@ -774,10 +774,18 @@ def _prep_sdpa(cfg, case, layout, bp, rec):
     return _sdpa(cfg, case, None)
 
 
-def _prep_sdpa_causal(cfg, case, layout, bp, rec):
+def _causal_sdpa(cfg, case, bp, impl: str, backend: str | None):
     if bp.kind != "causal":
-        raise Skip("sdpa_causal only for the causal pattern")
-    return _sdpa(cfg, case, None, causal=True)
+        raise Skip(f"{impl} only for the causal pattern")
+    return _sdpa(cfg, case, backend, causal=True)
+
+
+def _prep_sdpa_causal(cfg, case, layout, bp, rec):
+    return _causal_sdpa(cfg, case, bp, "sdpa_causal", None)
+
+
+def _prep_cudnn_causal(cfg, case, layout, bp, rec):
+    return _causal_sdpa(cfg, case, bp, "cudnn_causal", "CUDNN_ATTENTION")
 
 
 def dense_mask_torch(layout, device):
@@ -1003,12 +1011,6 @@ def _prep_fa4(cfg, case, layout, bp, rec):
     from sparsetp.bench import frontier  # noqa: PLC0415
 
     return frontier.prep_fa4(cfg, case, layout, bp, rec)
-
-
-def _prep_cudnn_causal(cfg, case, layout, bp, rec):
-    from sparsetp.bench import frontier  # noqa: PLC0415
-
-    return frontier.prep_cudnn_causal(cfg, case, layout, bp, rec)
 
 
 _PREP = {"sparsetp": _prep_sparsetp, "sparsetp_jax": _prep_sparsetp_jax, "flex": _prep_flex,

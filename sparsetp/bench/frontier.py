@@ -34,6 +34,8 @@ mix has partial tiles that are not causal diagonal ones, so FA4 skips it and its
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 PATTERNS = ("causal", "window:1024", "bigbird", "strided_causal", "per_head_mix")
@@ -121,6 +123,7 @@ def _partial_tiles_are_causal(layout) -> bool:
     return bool((bits.astype(bool) == want).all())
 
 
+@functools.cache
 def _cute_causal_mask_mod():
     """FA4's mask_mod signature (``flash_attn.cute.mask.call_mask_mod``): keep ``q >= kv``."""
     import cutlass.cute as cute  # noqa: PLC0415
@@ -130,9 +133,6 @@ def _cute_causal_mask_mod():
         return q_idx >= kv_idx
 
     return causal
-
-
-_CUTE_MODS: dict = {}
 
 
 def prep_fa4(cfg, case, layout, bp, rec):
@@ -145,9 +145,7 @@ def prep_fa4(cfg, case, layout, bp, rec):
         flex_block_mask,
     )
 
-    if cfg.device != "cuda":
-        raise Skip("fa4 (FlashAttention-4, CuTe DSL) runs on a GPU only")
-    try:
+    try:  # a GPU-only implementation: the bench skips it on CPU before this
         from flash_attn.cute import flash_attn_func  # noqa: PLC0415
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: PLC0415
     except ImportError as e:
@@ -167,17 +165,19 @@ def prep_fa4(cfg, case, layout, bp, rec):
         kw["window_size"] = plan["window_size"]
     else:
         bm = flex_block_mask(layout, bp, cfg.device)
-        size = (FA4_BLOCK, FA4_BLOCK)
-        kw["block_sparse_tensors"] = BlockSparseTensorsTorch(
-            mask_block_cnt=bm.kv_num_blocks, mask_block_idx=bm.kv_indices,
-            full_block_cnt=bm.full_kv_num_blocks, full_block_idx=bm.full_kv_indices,
-            block_size=size)
-        kw["block_sparse_tensors_bwd"] = BlockSparseTensorsTorch(
-            mask_block_cnt=bm.q_num_blocks, mask_block_idx=bm.q_indices,
-            full_block_cnt=bm.full_q_num_blocks, full_block_idx=bm.full_q_indices,
-            block_size=size)
+
+        def tables(side):  # "kv": key-major lists (forward), "q": query-major (backward)
+            return BlockSparseTensorsTorch(
+                mask_block_cnt=getattr(bm, f"{side}_num_blocks"),
+                mask_block_idx=getattr(bm, f"{side}_indices"),
+                full_block_cnt=getattr(bm, f"full_{side}_num_blocks"),
+                full_block_idx=getattr(bm, f"full_{side}_indices"),
+                block_size=(FA4_BLOCK, FA4_BLOCK))
+
+        kw["block_sparse_tensors"] = tables("kv")
+        kw["block_sparse_tensors_bwd"] = tables("q")
         if plan["mask_mod"] == "causal":
-            kw["mask_mod"] = _CUTE_MODS.setdefault("causal", _cute_causal_mask_mod())
+            kw["mask_mod"] = _cute_causal_mask_mod()
     # FA4's own layout, [B, N, H, D] contiguous: no transpose inside its timed calls.
     sets = [tuple(t.detach().transpose(1, 2).contiguous().requires_grad_(i < 3)
                   for i, t in enumerate(s))
@@ -199,17 +199,6 @@ def prep_fa4(cfg, case, layout, bp, rec):
                            f"(plan {plan}): not timed")
     f, fb, g = _torch_pair(fn, sets)
     return Prepared(f, fb, g)
-
-
-def prep_cudnn_causal(cfg, case, layout, bp, rec):
-    """The ``cudnn_causal`` implementation: dense causal SDPA through cuDNN."""
-    from sparsetp.bench.attention import Skip, _sdpa  # noqa: PLC0415
-
-    if bp.kind != "causal":
-        raise Skip("cudnn_causal only for the causal pattern")
-    if cfg.device != "cuda":
-        raise Skip("cudnn_causal needs a GPU")
-    return _sdpa(cfg, case, "CUDNN_ATTENTION", causal=True)
 
 
 def measure_gemm(device: str) -> dict:

@@ -160,18 +160,26 @@ def _combine_classes(classes) -> np.ndarray | None:
 _KINDS_CACHE: dict = {}
 
 
+def _cached(cache: dict, key, limit: int, make):
+    """``cache[key]``, made by ``make()`` (an array or a tuple of arrays, stored read-only) on a
+    miss; a cache holding ``limit`` entries is emptied first, so it stays bounded."""
+    out = cache.get(key)
+    if out is None:
+        if len(cache) >= limit:
+            cache.clear()
+        out = make()
+        for a in out if isinstance(out, tuple) else (out,):
+            a.setflags(write=False)
+        cache[key] = out
+    return out
+
+
 def _part(pattern, h, block_size, n):
     """Tile kinds of a part, computed once for every head with the same ``head_key`` (a union
     over 16 heads with one random part builds its window and global parts once)."""
-    key = (pattern, pattern.head_key(h), block_size, n)
-    out = _KINDS_CACHE.get(key)
-    if out is None:
-        if len(_KINDS_CACHE) >= 32:
-            _KINDS_CACHE.clear()
-        out = np.broadcast_to(pattern.block_kinds(h, block_size, n), (-(-n // block_size),) * 2)
-        out.setflags(write=False)
-        _KINDS_CACHE[key] = out
-    return out
+    return _cached(_KINDS_CACHE, (pattern, pattern.head_key(h), block_size, n), 32,
+                   lambda: np.broadcast_to(pattern.block_kinds(h, block_size, n),
+                                           (-(-n // block_size),) * 2))
 
 
 class Pattern:
@@ -1128,16 +1136,8 @@ class Neighborhood(Pattern):
         of grid coordinates it holds, the union of their windows per axis, and the key tiles
         that box touches. O(candidates), never O(nb^2). Kept for the next call (read-only):
         a union lists them, then classifies its tiles against them (:meth:`_kinds_at`)."""
-        key = (self, int(block_size), int(n))
-        out = _TILES_CACHE.get(key)
-        if out is None:
-            if len(_TILES_CACHE) >= 4:
-                _TILES_CACHE.clear()
-            out = self._list_tiles(block_size, n)
-            for a in out:
-                a.setflags(write=False)
-            _TILES_CACHE[key] = out
-        return out
+        return _cached(_TILES_CACHE, (self, int(block_size), int(n)), 4,
+                       lambda: self._list_tiles(block_size, n))
 
     def _kinds_at(self, h, block_size, n, qi, kj):
         qs, ks, kinds = self._sparse_tiles(h, block_size, n)
