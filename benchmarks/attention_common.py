@@ -116,7 +116,7 @@ def parse_arm(spec: str) -> Arm:
         opts["work_order"] = fields.pop("work_order")
     if "head_group" in fields:
         opts["head_group"] = int(fields.pop("head_group"))
-    for flag in ("direct_launch", "parallel_compile"):
+    for flag in ("direct_launch", "parallel_compile", "native_autograd"):
         if flag in fields:
             opts[flag] = fields.pop(flag) in ("1", "true", "True")
     tiles = {}

@@ -11,12 +11,14 @@ decides those rows. With a small problem (default: window, N=1024, one head, D=1
 * a trivial autograd forward+backward on the same leaves (autograd's own floor);
 * dense causal ``scaled_dot_product_attention``, forward and forward+backward (the anchor);
 
-for each arm (``attention_common``'s arm spec; default: the direct launch against Triton's JIT
-entry point, ``direct_launch=0``), interleaved over ``--rounds``. Then a cProfile of 50 direct
+for each arm (``attention_common``'s arm spec; default: the C++ autograd node and launches,
+``sparsetp.backends.torch.native``, against the Python autograd Function, ``native_autograd=0``),
+interleaved over ``--rounds``. Then a cProfile of 50 direct
 backward calls (the top functions by own time), and with ``--trace`` a Chrome trace of 20
 forward+backward calls (``torch.profiler``, both threads, Python stacks).
 
-Believe it only if ``python -m pytest -q tests/torch_attention_test.py`` passes; host times move
+Believe it only if ``python -m pytest -q tests/torch_attention_test.py tests/torch_native_test.py``
+passes; host times move
 with the machine's load, so compare arms of one run only::
 
     python benchmarks/host_overhead.py --out=$OUT/host.json --trace=$OUT/host_trace.json \
@@ -46,7 +48,8 @@ from sparsetp.core import make_layout
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "host_overhead.json", "where to write the JSON")
-flags.DEFINE_multi_string("arms", ["direct;jit:direct_launch=0"], "arm specs, ';'-separated")
+flags.DEFINE_multi_string("arms", ["native;python:native_autograd=0"],
+                          "arm specs, ';'-separated")
 flags.DEFINE_integer("n", 1024, "N")
 flags.DEFINE_integer("heads", 1, "H")
 flags.DEFINE_integer("head_dim", 128, "D")
@@ -128,6 +131,11 @@ def main(argv):
         return
     rec = C.Record(FLAGS.out)
     dev, n, h, d = FLAGS.device, FLAGS.n, FLAGS.heads, FLAGS.head_dim
+    if dev == "cuda":  # arms with native_autograd on run the C++ node once it has built
+        from sparsetp.backends.torch import native  # noqa: PLC0415
+
+        rec.data["native"] = native.wait()
+        rec.log(f"native extension: {rec.data['native']}")
     arms = C.parse_arms(FLAGS.arms)
     layout = make_layout(C.anchor_pattern(FLAGS.pattern), n, h, arms[0].block)
     if any(a.block != arms[0].block for a in arms):
@@ -139,8 +147,11 @@ def main(argv):
     def direct_backward():
         tattn._backward(q, k, v, out_, lse_, d_out, None, layout, scale)
 
+    def attn(q, k, v):  # the common call: no LSE (an LSE output with gradients stays on Python)
+        return tattn.sparse_attention(q, k, v, layout)
+
     def fwd_bwd():
-        C.library_attention(qg, kg, vg, layout)[0].backward(d_out)
+        attn(qg, kg, vg).backward(d_out)
 
     inside: list = []
     real_backward = tattn._Plan.backward  # what the autograd Function's backward calls
@@ -158,18 +169,19 @@ def main(argv):
         inside.clear()
         with mock.patch.object(tattn._Plan, "backward", timed_backward):
             host_us(fwd_bwd, dev)
-        e = {"fwd_us": host_us(lambda: C.library_attention(q, k, v, layout), dev),
-             "fwd_recording_graph_us": host_us(lambda: C.library_attention(qg, kg, vg, layout),
-                                               dev),
+        e = {"fwd_us": host_us(lambda: attn(q, k, v), dev),
+             "fwd_recording_graph_us": host_us(lambda: attn(qg, kg, vg), dev),
              "fwd_bwd_us": host_us(fwd_bwd, dev),
              "direct_backward_us": host_us(direct_backward, dev),
+             # The Python backward's own time; NaN where the C++ node ran every backward.
              "backward_inside_autograd_us": (sum(inside[FLAGS.warmup:]) * 1e6
-                                             / max(1, len(inside[FLAGS.warmup:]))),
+                                             / len(inside[FLAGS.warmup:])
+                                             if inside[FLAGS.warmup:] else float("nan")),
              "trivial_autograd_fwd_bwd_us": host_us(
                  lambda: (qg * 1.0 + kg * 1.0 + vg * 1.0).backward(d_out), dev),
              "sdpa_fwd_us": host_us(lambda: sdpa(q, k, v), dev),
              "sdpa_fwd_bwd_us": host_us(lambda: sdpa(qg, kg, vg).backward(d_out), dev),
-             "fwd_gpu_ms": C.bench_ms(lambda: C.library_attention(q, k, v, layout), dev),
+             "fwd_gpu_ms": C.bench_ms(lambda: attn(q, k, v), dev),
              "fwd_bwd_gpu_ms": C.bench_ms(fwd_bwd, dev, [qg, kg, vg])}
         rec.log(f"{arm}: {e}")
         assert tuple(e) == KEYS

@@ -717,6 +717,12 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
     # block by schedule.kernel_layout's cost model on CUDA).
     rec["kernel_block"] = schedule.kernel_layout(
         layout, _kernels_kind(cfg), head_dim=case["D"], dtype=case["dtype"]).block_size
+    if _kernels_kind(cfg) == "cuda":
+        from sparsetp.backends.torch import native  # noqa: PLC0415
+
+        # Timed calls after the warm-up run the eager path users get: the C++ autograd node
+        # once its extension has built ("ready"), else the Python one (the status says why).
+        rec["torch_native"] = native.wait()
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
     if bp.check is not None:
         bp.check(layout, sets, case, rec)

@@ -48,6 +48,10 @@ class LaunchOptions:
         go straight to the compiled kernel (saves host time per call; off falls back to the
         public entry point, and so does a Triton whose private launch API is not the tested one).
       parallel_compile: torch on CUDA: the backward's kernels compile in threads on first use.
+      native_autograd: torch on CUDA, eager: once a call signature's kernels are compiled, its
+        later calls create a C++ autograd node and launch from C++
+        (:mod:`sparsetp.backends.torch.native`; same kernels, same numbers, less host time).
+        Needs ``direct_launch``; off, the Python ``autograd.Function`` path runs.
     """
 
     work_order: str = "auto"
@@ -56,6 +60,7 @@ class LaunchOptions:
     tiles: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     direct_launch: bool = True
     parallel_compile: bool = True
+    native_autograd: bool = True
 
     def __post_init__(self):
         if self.work_order not in WORK_ORDERS:
@@ -72,14 +77,14 @@ class LaunchOptions:
             if name not in KERNEL_NAMES or not isinstance(cfg, TileConfig):
                 raise ValueError(f"tiles must map kernel names {KERNEL_NAMES} to TileConfig, "
                                  f"got {name!r}: {cfg!r}")
-        for name in ("direct_launch", "parallel_compile"):
+        for name in ("direct_launch", "parallel_compile", "native_autograd"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "tiles", MappingProxyType(dict(self.tiles)))
         # Launch caches key on this per call: computed once (the object is frozen).
         object.__setattr__(self, "_key", (
             self.work_order, self.head_group, self.kernel_tile, tuple(sorted(self.tiles.items())),
-            self.direct_launch, self.parallel_compile))
+            self.direct_launch, self.parallel_compile, self.native_autograd))
 
     def key(self) -> tuple:
         """A hashable value that changes whenever a launch built under these options could."""

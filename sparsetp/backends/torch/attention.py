@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 import weakref
 
 import numpy as np
@@ -38,6 +39,7 @@ import torch
 from sparsetp import _runtime
 from sparsetp.backends.torch import cpu as _cpu
 from sparsetp.backends.torch import launch as _launch
+from sparsetp.backends.torch import native as _native
 from sparsetp.core.layout import (
     SUPPORTED_BLOCK_SIZES,
     BlockLayout,
@@ -99,13 +101,17 @@ class _Plan:
     strides). Holds no reference to the layout (the cache's weak key) or to any tensor but the
     metadata."""
 
-    __slots__ = ("scale", "kind", "meta", "fwd", "bwd")
+    __slots__ = ("scale", "kind", "meta", "fwd", "bwd", "native", "native_failed")
 
     def __init__(self, q, layout, scale: float):
         self.scale, self.kind = scale, _launch.device_kind(q)
         self.meta = None if self.kind == "cpu" else _launch.metadata(layout, q, self.kind)
         self.fwd = None
         self.bwd: dict = {}
+        # (the C++ call, its plan) once this key's kernels are compiled and the extension is
+        # ready (:mod:`sparsetp.backends.torch.native`); None until then.
+        self.native = None
+        self.native_failed = False
 
     def forward(self, q, k, v, layout):
         kind, scale = self.kind, self.scale
@@ -149,7 +155,32 @@ class _Plan:
         _launch.run(dq_desc, (q, k, v, d_out, lse, out, lse if d_lse is None else d_lse),
                     (dq, delta), kind)
         _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), (dk, dv), kind)
+        if self.native is None and kind == "cuda" and d_lse is None:
+            self._make_native(q, d_out, dq_desc, dkdv_desc)
         return dq, dk, dv
+
+    def _make_native(self, q, d_out, dq_desc, dkdv_desc) -> None:
+        """Hand this key's compiled kernels to the C++ extension, once it is built (a build
+        starts in the background on the first call here). Kept to output gradients with
+        distinct elements: the native backward copies any other gradient to these strides."""
+        opts = _options.current()
+        if (self.native_failed or not (opts.native_autograd and opts.direct_launch)
+                or not _distinct_dense(d_out)):
+            return
+        module = _native.load()
+        if module is None:
+            return
+        try:
+            plan = _native.make_plan(module, self.fwd, dq_desc, dkdv_desc,
+                                     lse_double=_stats_dtype(q.dtype) == torch.float64,
+                                     d_out_strides=d_out.stride())
+        except ValueError as exc:  # a kernel the C++ launcher cannot pass: say so, once
+            self.native_failed = True
+            warnings.warn(f"sparsetp: this attention call keeps the Python autograd path: "
+                          f"{exc}", RuntimeWarning, stacklevel=2)
+            return
+        if plan is not None:
+            self.native = (module.attention, plan)
 
     def _backward_descriptions(self, q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv):
         """The dQ and dK/dV descriptions, their kernels compiled together (in threads) on their
@@ -170,6 +201,25 @@ class _Plan:
             _launch.compile_together(((dq_desc.with_tensors(dq_ins), (dq, delta)),
                                       (dkdv_desc.with_tensors(dkdv_ins), (dk, dv))), kind)
         return dq_desc, dkdv_desc
+
+
+def _distinct_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span once each, in some dimension order."""
+    expect = 1
+    for i in sorted(range(t.dim()), key=t.stride):
+        if t.size(i) != 1 and t.stride(i) != expect:
+            return False
+        expect *= t.size(i)
+    return True
+
+
+def _native_ready(q, k, v) -> bool:
+    """Per-call conditions of the native path that a plan's key does not fix: the 16-byte
+    alignment its kernels were compiled for, the current device (where the kernels were
+    loaded), and no Triton launch hook (a profiler would not see C++ launches)."""
+    return (q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+            and torch.cuda.current_device() == q.device.index
+            and _launch._launch_hooks() is None)
 
 
 def _dq_call_without_dlse(q, k, v, d_out, lse, out, lse_again, meta, **kw):
@@ -229,6 +279,8 @@ class _SparseAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
+        if torch.is_grad_enabled():  # the kernels' gradients have no graph of their own
+            raise RuntimeError("sparse_attention has no double backward (create_graph=True)")
         q, k, v, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
@@ -428,7 +480,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     else:
         q, k, v = _autocast(q, k, v)
         plan = _plan(q, k, v, layout, scale)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                            or v.requires_grad)
+        native = plan.native
+        if native is not None and not (grad and return_lse) and _native_ready(q, k, v):
+            out, lse = native[0](q, k, v, native[1])  # C++ node and launches, same kernels
+        elif grad:
             out, lse = _SparseAttentionFn.apply(q, k, v, layout, plan)
         else:  # nothing to differentiate: the autograd Function's own host cost is saved
             out, lse = plan.forward(q, k, v, layout)
@@ -479,10 +536,11 @@ def _per_row_attention(q, k, v, layout, scale, return_lse):
                                      scale)
     else:
         _check_per_row(q, k, v, layout, scale)
-        out, lse = sparse_attention(_fold(q), _fold(k), _fold(v), layout.flat(), scale=scale,
-                                    return_lse=True)
-    out, lse = out.reshape(q.shape), lse.reshape(q.shape[:3])
-    return (out, lse) if return_lse else out
+        res = sparse_attention(_fold(q), _fold(k), _fold(v), layout.flat(), scale=scale,
+                               return_lse=return_lse)  # no LSE asked: the native path may run
+        out, lse = res if return_lse else (res, None)
+    out = out.reshape(q.shape)
+    return (out, lse.reshape(q.shape[:3])) if return_lse else out
 
 
 def _traced_attention(q, k, v, handle: str, scale: float | None):

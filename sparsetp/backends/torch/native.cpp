@@ -1,0 +1,239 @@
+// The eager CUDA attention call with its autograd node and kernel launches in C++
+// (sparsetp.backends.torch.native builds this file and documents it).
+//
+// Python builds, for one checked call signature (layout, shapes, strides, dtypes, device,
+// options), the three launch descriptions and Triton's compiled kernels as usual, then hands
+// this file a Plan: per kernel its CUfunction, grid, block and shared memory, and every kernel
+// parameter's value (8-byte cells, little-endian, as cuLaunchKernel reads them) except the
+// per-call tensor pointers, whose cells are filled at each launch. Forward and backward then
+// run with no Python: a Python autograd.Function plus Triton's Python launcher cost more host
+// time than a whole dense SDPA forward + backward (benchmarks/KERNEL_NOTES.md, host time).
+//
+// Needs only torch's headers and libraries: the CUDA driver is reached through dlopen, the
+// current stream through c10's device-generic stream API, so it also builds on CPU machines.
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace sparsetp_native {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// ------------------------------------------------------------------ CUDA driver, by dlopen
+typedef int CUresult;
+typedef CUresult (*LaunchKernelFn)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                   unsigned by, unsigned bz, unsigned shared, void* stream,
+                                   void** params, void** extra);
+typedef CUresult (*GetErrorStringFn)(CUresult, const char**);
+
+struct Driver {
+  LaunchKernelFn launch = nullptr;
+  GetErrorStringFn error_string = nullptr;
+};
+
+const Driver& driver() {
+  static Driver d = [] {
+    Driver out;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(lib != nullptr, "sparsetp native: cannot open libcuda.so.1: ", dlerror());
+    out.launch = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
+    out.error_string = reinterpret_cast<GetErrorStringFn>(dlsym(lib, "cuGetErrorString"));
+    TORCH_CHECK(out.launch != nullptr, "sparsetp native: no cuLaunchKernel in libcuda.so.1");
+    return out;
+  }();
+  return d;
+}
+
+// ------------------------------------------------------------------ one kernel's launch
+constexpr size_t kMaxParams = 160;
+
+struct Kernel {
+  void* function = nullptr;  // CUfunction of a Triton CompiledKernel (loaded, attributes set)
+  unsigned grid[3] = {0, 0, 0};
+  unsigned threads = 0;
+  unsigned shared = 0;
+  std::vector<uint64_t> cells;                  // every parameter's value
+  std::vector<std::pair<int, int>> per_call;    // (cell, tensor index) filled at each launch
+
+  Kernel() = default;
+  Kernel(uint64_t fn, std::vector<int64_t> grid_, int64_t threads_, int64_t shared_,
+         std::vector<uint64_t> cells_, std::vector<std::pair<int, int>> per_call_)
+      : function(reinterpret_cast<void*>(fn)),
+        threads(static_cast<unsigned>(threads_)),
+        shared(static_cast<unsigned>(shared_)),
+        cells(std::move(cells_)),
+        per_call(std::move(per_call_)) {
+    TORCH_CHECK(grid_.size() == 3, "sparsetp native: grid needs 3 dimensions");
+    TORCH_CHECK(cells.size() <= kMaxParams, "sparsetp native: ", cells.size(),
+                " kernel parameters, at most ", kMaxParams);
+    for (int i = 0; i < 3; ++i) grid[i] = static_cast<unsigned>(grid_[i]);
+    for (const auto& [cell, tensor] : per_call) {
+      TORCH_CHECK(cell >= 0 && static_cast<size_t>(cell) < cells.size() && tensor >= 0,
+                  "sparsetp native: per-call cell out of range");
+    }
+  }
+
+  void launch(const std::vector<const at::Tensor*>& tensors, void* stream) const {
+    uint64_t values[kMaxParams];
+    void* params[kMaxParams];
+    std::memcpy(values, cells.data(), cells.size() * sizeof(uint64_t));
+    for (const auto& [cell, tensor] : per_call) {
+      values[cell] = reinterpret_cast<uint64_t>(tensors[tensor]->data_ptr());
+    }
+    for (size_t i = 0; i < cells.size(); ++i) params[i] = &values[i];
+    const CUresult rc = driver().launch(function, grid[0], grid[1], grid[2], threads, 1, 1,
+                                        shared, stream, params, nullptr);
+    if (rc != 0) {
+      const char* what = "unknown error";
+      if (driver().error_string != nullptr) driver().error_string(rc, &what);
+      TORCH_CHECK(false, "sparsetp native: cuLaunchKernel failed (", rc, "): ", what);
+    }
+  }
+};
+
+void* current_stream(const at::Tensor& like) {
+  const c10::impl::VirtualGuardImpl guard(like.device().type());
+  return guard.getStream(like.device()).native_handle();
+}
+
+bool aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// ------------------------------------------------------------------ the plan of one call key
+struct Plan {
+  Kernel fwd, dq, dkdv;
+  bool lse_double = false;  // the statistics dtype: float64 for float64 inputs, else float32
+  std::vector<int64_t> d_out_strides;  // the strides the backward kernels were built for
+  // The layout's metadata tensors, whose raw pointers sit in the cells: a pending backward
+  // keeps them alive even when Python drops the layout and its caches.
+  std::vector<at::Tensor> keep;
+
+  at::Tensor new_lse(const at::Tensor& q) const {
+    return at::empty({q.size(0), q.size(1), q.size(2)},
+                     q.options().dtype(lse_double ? at::kDouble : at::kFloat));
+  }
+};
+
+// ------------------------------------------------------------------ the autograd node
+struct SparseAttentionBackward : public Node {
+  std::shared_ptr<const Plan> plan;
+  SavedVariable q_, k_, v_, out_, lse_;
+
+  std::string name() const override { return "SparseAttentionBackward"; }
+
+  void release_variables() override {
+    q_.reset_data();
+    k_.reset_data();
+    v_.reset_data();
+    out_.reset_data();
+    lse_.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(!torch::autograd::GradMode::is_enabled(),
+                "sparse_attention has no double backward (create_graph=True)");
+    at::Tensor d_out = grads[0];
+    if (!d_out.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack();
+    const at::Tensor out = out_.unpack(getptr()), lse = lse_.unpack(getptr());
+    // The backward kernels were compiled for one d_out layout and 16-byte alignment; any
+    // other gradient (a broadcast from .sum(), a transposed view) is copied to that layout.
+    if (d_out.strides() != c10::IntArrayRef(plan->d_out_strides) || !aligned(d_out)) {
+      at::Tensor fresh = at::empty_strided(out.sizes(), plan->d_out_strides, out.options());
+      fresh.copy_(d_out);
+      d_out = fresh;
+    }
+    at::Tensor delta = at::empty(lse.sizes(), lse.options());
+    at::Tensor dq = at::empty(q.sizes(), q.options());
+    at::Tensor dk = at::empty(k.sizes(), k.options());
+    at::Tensor dv = at::empty(v.sizes(), v.options());
+    void* stream = current_stream(q);
+    // dQ also writes delta = rowsum(dO * O), which dK/dV reads (the third lse slot is the
+    // absent LSE cotangent's, as in the Python path).
+    plan->dq.launch({&q, &k, &v, &d_out, &lse, &out, &lse, &dq, &delta}, stream);
+    plan->dkdv.launch({&q, &k, &v, &d_out, &lse, &delta, &dk, &dv}, stream);
+    return {dq, dk, dv};
+  }
+};
+
+#if __has_include(<torch/csrc/autograd/node.h>)  // torch >= 2.13: nodes are intrusive_ptr
+c10::intrusive_ptr<SparseAttentionBackward> new_node() {
+  return c10::make_intrusive<SparseAttentionBackward>();
+}
+#else
+std::shared_ptr<SparseAttentionBackward> new_node() {
+  return std::shared_ptr<SparseAttentionBackward>(new SparseAttentionBackward(),
+                                                  torch::autograd::deleteNode);
+}
+#endif
+
+// (out, lse) of one call; ``out`` carries the backward node when q, k or v needs a gradient.
+// The caller (sparsetp.backends.torch.attention) has checked the call against the plan's key.
+std::vector<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::shared_ptr<const Plan>& plan) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = plan->new_lse(q);
+  plan->fwd.launch({&q, &k, &v, &out, &lse}, current_stream(q));
+  if (torch::autograd::compute_requires_grad(q, k, v)) {
+    auto node = new_node();
+    node->plan = plan;
+    node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+    torch::autograd::set_history(out, node);
+    node->q_ = SavedVariable(q, false);
+    node->k_ = SavedVariable(k, false);
+    node->v_ = SavedVariable(v, false);
+    node->out_ = SavedVariable(out, true);
+    node->lse_ = SavedVariable(lse, false);
+  }
+  return {out, lse};
+}
+
+}  // namespace sparsetp_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using namespace sparsetp_native;
+  m.doc() = "sparsetp's eager CUDA attention: autograd node and launches in C++";
+  py::class_<Kernel>(m, "Kernel")
+      .def(py::init<uint64_t, std::vector<int64_t>, int64_t, int64_t, std::vector<uint64_t>,
+                    std::vector<std::pair<int, int>>>(),
+           py::arg("function"), py::arg("grid"), py::arg("threads"), py::arg("shared"),
+           py::arg("cells"), py::arg("per_call"));
+  py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
+      .def(py::init([](Kernel fwd, Kernel dq, Kernel dkdv, bool lse_double,
+                       std::vector<int64_t> d_out_strides, std::vector<at::Tensor> keep) {
+             auto p = std::make_shared<Plan>();
+             p->fwd = std::move(fwd);
+             p->dq = std::move(dq);
+             p->dkdv = std::move(dkdv);
+             p->lse_double = lse_double;
+             p->d_out_strides = std::move(d_out_strides);
+             p->keep = std::move(keep);
+             return p;
+           }),
+           py::arg("fwd"), py::arg("dq"), py::arg("dkdv"), py::arg("lse_double"),
+           py::arg("d_out_strides"), py::arg("keep"));
+  m.def("attention",
+        [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+           const std::shared_ptr<Plan>& plan) { return attention(q, k, v, plan); },
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("plan"));
+}

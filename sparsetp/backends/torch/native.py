@@ -1,0 +1,196 @@
+"""Eager CUDA attention with its autograd node and launches in C++ (``native.cpp`` beside this).
+
+Why: at small N the host decides the speed of an eager forward + backward, and a Python
+``autograd.Function`` plus Triton's Python launcher cost more host time than a whole dense SDPA
+forward + backward (``benchmarks/KERNEL_NOTES.md``, host time). With this extension, once a
+call signature's kernels are compiled (its first forward + backward through the Python path),
+later calls with that signature create a C++ autograd node and launch the same compiled Triton
+kernels through ``cuLaunchKernel``, with no Python in the backward.
+
+* The numbers are the Python path's, bit for bit: same kernels, same arguments, same order.
+* It is used when all of these hold, else the Python path runs (same results):
+  the tensors are CUDA tensors; :attr:`LaunchOptions.native_autograd` and ``direct_launch`` are
+  on (the defaults); ``SPARSETP_NATIVE`` is not ``0``; the extension has built (:func:`status`);
+  ``return_lse`` is off or nothing needs a gradient; q, k and v are 16-byte aligned (as their
+  kernels were compiled); no Triton launch hook (a profiler) is set; not under
+  ``torch.compile`` (which traces the registered operator instead).
+* The extension builds once per machine and torch version with torch's C++ toolchain
+  (``torch.utils.cpp_extension``: a C++17 compiler and ninja; no CUDA toolkit), in a background
+  thread started by the first CUDA backward; calls use the Python path until it is ready. A
+  failed build warns once (``RuntimeWarning``) and :func:`status` keeps the reason.
+* An output gradient with other strides than the first backward's (a broadcast from
+  ``.sum()``, a transposed view) is copied to those strides before the backward kernels.
+* No double backward (``create_graph=True`` raises), as in the Python path.
+
+Example::
+
+    >>> from sparsetp.backends.torch import native
+    >>> native.status() in ("not started", "building", "ready") or native.status().startswith(
+    ...     ("disabled", "unavailable"))
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import warnings
+
+import torch
+
+from sparsetp.kernels import options as _options
+
+__all__ = ["status", "load", "wait", "make_plan", "plan_cells"]
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
+_LOCK = threading.Lock()
+_STATE: dict = {"module": None, "status": "not started", "thread": None}
+
+
+def _disabled() -> str | None:
+    value = os.environ.get("SPARSETP_NATIVE", "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return f"disabled (SPARSETP_NATIVE={value})"
+    if value not in ("", "1", "true", "yes", "on"):
+        raise ValueError(f"SPARSETP_NATIVE must be 1 or 0, got {value!r}")
+    return None
+
+
+def status() -> str:
+    """``"ready"``, ``"building"``, ``"not started"`` (no CUDA backward yet),
+    ``"disabled (...)"`` or ``"unavailable: <why>"``."""
+    return _disabled() or _STATE["status"]
+
+
+def _build() -> None:
+    try:
+        from torch.utils import cpp_extension  # noqa: PLC0415
+
+        module = cpp_extension.load(name="sparsetp_native", sources=[_SOURCE],
+                                    extra_cflags=["-O2", "-std=c++17"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 (any build or import failure: reported, not raised)
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
+        _STATE["status"] = f"unavailable: {reason}"
+        warnings.warn(f"sparsetp: the native attention extension did not build ({reason}); "
+                      "eager CUDA attention keeps the Python autograd path, with more host "
+                      "time per call. sparsetp.backends.torch.native.status() keeps the reason.",
+                      RuntimeWarning, stacklevel=2)
+        return
+    _STATE["module"] = module
+    _STATE["status"] = "ready"
+
+
+def load(block: bool = False):
+    """The extension module, or None while it is building, disabled or unavailable. The first
+    call starts the build in a background thread (``block=True`` waits for it)."""
+    if _STATE["module"] is not None:
+        return None if _disabled() else _STATE["module"]
+    if _disabled():
+        return None
+    with _LOCK:
+        if _STATE["thread"] is None:
+            _STATE["status"] = "building"
+            _STATE["thread"] = threading.Thread(target=_build, name="sparsetp-native-build",
+                                                daemon=True)
+            _STATE["thread"].start()
+    if block:
+        _STATE["thread"].join()
+    return _STATE["module"]
+
+
+def wait() -> str:
+    """Build (or load) the extension now and return :func:`status`."""
+    load(block=True)
+    return status()
+
+
+# Kernel parameter types as Triton's CUDA launcher packs them (triton/backends/nvidia/driver.py,
+# 3.6-3.9): one cell each, little-endian, read by cuLaunchKernel at the parameter's size.
+_INT_BITS = {"i1": 8, "i8": 8, "i16": 16, "i32": 32, "i64": 64,
+             "u1": 8, "u8": 8, "u16": 16, "u32": 32, "u64": 64}
+
+
+def _cell(ty: str, value) -> int:
+    if ty in _INT_BITS:
+        return int(value) & ((1 << _INT_BITS[ty]) - 1)
+    if ty in ("fp32", "f32"):
+        return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+    if ty == "fp64":
+        return struct.unpack("<Q", struct.pack("<d", float(value)))[0]
+    if ty == "fp16":
+        return struct.unpack("<H", struct.pack("<e", float(value)))[0]
+    if ty == "bf16":  # Triton truncates the float32 bits
+        return struct.unpack("<I", struct.pack("<f", float(value)))[0] >> 16
+    raise ValueError(f"no native packing for kernel parameter type {ty!r}")
+
+
+def plan_cells(desc, compiled) -> tuple[list[int], list[tuple[int, int]]]:
+    """``(cells, per_call)`` of one launch description (``launch._Description``) with its
+    compiled kernel: every kernel parameter's value in order, constexprs left out and Triton's
+    two scratch pointers (null: the kernel must need no scratch) appended; ``per_call`` pairs
+    (cell, index into the launch's per-call tensors: the description's tensors, then its
+    outputs). Raises ValueError for a kernel this launcher cannot pass."""
+    md = compiled.metadata
+    if (getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)
+            or getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False)):
+        raise ValueError(f"{compiled.name}: needs scratch, clusters or launch attributes")
+    names = desc.call.kernel.arg_names
+    n_tensors, n_args, n_outputs = desc.n_tensors, len(desc.call.args), len(desc.call.outputs)
+    if len(names) != n_args + n_outputs + len(desc.constexpr_values):
+        raise ValueError(f"{compiled.name}: {len(names)} parameters for {n_args} arguments, "
+                         f"{n_outputs} outputs and {len(desc.constexpr_values)} constexprs")
+    signature = compiled.src.signature
+    if list(signature) != list(names):
+        raise ValueError(f"{compiled.name}: signature {list(signature)} is not in argument order")
+    cells: list[int] = []
+    per_call: list[tuple[int, int]] = []
+    for i, name in enumerate(names):
+        ty = signature[name]
+        if ty == "constexpr":
+            continue
+        if not isinstance(ty, str):
+            raise ValueError(f"{compiled.name}: parameter {name} has type {ty!r}")
+        if ty.startswith("*"):
+            if i < n_tensors:
+                per_call.append((len(cells), i))
+                cells.append(0)
+            elif i < n_args:
+                cells.append(int(desc.tail_ptrs[i - n_tensors]))
+            elif i < n_args + n_outputs:
+                per_call.append((len(cells), n_tensors + i - n_args))
+                cells.append(0)
+            else:
+                raise ValueError(f"{compiled.name}: pointer parameter {name} among constexprs")
+        elif n_tensors <= i < n_args:
+            cells.append(_cell(ty, desc.tail[i - n_tensors]))
+        elif i >= n_args + n_outputs:
+            cells.append(_cell(ty, desc.constexpr_values[i - n_args - n_outputs]))
+        else:
+            raise ValueError(f"{compiled.name}: parameter {name} ({ty}) is a per-call tensor")
+    cells += [0, 0]  # global and profile scratch
+    return cells, per_call
+
+
+def _kernel(module, desc, compiled):
+    cells, per_call = plan_cells(desc, compiled)
+    if compiled.function is None:
+        raise ValueError(f"{compiled.name}: not loaded")
+    return module.Kernel(function=int(compiled.function), grid=list(desc.call.grid),
+                         threads=32 * compiled.metadata.num_warps,
+                         shared=compiled.metadata.shared, cells=cells, per_call=per_call)
+
+
+def make_plan(module, fwd, dq, dkdv, *, lse_double: bool, d_out_strides):
+    """A native plan from the forward, dQ and dK/dV descriptions (``launch._Description``)
+    and their kernels compiled for 16-byte-aligned tensors, or None (with the reason in a
+    ValueError's message it catches) when one of them cannot be passed natively."""
+    compiled = [d.compiled.get((True,) * (d.n_tensors + len(d.call.outputs)))
+                for d in (fwd, dq, dkdv)]
+    if any(c is None for c in compiled) or not _options.current().direct_launch:
+        return None
+    kernels = [_kernel(module, d, c) for d, c in zip((fwd, dq, dkdv), compiled, strict=True)]
+    keep = [t for d in (fwd, dq, dkdv) for t in d.tail if isinstance(t, torch.Tensor)]
+    return module.Plan(*kernels, lse_double=lse_double, d_out_strides=list(d_out_strides),
+                       keep=keep)

@@ -1,0 +1,320 @@
+"""The native eager CUDA path of ``sparse_attention`` (:mod:`sparsetp.backends.torch.native`):
+a C++ autograd node launching the same compiled Triton kernels.
+
+* On every machine: the extension builds with torch's C++ toolchain (no CUDA needed), and the
+  kernel parameters it is handed are the ones Triton's launcher would pass (a fake compiled
+  kernel stands in for Triton's).
+* On a GPU: after a call signature's first forward + backward (the Python path), its later
+  calls go native, and give the Python path's outputs and gradients bit for bit: patterns,
+  dtypes, GQA, more keys than queries, ragged lengths, fully masked rows, head dims up to 256,
+  output gradients of other strides (a transposed view, a broadcast from ``.sum()``),
+  outputs left in reused NaN-filled memory, a dropped layout before the backward, CUDA-graph
+  capture; and the cases that must stay on the Python path do.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import struct
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+import testing_utils as tu
+import torch
+from absl.testing import absltest, parameterized
+
+from sparsetp.backends.torch import attention as tattn
+from sparsetp.backends.torch import launch as tlaunch
+from sparsetp.backends.torch import native
+from sparsetp.core import make_layout
+from sparsetp.core import patterns as P
+from sparsetp.core.examples import example_pattern
+from sparsetp.kernels import abi, options
+
+CUDA = torch.cuda.is_available()
+NEEDS_CUDA = "needs a CUDA GPU"
+
+
+def _fake_compiled(desc, *, scratch=0, one_is_constexpr=None):
+    """A stand-in for Triton's CompiledKernel of ``desc``: its signature types every argument
+    as Triton would (pointers, i32 ints, fp32 floats, constexprs); ``one_is_constexpr`` names
+    an int argument Triton specialised away (an int equal to 1)."""
+    names = desc.call.kernel.arg_names  # desc.call.args hold None for the per-call tensors
+    values = (*desc.call.args, *desc.call.outputs, *desc.constexpr_values)
+    n_params = len(desc.call.args) + len(desc.call.outputs)
+    signature = {}
+    for i, (name, value) in enumerate(zip(names, values, strict=True)):
+        if i >= n_params or name == one_is_constexpr:
+            signature[name] = "constexpr"
+        elif i < desc.n_tensors or i >= len(desc.call.args) or isinstance(value, torch.Tensor):
+            signature[name] = "*fp32"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    metadata = SimpleNamespace(num_warps=4, shared=1024, num_ctas=1, global_scratch_size=scratch,
+                               profile_scratch_size=0, launch_cooperative_grid=False,
+                               launch_pdl=False)
+    return SimpleNamespace(name="fake", function=12345, src=SimpleNamespace(signature=signature),
+                           metadata=metadata)
+
+
+class NativeCellsTest(absltest.TestCase):
+    """``native.plan_cells``: the parameter cells handed to C++, from a launch description."""
+
+    def setUp(self):
+        super().setUp()
+        layout = make_layout(P.causal(), 64, 2, 32)
+        q, k, v = (torch.zeros(1, 2, 64, 16) for _ in range(3))
+        out, lse = torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64)
+        meta = {name: torch.tensor(arr) for name, arr in layout.metadata().items()}
+        meta.update(q_head_group=2, k_head_group=2)
+        strides = {n: t.stride() for n, t in (("q", q), ("k", k), ("v", v), ("out", out),
+                                              ("lse", lse))}
+        self.desc = tlaunch._Description(
+            abi.fwd_call(q, k, v, meta, scale=0.25, dtype="float32", device_kind="cuda",
+                         strides=strides), 3, meta)
+
+    def test_cells_follow_the_signature(self):
+        desc = self.desc
+        tail_ints = [(i, name) for i, name in enumerate(desc.call.kernel.arg_names)
+                     if 3 <= i < len(desc.call.args) and isinstance(desc.call.args[i], int)
+                     and not isinstance(desc.call.args[i], bool)]
+        self.assertNotEmpty(tail_ints)
+        dropped = tail_ints[0][1]
+        compiled = _fake_compiled(desc, one_is_constexpr=dropped)
+        cells, per_call = native.plan_cells(desc, compiled)
+        signature = compiled.src.signature
+        kept = [n for n in desc.call.kernel.arg_names if signature[n] != "constexpr"]
+        self.assertLen(cells, len(kept) + 2)
+        self.assertEqual(cells[-2:], [0, 0])  # Triton's global and profile scratch pointers
+        # q, k, v first, then out and lse: the per-call tensors in launch order.
+        self.assertEqual([t for _, t in per_call], [0, 1, 2, 3, 4])
+        values = dict(zip(desc.call.kernel.arg_names,
+                          (*desc.call.args, None, None, *desc.constexpr_values), strict=True))
+        slots = dict(per_call)
+        for cell, name in enumerate(kept):
+            value, ty = values[name], signature[name]
+            if cell in slots:
+                self.assertEqual(cells[cell], 0, name)
+            elif isinstance(value, torch.Tensor):
+                self.assertEqual(cells[cell], value.data_ptr(), name)
+            elif ty == "fp32":
+                self.assertEqual(cells[cell], struct.unpack("<I", struct.pack("<f", value))[0])
+            else:
+                self.assertEqual(cells[cell], int(value) & 0xFFFFFFFF, name)
+        self.assertNotIn(dropped, kept)
+
+    def test_negative_ints_are_twos_complement(self):
+        self.assertEqual(native._cell("i32", -1), 0xFFFFFFFF)
+        self.assertEqual(native._cell("i64", -2), 2**64 - 2)
+        self.assertEqual(native._cell("bf16", 1.0), 0x3F80)
+        self.assertEqual(native._cell("fp64", 0.5), struct.unpack("<Q", struct.pack("<d", 0.5))[0])
+        with self.assertRaisesRegex(ValueError, "no native packing"):
+            native._cell("nvTmaDesc", 0)
+
+    def test_refuses_kernels_it_cannot_pass(self):
+        with self.assertRaisesRegex(ValueError, "scratch"):
+            native.plan_cells(self.desc, _fake_compiled(self.desc, scratch=256))
+        compiled = _fake_compiled(self.desc)
+        compiled.src.signature = dict(reversed(list(compiled.src.signature.items())))
+        with self.assertRaisesRegex(ValueError, "argument order"):
+            native.plan_cells(self.desc, compiled)
+
+
+class DistinctDenseTest(absltest.TestCase):
+    """Which output gradients a native plan may be built for (their strides are kept)."""
+
+    def test_strides(self):
+        x = torch.randn(1, 2, 8, 4)
+        self.assertTrue(tattn._distinct_dense(x))
+        self.assertTrue(tattn._distinct_dense(x.transpose(1, 2).contiguous().transpose(1, 2)))
+        self.assertTrue(tattn._distinct_dense(torch.randn(2, 1, 8, 4)[:, :, :, :]))
+        self.assertFalse(tattn._distinct_dense(torch.ones(()).expand(1, 2, 8, 4)))  # .sum()
+        self.assertFalse(tattn._distinct_dense(x[:, :, ::2]))
+
+
+class NativeBuildTest(absltest.TestCase):
+
+    def test_builds_here(self):
+        """The C++ source builds with torch's headers and toolchain, with or without CUDA."""
+        self.assertEqual(native.wait(), "ready")
+        module = native.load()
+        self.assertTrue(hasattr(module, "attention") and hasattr(module, "Plan"))
+
+    def test_disabled_by_environment(self):
+        with mock.patch.dict(os.environ, {"SPARSETP_NATIVE": "0"}):
+            self.assertIsNone(native.load())
+            self.assertEqual(native.status(), "disabled (SPARSETP_NATIVE=0)")
+        with mock.patch.dict(os.environ, {"SPARSETP_NATIVE": "maybe"}):
+            with self.assertRaisesRegex(ValueError, "SPARSETP_NATIVE"):
+                native.status()
+
+
+def _inputs(name, n, n_kv, bs, h, h_kv, d, dtype, seed=0):
+    layout = make_layout(example_pattern(name, max(n, n_kv), bs), n, h, bs, kv_len=n_kv)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", getattr(torch, dtype))
+
+    return layout, rnd(1, h, n, d), rnd(1, h_kv, n_kv, d), rnd(1, h_kv, n_kv, d), rnd(1, h, n, d)
+
+
+def _grad_fn_name(out) -> str:
+    return out.grad_fn.name() if out.grad_fn is not None else "None"
+
+
+@unittest.skipUnless(CUDA, NEEDS_CUDA)
+class NativeCudaTest(parameterized.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        if native.wait() != "ready":
+            raise AssertionError(f"the native extension did not build: {native.status()}")
+
+    def _run(self, layout, q, k, v, d_out, *, want_native, grad_of=lambda out, g: (out, g)):
+        """out, dq, dk, dv of one forward + backward; asserts which path ran."""
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = tattn.sparse_attention(*leaves, layout)
+        name = _grad_fn_name(out)
+        if want_native is not None:
+            self.assertEqual(name == "SparseAttentionBackward", want_native, name)
+        target, grad = grad_of(out, d_out)
+        target.backward(grad)
+        return (out.detach(), *(t.grad for t in leaves))
+
+    def _both(self, layout, q, k, v, d_out, **kw):
+        """The Python path's results, then the native path's (a call signature's first call
+        runs on the Python path and builds its native plan; the next ones run natively)."""
+        with options.launch_options(native_autograd=False):
+            ref = self._run(layout, q, k, v, d_out, want_native=False, **kw)
+        self._run(layout, q, k, v, d_out, want_native=None, **kw)
+        got = self._run(layout, q, k, v, d_out, want_native=True, **kw)
+        return ref, got
+
+    def _assert_bitwise(self, ref, got, tag=""):
+        for what, a, b in zip(("out", "dq", "dk", "dv"), ref, got, strict=True):
+            self.assertTrue(torch.equal(a, b), f"{tag} {what}: max diff "
+                            f"{(a.float() - b.float()).abs().max().item()}")
+
+    @parameterized.named_parameters(
+        ("causal_bf16", "causal", 256, 256, 64, 2, 2, 64, "bfloat16"),
+        ("bigbird_fp16_ragged", "bigbird", 300, 300, 64, 2, 2, 64, "float16"),
+        ("gqa_more_keys_fp32", "causal", 96, 200, 32, 4, 2, 32, "float32"),
+        ("per_head_mix_d128", "per_head_mix", 130, 130, 32, 3, 3, 128, "bfloat16"),
+        ("masked_rows", "masked_rows", 100, 100, 64, 2, 2, 16, "bfloat16"),
+        ("local_d256", "local", 128, 128, 64, 2, 1, 256, "bfloat16"),
+    )
+    def test_bitwise_equal_to_python_path(self, name, n, n_kv, bs, h, h_kv, d, dtype):
+        layout, q, k, v, d_out = _inputs(name, n, n_kv, bs, h, h_kv, d, dtype)
+        ref, got = self._both(layout, q, k, v, d_out)
+        self._assert_bitwise(ref, got, name)
+        again = self._run(layout, q, k, v, d_out, want_native=True)
+        self._assert_bitwise(got, again, f"{name} deterministic")
+
+    def test_other_output_gradient_strides(self):
+        """The plan keeps the first backward's d_out strides; a transposed view and a broadcast
+        from .sum() are copied to them, with the Python path's gradients."""
+        layout, q, k, v, d_out = _inputs("causal", 192, 192, 64, 2, 2, 64, "bfloat16", seed=1)
+        transposed = d_out.transpose(1, 2).contiguous().transpose(1, 2)
+        for tag, grad_of in (("transposed", lambda out, g: (out, transposed)),
+                             ("sum", lambda out, g: (out.float().sum(), None))):
+            with self.subTest(tag):
+                ref, got = self._both(layout, q, k, v, d_out, grad_of=grad_of)
+                self._assert_bitwise(ref, got, tag)
+
+    def test_outputs_in_nan_filled_memory(self):
+        """Outputs are allocated in C++: reused NaN-filled blocks must be overwritten."""
+        layout, q, k, v, d_out = _inputs("masked_rows", 100, 100, 64, 2, 2, 16, "bfloat16", 2)
+        ref, _ = self._both(layout, q, k, v, d_out)
+        for _ in range(3):
+            poison = torch.full((1 << 22,), float("nan"), device="cuda")  # 16 MiB of NaN
+            del poison  # back to the caching allocator, which hands it out next
+            got = self._run(layout, q, k, v, d_out, want_native=True)
+            self._assert_bitwise(ref, got, "after NaN")
+
+    def test_layout_dropped_before_backward(self):
+        """A pending native backward keeps the layout's metadata alive."""
+        layout, q, k, v, d_out = _inputs("bigbird", 256, 256, 64, 2, 2, 32, "bfloat16", 3)
+        ref, _ = self._both(layout, q, k, v, d_out)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = tattn.sparse_attention(*leaves, layout)
+        self.assertEqual(_grad_fn_name(out), "SparseAttentionBackward")
+        del layout
+        tattn._PLANS.clear()
+        tlaunch._CALLS.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        out.backward(d_out)
+        self._assert_bitwise(ref, (out.detach(), *(t.grad for t in leaves)), "dropped layout")
+
+    def test_cuda_graph_capture(self):
+        layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 4)
+        ref, _ = self._both(layout, q, k, v, d_out)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = tattn.sparse_attention(*leaves, layout)  # warm-up on the capture stream
+            out.backward(d_out)
+            for t in leaves:
+                t.grad = None
+            with torch.cuda.graph(graph, stream=stream):
+                out = tattn.sparse_attention(*leaves, layout)
+                self.assertEqual(_grad_fn_name(out), "SparseAttentionBackward")
+                out.backward(d_out)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        self._assert_bitwise(ref, (out.detach(), *(t.grad for t in leaves)), "graph replay")
+
+    def test_cases_that_stay_on_the_python_path(self):
+        layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 5)
+        self._both(layout, q, k, v, d_out)  # the plan is native now
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = tattn.sparse_attention(*leaves, layout, return_lse=True)
+        self.assertEqual(_grad_fn_name(out), "_SparseAttentionFnBackward")  # lse is differentiable
+        flat = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
+        misaligned = flat[1:1 + q.numel()].view(q.shape).copy_(q).requires_grad_()
+        out = tattn.sparse_attention(misaligned, *leaves[1:], layout)
+        self.assertNotEqual(_grad_fn_name(out), "SparseAttentionBackward")
+        with mock.patch.object(tlaunch, "_launch_hooks", lambda: (print, print)):
+            self.assertFalse(tattn._native_ready(q, k, v))
+        with torch.no_grad():  # nothing to differentiate: native too, no node
+            out_ng, lse_ng = tattn.sparse_attention(q, k, v, layout, return_lse=True)
+        with options.launch_options(native_autograd=False), torch.no_grad():
+            ref_out, ref_lse = tattn.sparse_attention(q, k, v, layout, return_lse=True)
+        self.assertTrue(torch.equal(out_ng, ref_out) and torch.equal(lse_ng, ref_lse))
+
+    def test_no_double_backward_on_either_path(self):
+        layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "float32", 6)
+        self._both(layout, q, k, v, d_out)
+        for native_on in (True, False):
+            with self.subTest(native=native_on), options.launch_options(
+                    native_autograd=native_on):
+                q_leaf = q.detach().clone().requires_grad_()
+                out = tattn.sparse_attention(q_leaf, k, v, layout)
+                with self.assertRaisesRegex(RuntimeError, "no double backward"):
+                    torch.autograd.grad(out, q_leaf, d_out, create_graph=True)
+
+    def test_matches_the_oracle(self):
+        """The native results against the float64 oracle, not only against the Python path."""
+        from sparsetp.core import reference  # noqa: PLC0415
+
+        layout, q, k, v, d_out = _inputs("bigbird", 200, 200, 32, 2, 2, 32, "float32", 7)
+        _, got = self._both(layout, q, k, v, d_out)
+        arrays = [t.double().cpu().numpy() for t in (q, k, v, d_out)]
+        ref_out, _ = reference.attention(*arrays[:3], layout)
+        refs = reference.attention_grad(*arrays[:3], layout, arrays[3])
+        tu.assert_close(got[0].cpu().numpy(), ref_out, "float32", what="native out")
+        for what, g, r in zip(("dq", "dk", "dv"), got[1:], refs, strict=True):
+            tu.assert_close(g.cpu().numpy(), r, "float32", what=f"native {what}", grad=True)
+
+
+if __name__ == "__main__":
+    absltest.main()
