@@ -136,6 +136,35 @@ class DistinctDenseTest(absltest.TestCase):
         self.assertFalse(tattn._distinct_dense(x[:, :, ::2]))
 
 
+class SavedTensorHookStridesTest(absltest.TestCase):
+    """The Python path keys its backward launches on q/k/v's strides too: a saved-tensor hook
+    may give them back in another layout (save_on_cpu(pin_memory=True) packs contiguously),
+    after a plain backward built a description for the forward's strides. Runs the kernels in
+    Triton's interpreter on CPU tensors."""
+
+    def test_save_on_cpu_after_a_plain_backward(self):
+        with mock.patch.dict(os.environ, {"SPARSETP_INTERPRET": "1"}):
+            layout = make_layout(P.causal(), 32, 2, 16)
+            gen = torch.Generator().manual_seed(0)
+            qkv = torch.randn(1, 32, 3, 2, 16, generator=gen)
+            g = torch.randn(1, 2, 32, 16, generator=gen)
+
+            def grads(attn, hooks):
+                x = qkv.clone().requires_grad_()
+                q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)  # non-dense [B, H, N, D] views
+                with (torch.autograd.graph.save_on_cpu(pin_memory=True) if hooks
+                      else mock.MagicMock()):
+                    out = attn(q, k, v, layout)
+                out.backward(g)
+                return x.grad
+
+            want = grads(tattn.naive_sparse_attention, False)
+            for hooks in (False, True):  # the plain backward first: its description is cached
+                got = grads(tattn.sparse_attention, hooks)
+                tu.assert_close(got.numpy(), want.numpy(), "float32", grad=True,
+                                what=f"save_on_cpu={hooks}")
+
+
 class NativeBuildTest(absltest.TestCase):
 
     def test_builds_here(self):
@@ -301,6 +330,80 @@ class NativeCudaTest(parameterized.TestCase):
                 out = tattn.sparse_attention(q_leaf, k, v, layout)
                 with self.assertRaisesRegex(RuntimeError, "no double backward"):
                     torch.autograd.grad(out, q_leaf, d_out, create_graph=True)
+
+    def test_saved_tensor_hooks_that_change_strides(self):
+        """save_on_cpu(pin_memory=True) gives q, k, v back contiguous; q here is a strided
+        view of a packed qkv, so both paths must re-key (Python) or re-lay (C++) them."""
+        layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 8)
+        qkv = torch.stack([q, k, v], dim=3).transpose(2, 3).contiguous().transpose(2, 3)
+        q_view, k_view, v_view = qkv.unbind(3)  # [1, H, N, D] views with strides of the pack
+        self.assertFalse(q_view.is_contiguous())
+        ref, _ = self._both(layout, q_view, k_view, v_view, d_out)
+        for native_on in (True, False):
+            with self.subTest(native=native_on), options.launch_options(
+                    native_autograd=native_on):
+                base = qkv.detach().clone().requires_grad_()
+                with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                    out = tattn.sparse_attention(*base.unbind(3), layout)
+                self.assertEqual(_grad_fn_name(out) == "SparseAttentionBackward", native_on)
+                out.backward(d_out)
+                grads = base.grad.unbind(3)
+                self._assert_bitwise(ref, (out.detach(), *grads), f"save_on_cpu {native_on}")
+
+    def test_forward_mode_ad_and_unused_output(self):
+        layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "float32", 9)
+        self._both(layout, q, k, v, d_out)
+        import torch.autograd.forward_ad as fwAD  # noqa: PLC0415
+
+        class DropGrad(torch.autograd.Function):  # hands the attention an undefined gradient
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                return None
+
+        for native_on in (True, False):
+            with self.subTest(native=native_on), options.launch_options(
+                    native_autograd=native_on):
+                with fwAD.dual_level(), self.assertRaises((RuntimeError, NotImplementedError)):
+                    dual = fwAD.make_dual(q, torch.randn_like(q))
+                    tattn.sparse_attention(dual, k, v, layout)
+                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                out = tattn.sparse_attention(*leaves, layout)
+                self.assertEqual(_grad_fn_name(out) == "SparseAttentionBackward", native_on)
+                (DropGrad.apply(out) + leaves[0]).sum().backward()
+                self.assertTrue(torch.equal(leaves[1].grad, torch.zeros_like(k)))
+                self.assertTrue(torch.equal(leaves[0].grad, torch.ones_like(q)))
+
+    def test_first_cuda_work_of_a_new_thread(self):
+        """A host thread with no current CUDA context yet: the C++ launch binds one."""
+        import threading  # noqa: PLC0415
+
+        layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 10)
+        ref, _ = self._both(layout, q, k, v, d_out)
+        got, errors = [], []
+
+        def work():
+            try:
+                got.append(self._run(layout, q, k, v, d_out, want_native=True))
+            except Exception as exc:  # noqa: BLE001 (re-raised on the test's thread)
+                errors.append(exc)
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+        self._assert_bitwise(ref, got[0], "new thread")
+
+    def test_not_under_jit_trace(self):
+        layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 11)
+        self._both(layout, q, k, v, d_out)
+        self.assertTrue(tattn._native_ready(q, k, v))
+        with mock.patch.object(torch.jit, "is_tracing", lambda: True):
+            self.assertFalse(tattn._native_ready(q, k, v))
 
     def test_matches_the_oracle(self):
         """The native results against the float64 oracle, not only against the Python path."""

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 import warnings
 import weakref
 
 import numpy as np
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from sparsetp import _runtime
 from sparsetp.backends.torch import cpu as _cpu
@@ -144,7 +146,8 @@ class _Plan:
         dq = _launch.new_output(q.shape, q.dtype, q.device)
         dk = _launch.new_output(k.shape, k.dtype, k.device)
         dv = _launch.new_output(v.shape, v.dtype, v.device)
-        key = (d_out.stride(), out.stride(), lse.stride(),
+        # q, k and v too: saved-tensor hooks (save_on_cpu) may give them back in other strides
+        key = (q.stride(), k.stride(), v.stride(), d_out.stride(), out.stride(), lse.stride(),
                None if d_lse is None else d_lse.stride())
         descs = self.bwd.get(key)
         if descs is None:
@@ -156,10 +159,10 @@ class _Plan:
                     (dq, delta), kind)
         _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), (dk, dv), kind)
         if self.native is None and kind == "cuda" and d_lse is None:
-            self._make_native(q, d_out, dq_desc, dkdv_desc)
+            self._make_native(q, k, v, out, lse, d_out, dq_desc, dkdv_desc)
         return dq, dk, dv
 
-    def _make_native(self, q, d_out, dq_desc, dkdv_desc) -> None:
+    def _make_native(self, q, k, v, out, lse, d_out, dq_desc, dkdv_desc) -> None:
         """Hand this key's compiled kernels to the C++ extension, once it is built (a build
         starts in the background on the first call here). Kept to output gradients with
         distinct elements: the native backward copies any other gradient to these strides."""
@@ -173,8 +176,9 @@ class _Plan:
         try:
             plan = _native.make_plan(module, self.fwd, dq_desc, dkdv_desc,
                                      lse_double=_stats_dtype(q.dtype) == torch.float64,
-                                     d_out_strides=d_out.stride())
-        except ValueError as exc:  # a kernel the C++ launcher cannot pass: say so, once
+                                     d_out_strides=d_out.stride(),
+                                     saved_strides=[t.stride() for t in (q, k, v, out, lse)])
+        except (ValueError, RuntimeError) as exc:  # a kernel C++ cannot pass: say so, once
             self.native_failed = True
             warnings.warn(f"sparsetp: this attention call keeps the Python autograd path: "
                           f"{exc}", RuntimeWarning, stacklevel=2)
@@ -216,10 +220,23 @@ def _distinct_dense(t: torch.Tensor) -> bool:
 def _native_ready(q, k, v) -> bool:
     """Per-call conditions of the native path that a plan's key does not fix: the 16-byte
     alignment its kernels were compiled for, the current device (where the kernels were
-    loaded), and no Triton launch hook (a profiler would not see C++ launches)."""
+    loaded), no Triton launch hook (a profiler would not see C++ launches), no compiled
+    autograd (a C++ node has no support for it) and no ``torch.jit.trace`` (it cannot see the
+    call)."""
     return (q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
             and torch.cuda.current_device() == q.device.index
-            and _launch._launch_hooks() is None)
+            and _launch._launch_hooks() is None
+            # a C++ node has no compiled-autograd support, and the tracer cannot see the call
+            and not _compiled_autograd_on() and not torch.jit.is_tracing())
+
+
+def _compiled_autograd_on() -> bool:
+    """Whether compiled autograd is on (checked at forward time; it could still be switched on
+    between a forward and its backward)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")  # imported only once used
+    config = sys.modules.get("torch._dynamo.config")
+    return ca is not None and bool(getattr(ca, "compiled_autograd_enabled", False)
+                                   or getattr(config, "compiled_autograd", False))
 
 
 def _dq_call_without_dlse(q, k, v, d_out, lse, out, lse_again, meta, **kw):
@@ -480,8 +497,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     else:
         q, k, v = _autocast(q, k, v)
         plan = _plan(q, k, v, layout, scale)
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                            or v.requires_grad)
+        # Under a forward-AD level the Function runs even without requires_grad: it refuses
+        # tangents (no jvp), which the plain forward would drop silently.
+        grad = (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                             or v.requires_grad)
+                or _forward_ad._current_level >= 0)
         native = plan.native
         if native is not None and not (grad and return_lse) and _native_ready(q, k, v):
             out, lse = native[0](q, k, v, native[1])  # C++ node and launches, same kernels

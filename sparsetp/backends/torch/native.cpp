@@ -43,10 +43,18 @@ typedef CUresult (*LaunchKernelFn)(void* f, unsigned gx, unsigned gy, unsigned g
                                    unsigned by, unsigned bz, unsigned shared, void* stream,
                                    void** params, void** extra);
 typedef CUresult (*GetErrorStringFn)(CUresult, const char**);
+typedef CUresult (*CtxGetCurrentFn)(void**);
+typedef CUresult (*DeviceGetFn)(int*, int);
+typedef CUresult (*PrimaryCtxRetainFn)(void**, int);
+typedef CUresult (*CtxSetCurrentFn)(void*);
 
 struct Driver {
   LaunchKernelFn launch = nullptr;
   GetErrorStringFn error_string = nullptr;
+  CtxGetCurrentFn ctx_get_current = nullptr;
+  DeviceGetFn device_get = nullptr;
+  PrimaryCtxRetainFn primary_ctx_retain = nullptr;
+  CtxSetCurrentFn ctx_set_current = nullptr;
 };
 
 const Driver& driver() {
@@ -56,6 +64,11 @@ const Driver& driver() {
     TORCH_CHECK(lib != nullptr, "sparsetp native: cannot open libcuda.so.1: ", dlerror());
     out.launch = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
     out.error_string = reinterpret_cast<GetErrorStringFn>(dlsym(lib, "cuGetErrorString"));
+    out.ctx_get_current = reinterpret_cast<CtxGetCurrentFn>(dlsym(lib, "cuCtxGetCurrent"));
+    out.device_get = reinterpret_cast<DeviceGetFn>(dlsym(lib, "cuDeviceGet"));
+    out.primary_ctx_retain =
+        reinterpret_cast<PrimaryCtxRetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain_v2"));
+    out.ctx_set_current = reinterpret_cast<CtxSetCurrentFn>(dlsym(lib, "cuCtxSetCurrent"));
     TORCH_CHECK(out.launch != nullptr, "sparsetp native: no cuLaunchKernel in libcuda.so.1");
     return out;
   }();
@@ -109,6 +122,19 @@ struct Kernel {
   }
 };
 
+// A host thread whose first CUDA work is this call has no current driver context (the
+// runtime binds one lazily; Triton's launcher calls ensureCudaContext for the same reason).
+void ensure_context(const at::Tensor& like) {
+  const Driver& d = driver();
+  if (d.ctx_get_current == nullptr) return;
+  void* ctx = nullptr;
+  if (d.ctx_get_current(&ctx) == 0 && ctx != nullptr) return;
+  int dev = 0;
+  TORCH_CHECK(d.device_get(&dev, like.device().index()) == 0 &&
+                  d.primary_ctx_retain(&ctx, dev) == 0 && d.ctx_set_current(ctx) == 0,
+              "sparsetp native: no CUDA context for ", like.device());
+}
+
 void* current_stream(const at::Tensor& like) {
   const c10::impl::VirtualGuardImpl guard(like.device().type());
   return guard.getStream(like.device()).native_handle();
@@ -118,11 +144,22 @@ bool aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
+// ``t`` with the strides (and 16-byte alignment) the kernels were built for: a saved tensor
+// that a saved-tensor hook gave back in another layout (save_on_cpu packs contiguously) is
+// copied, as a d_out of other strides is.
+at::Tensor as_planned(const at::Tensor& t, c10::IntArrayRef strides) {
+  if (t.strides() == strides && aligned(t)) return t;
+  at::Tensor fresh = at::empty_strided(t.sizes(), strides, t.options());
+  fresh.copy_(t);
+  return fresh;
+}
+
 // ------------------------------------------------------------------ the plan of one call key
 struct Plan {
   Kernel fwd, dq, dkdv;
   bool lse_double = false;  // the statistics dtype: float64 for float64 inputs, else float32
   std::vector<int64_t> d_out_strides;  // the strides the backward kernels were built for
+  std::vector<std::vector<int64_t>> saved_strides;  // q, k, v, out, lse, likewise
   // The layout's metadata tensors, whose raw pointers sit in the cells: a pending backward
   // keeps them alive even when Python drops the layout and its caches.
   std::vector<at::Tensor> keep;
@@ -141,6 +178,7 @@ struct SparseAttentionBackward : public Node {
   std::string name() const override { return "SparseAttentionBackward"; }
 
   void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
     q_.reset_data();
     k_.reset_data();
     v_.reset_data();
@@ -151,10 +189,14 @@ struct SparseAttentionBackward : public Node {
   variable_list apply(variable_list&& grads) override {
     TORCH_CHECK(!torch::autograd::GradMode::is_enabled(),
                 "sparse_attention has no double backward (create_graph=True)");
+    std::lock_guard<std::mutex> lock(mutex_);  // as generated nodes: saved variables are shared
     at::Tensor d_out = grads[0];
-    if (!d_out.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
-    const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack();
-    const at::Tensor out = out_.unpack(getptr()), lse = lse_.unpack(getptr());
+    const auto& st = plan->saved_strides;
+    const at::Tensor q = as_planned(q_.unpack(), st[0]), k = as_planned(k_.unpack(), st[1]),
+                     v = as_planned(v_.unpack(), st[2]);
+    const at::Tensor out = as_planned(out_.unpack(getptr()), st[3]),
+                     lse = as_planned(lse_.unpack(getptr()), st[4]);
+    if (!d_out.defined()) d_out = at::zeros(out.sizes(), out.options());  // as the Python path
     // The backward kernels were compiled for one d_out layout and 16-byte alignment; any
     // other gradient (a broadcast from .sum(), a transposed view) is copied to that layout.
     if (d_out.strides() != c10::IntArrayRef(plan->d_out_strides) || !aligned(d_out)) {
@@ -166,6 +208,7 @@ struct SparseAttentionBackward : public Node {
     at::Tensor dq = at::empty(q.sizes(), q.options());
     at::Tensor dk = at::empty(k.sizes(), k.options());
     at::Tensor dv = at::empty(v.sizes(), v.options());
+    ensure_context(q);
     void* stream = current_stream(q);
     // dQ also writes delta = rowsum(dO * O), which dK/dV reads (the third lse slot is the
     // absent LSE cotangent's, as in the Python path).
@@ -190,6 +233,10 @@ std::shared_ptr<SparseAttentionBackward> new_node() {
 // The caller (sparsetp.backends.torch.attention) has checked the call against the plan's key.
 std::vector<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::shared_ptr<const Plan>& plan) {
+  TORCH_CHECK(!(torch::autograd::isFwGradDefined(q) || torch::autograd::isFwGradDefined(k) ||
+                torch::autograd::isFwGradDefined(v)),
+              "sparse_attention has no forward-mode AD (jvp)");
+  ensure_context(q);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = plan->new_lse(q);
   plan->fwd.launch({&q, &k, &v, &out, &lse}, current_stream(q));
@@ -220,18 +267,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("cells"), py::arg("per_call"));
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
       .def(py::init([](Kernel fwd, Kernel dq, Kernel dkdv, bool lse_double,
-                       std::vector<int64_t> d_out_strides, std::vector<at::Tensor> keep) {
+                       std::vector<int64_t> d_out_strides,
+                       std::vector<std::vector<int64_t>> saved_strides,
+                       std::vector<at::Tensor> keep) {
+             TORCH_CHECK(saved_strides.size() == 5, "sparsetp native: 5 saved strides");
              auto p = std::make_shared<Plan>();
              p->fwd = std::move(fwd);
              p->dq = std::move(dq);
              p->dkdv = std::move(dkdv);
              p->lse_double = lse_double;
              p->d_out_strides = std::move(d_out_strides);
+             p->saved_strides = std::move(saved_strides);
              p->keep = std::move(keep);
              return p;
            }),
            py::arg("fwd"), py::arg("dq"), py::arg("dkdv"), py::arg("lse_double"),
-           py::arg("d_out_strides"), py::arg("keep"));
+           py::arg("d_out_strides"), py::arg("saved_strides"), py::arg("keep"));
   m.def("attention",
         [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
            const std::shared_ptr<Plan>& plan) { return attention(q, k, v, plan); },

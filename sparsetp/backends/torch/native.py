@@ -10,17 +10,20 @@ kernels through ``cuLaunchKernel``, with no Python in the backward.
 * The numbers are the Python path's, bit for bit: same kernels, same arguments, same order.
 * It is used when all of these hold, else the Python path runs (same results):
   the tensors are CUDA tensors; :attr:`LaunchOptions.native_autograd` and ``direct_launch`` are
-  on (the defaults); ``SPARSETP_NATIVE`` is not ``0``; the extension has built (:func:`status`);
-  ``return_lse`` is off or nothing needs a gradient; q, k and v are 16-byte aligned (as their
-  kernels were compiled); no Triton launch hook (a profiler) is set; not under
-  ``torch.compile`` (which traces the registered operator instead).
+  on (the defaults); ``SPARSETP_NATIVE`` is not ``0`` (read when a call signature's plan is
+  built); the extension has built (:func:`status`); ``return_lse`` is off or nothing needs a
+  gradient; q, k and v are 16-byte aligned (as their kernels were compiled); no Triton launch
+  hook (a profiler) is set; not under ``torch.compile`` (which traces the registered operator
+  instead), compiled autograd or ``torch.jit.trace``.
 * The extension builds once per machine and torch version with torch's C++ toolchain
   (``torch.utils.cpp_extension``: a C++17 compiler and ninja; no CUDA toolkit), in a background
   thread started by the first CUDA backward; calls use the Python path until it is ready. A
   failed build warns once (``RuntimeWarning``) and :func:`status` keeps the reason.
 * An output gradient with other strides than the first backward's (a broadcast from
-  ``.sum()``, a transposed view) is copied to those strides before the backward kernels.
-* No double backward (``create_graph=True`` raises), as in the Python path.
+  ``.sum()``, a transposed view) is copied to those strides before the backward kernels, and
+  so are saved tensors that a saved-tensor hook (``save_on_cpu``) gives back in other strides.
+* No double backward (``create_graph=True`` raises) and no forward-mode AD, as in the Python
+  path; an unused output gives zero gradients, as there.
 
 Example::
 
@@ -133,6 +136,7 @@ def plan_cells(desc, compiled) -> tuple[list[int], list[tuple[int, int]]]:
     outputs). Raises ValueError for a kernel this launcher cannot pass."""
     md = compiled.metadata
     if (getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)
+            or getattr(md, "instrumentation_mode", "")  # Triton 3.9 GSan appends parameters
             or getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
             or getattr(md, "launch_pdl", False)):
         raise ValueError(f"{compiled.name}: needs scratch, clusters or launch attributes")
@@ -182,7 +186,7 @@ def _kernel(module, desc, compiled):
                          shared=compiled.metadata.shared, cells=cells, per_call=per_call)
 
 
-def make_plan(module, fwd, dq, dkdv, *, lse_double: bool, d_out_strides):
+def make_plan(module, fwd, dq, dkdv, *, lse_double: bool, d_out_strides, saved_strides):
     """A native plan from the forward, dQ and dK/dV descriptions (``launch._Description``)
     and their kernels compiled for 16-byte-aligned tensors, or None (with the reason in a
     ValueError's message it catches) when one of them cannot be passed natively."""
@@ -193,4 +197,4 @@ def make_plan(module, fwd, dq, dkdv, *, lse_double: bool, d_out_strides):
     kernels = [_kernel(module, d, c) for d, c in zip((fwd, dq, dkdv), compiled, strict=True)]
     keep = [t for d in (fwd, dq, dkdv) for t in d.tail if isinstance(t, torch.Tensor)]
     return module.Plan(*kernels, lse_double=lse_double, d_out_strides=list(d_out_strides),
-                       keep=keep)
+                       saved_strides=[list(x) for x in saved_strides], keep=keep)
