@@ -14,6 +14,7 @@ a C++ autograd node launching the same compiled Triton kernels.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import struct
@@ -332,23 +333,29 @@ class NativeCudaTest(parameterized.TestCase):
                     torch.autograd.grad(out, q_leaf, d_out, create_graph=True)
 
     def test_saved_tensor_hooks_that_change_strides(self):
-        """save_on_cpu(pin_memory=True) gives q, k, v back contiguous; q here is a strided
-        view of a packed qkv, so both paths must re-key (Python) or re-lay (C++) them."""
+        """save_on_cpu(pin_memory=True) gives q, k, v back contiguous; here they are strided
+        views of a packed qkv, so both paths must re-key (Python) or re-lay (C++) them."""
         layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 8)
         qkv = torch.stack([q, k, v], dim=3).transpose(2, 3).contiguous().transpose(2, 3)
-        q_view, k_view, v_view = qkv.unbind(3)  # [1, H, N, D] views with strides of the pack
-        self.assertFalse(q_view.is_contiguous())
-        ref, _ = self._both(layout, q_view, k_view, v_view, d_out)
-        for native_on in (True, False):
-            with self.subTest(native=native_on), options.launch_options(
-                    native_autograd=native_on):
-                base = qkv.detach().clone().requires_grad_()
-                with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                    out = tattn.sparse_attention(*base.unbind(3), layout)
-                self.assertEqual(_grad_fn_name(out) == "SparseAttentionBackward", native_on)
+        self.assertFalse(qkv.unbind(3)[0].is_contiguous())
+
+        def run(native_on, hooks):
+            base = qkv.detach().clone().requires_grad_()  # clone keeps the packed strides
+            with options.launch_options(native_autograd=native_on), (
+                    torch.autograd.graph.save_on_cpu(pin_memory=True) if hooks
+                    else contextlib.nullcontext()):
+                out = tattn.sparse_attention(*base.unbind(3), layout)
+                name = _grad_fn_name(out)
                 out.backward(d_out)
-                grads = base.grad.unbind(3)
-                self._assert_bitwise(ref, (out.detach(), *grads), f"save_on_cpu {native_on}")
+            return (out.detach(), *base.grad.unbind(3)), name
+
+        ref, _ = run(False, False)
+        run(True, False)  # builds the native plan for these strides
+        for native_on in (True, False):
+            with self.subTest(native=native_on):
+                got, name = run(native_on, True)
+                self.assertEqual(name == "SparseAttentionBackward", native_on, name)
+                self._assert_bitwise(ref, got, f"save_on_cpu native={native_on}")
 
     def test_forward_mode_ad_and_unused_output(self):
         layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "float32", 9)
