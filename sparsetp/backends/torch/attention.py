@@ -501,7 +501,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         # tangents (no jvp), which the plain forward would drop silently.
         grad = (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                              or v.requires_grad)
-                or _forward_ad._current_level >= 0)
+                or getattr(_forward_ad, "_current_level", -1) >= 0)  # private in torch
         native = plan.native
         if native is not None and not (grad and return_lse) and _native_ready(q, k, v):
             out, lse = native[0](q, k, v, native[1])  # C++ node and launches, same kernels

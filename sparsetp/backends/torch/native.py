@@ -188,8 +188,9 @@ def _kernel(module, desc, compiled):
 
 def make_plan(module, fwd, dq, dkdv, *, lse_double: bool, d_out_strides, saved_strides):
     """A native plan from the forward, dQ and dK/dV descriptions (``launch._Description``)
-    and their kernels compiled for 16-byte-aligned tensors, or None (with the reason in a
-    ValueError's message it catches) when one of them cannot be passed natively."""
+    and their kernels compiled for 16-byte-aligned tensors; None while one of those kernels is
+    not compiled yet (or ``direct_launch`` is off). Raises ValueError (:func:`plan_cells`) for
+    a kernel the C++ launcher cannot pass."""
     compiled = [d.compiled.get((True,) * (d.n_tensors + len(d.call.outputs)))
                 for d in (fwd, dq, dkdv)]
     if any(c is None for c in compiled) or not _options.current().direct_launch:
