@@ -13,13 +13,12 @@ decides those rows. With a small problem (default: window, N=1024, one head, D=1
 
 for each arm (``attention_common``'s arm spec; default: the C++ autograd node and launches,
 ``sparsetp.backends.torch.native``, against the Python autograd Function, ``native_autograd=0``),
-interleaved over ``--rounds``. Then a cProfile of 50 direct
-backward calls (the top functions by own time), and with ``--trace`` a Chrome trace of 20
-forward+backward calls (``torch.profiler``, both threads, Python stacks).
+interleaved over ``--rounds``. Then a cProfile of 50 direct backward calls (the top functions by
+own time), and with ``--trace`` a Chrome trace of 20 forward+backward calls
+(``torch.profiler``, both threads, Python stacks).
 
 Believe it only if ``python -m pytest -q tests/torch_attention_test.py tests/torch_native_test.py``
-passes; host times move
-with the machine's load, so compare arms of one run only::
+passes; host times move with the machine's load, so compare arms of one run only::
 
     python benchmarks/host_overhead.py --out=$OUT/host.json --trace=$OUT/host_trace.json \
         --plot=$OUT/host.png

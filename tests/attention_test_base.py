@@ -120,6 +120,21 @@ def _real_case_name(c) -> str:
     return f"{c[0]}_nq{c[1]}_nk{c[2]}_bs{c[3]}_b{c[4]}_h{c[5]}_hkv{c[6]}_d{c[7]}_{c[8]}"
 
 
+
+def case(name, n, bs, b, h, d, dtype, seed=0, *, n_kv=None, h_kv=None):
+    """Layout of the example pattern ``name`` and numpy inputs ``(layout, q, k, v, d_out)``;
+    ``n_kv`` keys and ``h_kv`` kv heads (default ``n``, ``h``)."""
+    n_kv = n if n_kv is None else n_kv
+    h_kv = h if h_kv is None else h_kv
+    layout = make_layout(example_pattern(name, max(n, n_kv), bs), n, h, bs, kv_len=n_kv)
+    if (n_kv, h_kv) == (n, h):
+        q, k, v, d_out = tu.random_inputs(seed, (b, h, n, d), dtype)
+    else:
+        q, d_out = tu.random_inputs(seed, (b, h, n, d), dtype, count=2)
+        k, v = tu.random_inputs(seed + 1000, (b, h_kv, n_kv, d), dtype, count=2)
+    return layout, q, k, v, d_out
+
+
 class AttentionTestBase(parameterized.TestCase):
     """Shared correctness tests; see the module docstring for the hooks to implement."""
 
@@ -151,16 +166,7 @@ class AttentionTestBase(parameterized.TestCase):
 
     # ------------------------------------------------------------------ helpers
     def _case(self, name, n, bs, b, h, d, dtype, seed=0, *, n_kv=None, h_kv=None):
-        """Layout and inputs; ``n_kv`` keys and ``h_kv`` kv heads (default ``n``, ``h``)."""
-        n_kv = n if n_kv is None else n_kv
-        h_kv = h if h_kv is None else h_kv
-        layout = make_layout(example_pattern(name, max(n, n_kv), bs), n, h, bs, kv_len=n_kv)
-        if (n_kv, h_kv) == (n, h):
-            q, k, v, d_out = tu.random_inputs(seed, (b, h, n, d), dtype)
-        else:
-            q, d_out = tu.random_inputs(seed, (b, h, n, d), dtype, count=2)
-            k, v = tu.random_inputs(seed + 1000, (b, h_kv, n_kv, d), dtype, count=2)
-        return layout, q, k, v, d_out
+        return case(name, n, bs, b, h, d, dtype, seed, n_kv=n_kv, h_kv=h_kv)
 
     def _check_forward(self, layout, q, k, v, scale, dtype, tag):
         out, lse = self.forward(q, k, v, layout, scale, dtype)

@@ -455,6 +455,22 @@ class _FakeCompiled:
         return "meta"
 
 
+def fwd_description():
+    """A forward launch description built as the CUDA path builds one (causal, N=64, H=2,
+    D=16; CPU tensors, metadata as tensors), with its tensors: ``(desc, q, k, v, out, lse)``.
+    For the launch tests that run without a GPU (here and ``torch_native_test.py``)."""
+    layout = make_layout(P.causal(), 64, 2, 32)
+    q, k, v = (torch.zeros(1, 2, 64, 16) for _ in range(3))
+    out, lse = torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64)
+    meta = {name: torch.tensor(arr) for name, arr in layout.metadata().items()}
+    meta.update(q_head_group=2, k_head_group=2)
+    strides = {n: t.stride() for n, t in (("q", q), ("k", k), ("v", v), ("out", out),
+                                          ("lse", lse))}
+    desc = tlaunch._Description(abi.fwd_call(q, k, v, meta, scale=0.25, dtype="float32",
+                                             device_kind="cuda", strides=strides), 3, meta)
+    return desc, q, k, v, out, lse
+
+
 class DirectLaunchTest(absltest.TestCase):
     """The CUDA direct-launch path of ``launch.run`` without a GPU: the JIT entry point
     (``launch._launch``) is replaced by a fake that returns a fake compiled kernel. The GPU
@@ -462,15 +478,7 @@ class DirectLaunchTest(absltest.TestCase):
 
     def setUp(self):
         super().setUp()
-        layout = make_layout(P.causal(), 64, 2, 32)
-        self.q, self.k, self.v = (torch.zeros(1, 2, 64, 16) for _ in range(3))
-        self.out, self.lse = torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64)
-        meta = {**layout.metadata(), "q_head_group": 2, "k_head_group": 2}
-        strides = {n: t.stride() for n, t in (("q", self.q), ("k", self.k), ("v", self.v),
-                                              ("out", self.out), ("lse", self.lse))}
-        self.desc = tlaunch._Description(
-            abi.fwd_call(self.q, self.k, self.v, meta, scale=0.25, dtype="float32",
-                         device_kind="cuda", strides=strides), 3, meta)
+        self.desc, self.q, self.k, self.v, self.out, self.lse = fwd_description()
         self.jit_calls, self.compiled = [], []
 
         def fake_launch(call, outputs, kind):
@@ -520,7 +528,7 @@ class DirectLaunchTest(absltest.TestCase):
                 self.assertEqual(got, want.data_ptr(), name)
             elif isinstance(want, (bool, int, float, str)):
                 self.assertEqual(got, want, name)
-            else:  # the fake's metadata are numpy arrays: passed as they are
+            else:  # any other argument is passed as it is
                 self.assertIs(got, want, name)
 
     def test_an_enter_hook_gets_metadata_and_the_tensors(self):

@@ -22,17 +22,18 @@ import unittest
 from types import SimpleNamespace
 from unittest import mock
 
+import attention_test_base as base
 import testing_utils as tu
 import torch
 from absl.testing import absltest, parameterized
+from torch_attention_test import _to, fwd_description
 
 from sparsetp.backends.torch import attention as tattn
 from sparsetp.backends.torch import launch as tlaunch
 from sparsetp.backends.torch import native
 from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
-from sparsetp.core.examples import example_pattern
-from sparsetp.kernels import abi, options
+from sparsetp.kernels import options
 
 CUDA = torch.cuda.is_available()
 NEEDS_CUDA = "needs a CUDA GPU"
@@ -67,16 +68,7 @@ class NativeCellsTest(absltest.TestCase):
 
     def setUp(self):
         super().setUp()
-        layout = make_layout(P.causal(), 64, 2, 32)
-        q, k, v = (torch.zeros(1, 2, 64, 16) for _ in range(3))
-        out, lse = torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64)
-        meta = {name: torch.tensor(arr) for name, arr in layout.metadata().items()}
-        meta.update(q_head_group=2, k_head_group=2)
-        strides = {n: t.stride() for n, t in (("q", q), ("k", k), ("v", v), ("out", out),
-                                              ("lse", lse))}
-        self.desc = tlaunch._Description(
-            abi.fwd_call(q, k, v, meta, scale=0.25, dtype="float32", device_kind="cuda",
-                         strides=strides), 3, meta)
+        self.desc = fwd_description()[0]
 
     def test_cells_follow_the_signature(self):
         desc = self.desc
@@ -184,13 +176,9 @@ class NativeBuildTest(absltest.TestCase):
 
 
 def _inputs(name, n, n_kv, bs, h, h_kv, d, dtype, seed=0):
-    layout = make_layout(example_pattern(name, max(n, n_kv), bs), n, h, bs, kv_len=n_kv)
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to("cuda", getattr(torch, dtype))
-
-    return layout, rnd(1, h, n, d), rnd(1, h_kv, n_kv, d), rnd(1, h_kv, n_kv, d), rnd(1, h, n, d)
+    """The shared test case (``attention_test_base.case``, B=1) as CUDA tensors."""
+    layout, *arrays = base.case(name, n, bs, 1, h, d, dtype, seed, n_kv=n_kv, h_kv=h_kv)
+    return (layout, *(_to(x, dtype, "cuda") for x in arrays))
 
 
 def _grad_fn_name(out) -> str:

@@ -166,9 +166,8 @@ class _Plan:
         """Hand this key's compiled kernels to the C++ extension, once it is built (a build
         starts in the background on the first call here). Kept to output gradients with
         distinct elements: the native backward copies any other gradient to these strides."""
-        opts = _options.current()
-        if (self.native_failed or not (opts.native_autograd and opts.direct_launch)
-                or not _distinct_dense(d_out)):
+        if (self.native_failed or not _options.current().native_autograd
+                or not _launch.direct_launch_enabled() or not _distinct_dense(d_out)):
             return
         module = _native.load()
         if module is None:

@@ -31,7 +31,7 @@ from sparsetp.kernels import abi, interpreter, schedule
 from sparsetp.kernels import options as _options
 
 __all__ = ["device_kind", "metadata", "new_output", "describe", "run", "compile_together",
-           "DIRECT_LAUNCH_TRITON"]
+           "direct_launch_enabled", "DIRECT_LAUNCH_TRITON"]
 
 # Per-layout device tensors; weak keys so a dropped layout frees its tensors.
 _META_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -166,6 +166,12 @@ _DIRECT_OK = _direct_launch_supported()
 _STREAM_OF = None
 
 
+def direct_launch_enabled() -> bool:
+    """Whether launches may bypass Triton's JIT entry: the options allow it and this Triton is
+    one whose private launch API (and launcher packing) was tested."""
+    return _DIRECT_OK and _options.current().direct_launch
+
+
 def _current_stream(device: int) -> int:
     """The raw current CUDA stream of ``device``, as Triton's launcher obtains it."""
     global _STREAM_OF
@@ -204,7 +210,7 @@ def run(desc: _Description, tensors: tuple, outputs: tuple, kind: str) -> None:
     align = tuple(p % 16 == 0 for p in ptrs)
     compiled = desc.compiled.get(align)
     device = outputs[0].device.index
-    if (compiled is not None and _DIRECT_OK and _options.current().direct_launch
+    if (compiled is not None and direct_launch_enabled()
             and torch.cuda.current_device() == device):
         # What triton.runtime.jit.JITFunction.run does after its cache lookup (Triton 3.6 to
         # 3.9): the bound argument values, constexprs included, in signature order. Pointers go

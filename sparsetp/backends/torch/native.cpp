@@ -104,6 +104,13 @@ struct Kernel {
     }
   }
 
+  void check_tensors(size_t count) const {
+    for (const auto& [cell, tensor] : per_call) {
+      TORCH_CHECK(static_cast<size_t>(tensor) < count, "sparsetp native: per-call tensor ",
+                  tensor, " of a launch with ", count);
+    }
+  }
+
   void launch(const std::vector<const at::Tensor*>& tensors, void* stream) const {
     uint64_t values[kMaxParams];
     void* params[kMaxParams];
@@ -144,9 +151,9 @@ bool aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-// ``t`` with the strides (and 16-byte alignment) the kernels were built for: a saved tensor
-// that a saved-tensor hook gave back in another layout (save_on_cpu packs contiguously) is
-// copied, as a d_out of other strides is.
+// ``t`` with the strides (and 16-byte alignment) the kernels were built for: an output
+// gradient of other strides, or a saved tensor that a saved-tensor hook gave back in another
+// layout (save_on_cpu packs contiguously), is copied.
 at::Tensor as_planned(const at::Tensor& t, c10::IntArrayRef strides) {
   if (t.strides() == strides && aligned(t)) return t;
   at::Tensor fresh = at::empty_strided(t.sizes(), strides, t.options());
@@ -197,13 +204,8 @@ struct SparseAttentionBackward : public Node {
     const at::Tensor out = as_planned(out_.unpack(getptr()), st[3]),
                      lse = as_planned(lse_.unpack(getptr()), st[4]);
     if (!d_out.defined()) d_out = at::zeros(out.sizes(), out.options());  // as the Python path
-    // The backward kernels were compiled for one d_out layout and 16-byte alignment; any
-    // other gradient (a broadcast from .sum(), a transposed view) is copied to that layout.
-    if (d_out.strides() != c10::IntArrayRef(plan->d_out_strides) || !aligned(d_out)) {
-      at::Tensor fresh = at::empty_strided(out.sizes(), plan->d_out_strides, out.options());
-      fresh.copy_(d_out);
-      d_out = fresh;
-    }
+    // Any other gradient layout (a broadcast from .sum(), a transposed view) is copied.
+    d_out = as_planned(d_out, plan->d_out_strides);
     at::Tensor delta = at::empty(lse.sizes(), lse.options());
     at::Tensor dq = at::empty(q.sizes(), q.options());
     at::Tensor dk = at::empty(k.sizes(), k.options());
@@ -271,6 +273,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<std::vector<int64_t>> saved_strides,
                        std::vector<at::Tensor> keep) {
              TORCH_CHECK(saved_strides.size() == 5, "sparsetp native: 5 saved strides");
+             fwd.check_tensors(5);   // the per-call tensor lists of attention() and apply()
+             dq.check_tensors(9);
+             dkdv.check_tensors(8);
              auto p = std::make_shared<Plan>();
              p->fwd = std::move(fwd);
              p->dq = std::move(dq);

@@ -9,11 +9,12 @@ kernels through ``cuLaunchKernel``, with no Python in the backward.
 
 * The numbers are the Python path's, bit for bit: same kernels, same arguments, same order.
 * It is used when all of these hold, else the Python path runs (same results):
-  the tensors are CUDA tensors; :attr:`LaunchOptions.native_autograd` and ``direct_launch`` are
-  on (the defaults); ``SPARSETP_NATIVE`` is not ``0`` (read when a call signature's plan is
-  built); the extension has built (:func:`status`); ``return_lse`` is off or nothing needs a
-  gradient; q, k and v are 16-byte aligned (as their kernels were compiled); no Triton launch
-  hook (a profiler) is set; not under ``torch.compile`` (which traces the registered operator
+  the tensors are CUDA tensors; :attr:`LaunchOptions.native_autograd` is on and the direct
+  launch is enabled (``launch.direct_launch_enabled``: ``direct_launch`` on, a tested
+  Triton); ``SPARSETP_NATIVE`` is not ``0`` (read when a call signature's plan is built); the
+  extension has built (:func:`status`); ``return_lse`` is off or nothing needs a gradient;
+  q, k and v are 16-byte aligned (as their kernels were compiled); no Triton launch hook (a
+  profiler) is set; not under ``torch.compile`` (which traces the registered operator
   instead), compiled autograd or ``torch.jit.trace``.
 * The extension builds once per machine and torch version with torch's C++ toolchain
   (``torch.utils.cpp_extension``: a C++17 compiler and ninja; no CUDA toolkit), in a background
@@ -41,8 +42,6 @@ import threading
 import warnings
 
 import torch
-
-from sparsetp.kernels import options as _options
 
 __all__ = ["status", "load", "wait", "make_plan", "plan_cells"]
 
@@ -189,11 +188,12 @@ def _kernel(module, desc, compiled):
 def make_plan(module, fwd, dq, dkdv, *, lse_double: bool, d_out_strides, saved_strides):
     """A native plan from the forward, dQ and dK/dV descriptions (``launch._Description``)
     and their kernels compiled for 16-byte-aligned tensors; None while one of those kernels is
-    not compiled yet (or ``direct_launch`` is off). Raises ValueError (:func:`plan_cells`) for
-    a kernel the C++ launcher cannot pass."""
+    not compiled yet. Raises ValueError (:func:`plan_cells`) for a kernel the C++ launcher
+    cannot pass. The caller decides whether the direct launch is enabled
+    (``launch.direct_launch_enabled``)."""
     compiled = [d.compiled.get((True,) * (d.n_tensors + len(d.call.outputs)))
                 for d in (fwd, dq, dkdv)]
-    if any(c is None for c in compiled) or not _options.current().direct_launch:
+    if any(c is None for c in compiled):
         return None
     kernels = [_kernel(module, d, c) for d, c in zip((fwd, dq, dkdv), compiled, strict=True)]
     keep = [t for d in (fwd, dq, dkdv) for t in d.tail if isinstance(t, torch.Tensor)]
