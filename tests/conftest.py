@@ -10,6 +10,8 @@ nothing for torch-only runs beyond the import.
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))  # tests/ helpers (no package)
 
 from jax_test_utils import ensure_cpu_devices  # noqa: E402
@@ -23,3 +25,19 @@ def pytest_report_header(config):
 
     return "sparsetp ran with: " + ", ".join(
         f"{n} {v}" for n, v in sorted(installed_versions().items()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    """Group each class that defines `setUpClass` (itself or a project base) into one xdist group.
+
+    With `--dist loadgroup` (the README's and .ci/gpu_test's runs) such a class then runs on one
+    worker, so its shared set-up (a whole benchmark preset, a multi-process run) runs once; plain
+    `load` would repeat it on every worker that gets one of its tests.
+    """
+    for item in items:
+        cls = getattr(item, "cls", None)
+        if cls is None or not any("setUpClass" in vars(c) for c in cls.__mro__
+                                  if c.__module__.split(".")[0] not in ("unittest", "absl")):
+            continue
+        item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{cls.__qualname__}"))
