@@ -8,7 +8,8 @@ random at tile density 0.5 / 0.25 / 0.1), one run on the CPU and, when given, on
     python benchmarks/plot_cpu_gpu.py --cpu_json=/tmp/seed_cpu/attention.json \\
         [--gpu_json=/tmp/seed_gpu/attention.json] --out=docs/attention_cpu_vs_gpu.png
 
-One panel per device: forward and forward + backward speed-up (``speedup_vs_dense``) of torch
+One panel per device: forward and forward + backward speed-up (``speedup_vs_dense``; the
+forward + backward from the paired rounds where the run has them) of torch
 ``sparsetp`` per pattern family, the target density by colour; without ``--gpu_json`` the GPU
 panel says so. Each panel's title names its device, shape and dense baseline.
 """
@@ -19,7 +20,7 @@ import json
 
 from absl import app, flags
 
-from sparsetp.bench.attention import SEED_DENSITIES, SEED_FAMILIES, _seed_cells
+from sparsetp.bench.attention import SEED_DENSITIES, SEED_FAMILIES, _seed_cells, _seed_speedup
 
 CPU_JSON = flags.DEFINE_string("cpu_json", None, "bench JSON of the seed grid on CPU",
                                required=True)
@@ -39,7 +40,7 @@ def series(result: dict, impl: str) -> dict:
             continue
         fam, want, n = key[:3]
         for metric in ("fwd", "fwd_bwd"):
-            x = rec["speedup_vs_dense"].get(metric)
+            x = _seed_speedup(rec) if metric == "fwd_bwd" else rec["speedup_vs_dense"].get(metric)
             if x:
                 out.setdefault((fam, want, metric), []).append((n, x))
     return {k: sorted(v) for k, v in out.items()}
