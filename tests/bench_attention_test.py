@@ -526,14 +526,15 @@ class SeedPresetTest(absltest.TestCase):
         md = A.render_markdown(res)
         self.assertIn("| S2 | JAX / torch fwd+bwd, fixed_density:0.25 N=1024", md)
         self.assertIn("within 0.80–1.25 | fail |", md)
-        self.assertIn("| fixed_density | 0.25 | 1024 | 0.250 | 2.00 | 1.54 | – | 1.30 | – | – |",
-                      md)
+        self.assertIn("| fixed_density | 0.25 | 1024 | 0.250 | 2.00 | 1.54 | – | 1.30 | – | – "
+                      "| – |", md)
         # Paired rounds (BenchConfig.paired_dense) judge S1 where a record has them, and the
         # JAX record's eager dense SDPA wall time gives the last table column.
         paired = [dict(r) for r in recs[:4]]
         paired[2].update(paired_dense_impl="sdpa_flash", paired_dense_fwd_bwd_ms=[1.0, 3.0, 0.9],
                          paired_fwd_bwd_ms=[1.1, 1.0, 1.0], paired_speedup_fwd_bwd=0.9)
-        paired[3].update(torch_dense_wall_fwd_bwd_ms=2.6, torch_floor_wall_fwd_bwd_ms=2.0)
+        paired[3].update(torch_dense_wall_fwd_bwd_ms=2.6, torch_floor_wall_fwd_bwd_ms=2.0,
+                         torch_graphed_wall_fwd_bwd_ms=1.3)
         res = A.add_derived({"records": paired, "device_kind": "cuda", "preset": "seed"})
         res["targets"] = A.compute_targets(res)
         s1 = next(x for x in res["targets"] if x["id"] == "S1" and "fixed_density:0.25" in
@@ -541,7 +542,7 @@ class SeedPresetTest(absltest.TestCase):
         self.assertEqual((s1["value"], s1["status"]), (0.9, "fail"))
         self.assertIn("paired rounds", s1["unit"])
         self.assertIn("| fixed_density | 0.25 | 1024 | 0.250 | 0.90 | 1.54 | – | 1.10 | 0.50 "
-                      "| 0.65 |", A.render_markdown(res))
+                      "| 0.65 | 1.00 |", A.render_markdown(res))
         # Other presets keep issue #8's targets and gain no seed rows.
         res = A.add_derived({"records": recs[-1:], "device_kind": "cuda"})
         self.assertNotIn("S1", {x["id"] for x in A.compute_targets(res)})
