@@ -87,7 +87,7 @@ def _kernel_times(fn, calls=20):
     times = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.name[:40]] = times.get(e.name[:40], 0.0) + e.device_time / calls
+            times[e.name] = times.get(e.name, 0.0) + e.device_time / calls
     return f"total {sum(times.values()):.1f}: " + ", ".join(
         f"{k} {t:.1f}" for k, t in sorted(times.items(), key=lambda kv: -kv[1]))
 

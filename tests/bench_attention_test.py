@@ -531,8 +531,8 @@ class SeedPresetTest(absltest.TestCase):
         # Paired rounds (BenchConfig.paired_dense) judge S1 where a record has them, and the
         # JAX record's eager dense SDPA wall time gives the last table column.
         paired = [dict(r) for r in recs[:4]]
-        paired[2].update(paired_dense_impl="sdpa_flash", paired_dense_fwd_bwd_ms=[1.0, 3.0, 0.9],
-                         paired_fwd_bwd_ms=[1.1, 1.0, 1.0], paired_speedup_fwd_bwd=0.9)
+        paired[2].update(paired_dense_impl="sdpa_flash", paired_dense_fwd_bwd_ms=[0.9, 3.0, 0.9],
+                         paired_fwd_bwd_ms=[1.0, 1.0, 1.0], paired_speedup_fwd_bwd=0.9)
         paired[3].update(torch_dense_wall_fwd_bwd_ms=2.6, torch_floor_wall_fwd_bwd_ms=2.0,
                          torch_graphed_wall_fwd_bwd_ms=1.3)
         res = A.add_derived({"records": paired, "device_kind": "cuda", "preset": "seed"})
@@ -546,6 +546,34 @@ class SeedPresetTest(absltest.TestCase):
         # Other presets keep issue #8's targets and gain no seed rows.
         res = A.add_derived({"records": recs[-1:], "device_kind": "cuda"})
         self.assertNotIn("S1", {x["id"] for x in A.compute_targets(res)})
+
+
+    def test_shape_references_are_medians_over_the_shapes_jax_records(self):
+        def jax_rec(pattern, n, dense, floor):
+            r = _rec("sparsetp_jax", pattern, n, 1.0, 2.0, block=64, density=0.25,
+                     computed_blocks=1, torch_dense_wall_fwd_bwd_ms=dense,
+                     torch_floor_wall_fwd_bwd_ms=floor)
+            r["section"] = "seed"
+            return r
+
+        recs = [jax_rec("random:0.25", 1024, 3.0, 1.0), jax_rec("random:0.5", 1024, 5.0, 9.0),
+                jax_rec("window_density:0.1", 1024, 4.0, 2.0),
+                jax_rec("random:0.25", 2048, 7.0, 3.0)]
+        refs = A.seed_torch_references(A._seed_cells(recs))
+        self.assertEqual({k[0]: v for k, v in refs.items()},
+                         {1024: {"dense": 4.0, "floor": 2.0}, 2048: {"dense": 7.0, "floor": 3.0}})
+
+    def test_a_failed_side_measurement_keeps_the_record(self):
+        rec = {"fwd_bwd_ms": 1.0}
+
+        def fails():
+            raise RuntimeError("capture refused")
+
+        A._informative(rec, "torch_graphed_wall_fwd_bwd_ms", fails)
+        A._informative(rec, "torch_floor_wall_fwd_bwd_ms", lambda: 0.5)
+        self.assertEqual(rec, {"fwd_bwd_ms": 1.0, "torch_floor_wall_fwd_bwd_ms": 0.5,
+                               "torch_graphed_wall_fwd_bwd_ms_error":
+                                   "RuntimeError: capture refused"})
 
 
 class SeedRunTest(absltest.TestCase):

@@ -27,9 +27,27 @@ def pytest_report_header(config):
         f"{n} {v}" for n, v in sorted(installed_versions().items()))
 
 
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_configure(config):
+    # xdist registers this mark when installed; without it the marks below would warn (and
+    # fail under --strict-markers)
+    config.addinivalue_line("markers", "xdist_group(name): tests xdist runs on one worker")
+
+
+def _own_set_up(cls) -> bool:
+    """Whether ``cls`` or one of its bases defined in tests/ has its own ``setUpClass``."""
+    for c in cls.__mro__:
+        path = getattr(sys.modules.get(c.__module__), "__file__", None) or ""
+        if "setUpClass" in vars(c) and os.path.dirname(os.path.abspath(path)) == _TESTS_DIR:
+            return True
+    return False
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config, items):
-    """Group each class that defines `setUpClass` (itself or a project base) into one xdist group.
+    """Group each class that defines `setUpClass` (itself or a base in tests/) into one xdist group.
 
     With `--dist loadgroup` (the README's and .ci/gpu_test's runs) such a class then runs on one
     worker, so its shared set-up (a whole benchmark preset, a multi-process run) runs once; plain
@@ -37,7 +55,5 @@ def pytest_collection_modifyitems(config, items):
     """
     for item in items:
         cls = getattr(item, "cls", None)
-        if cls is None or not any("setUpClass" in vars(c) for c in cls.__mro__
-                                  if c.__module__.split(".")[0] not in ("unittest", "absl")):
-            continue
-        item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{cls.__qualname__}"))
+        if cls is not None and _own_set_up(cls):
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{cls.__qualname__}"))
