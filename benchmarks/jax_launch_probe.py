@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from sparsetp.bench.attention import bench_pattern  # noqa: E402
+from sparsetp.bench.attention import _time_wall, bench_pattern  # noqa: E402
 from sparsetp.core import make_layout  # noqa: E402
 from sparsetp.jax import layout_arrays  # noqa: E402
 from sparsetp.jax import sparse_attention as jax_attention  # noqa: E402
@@ -40,22 +40,18 @@ flags.DEFINE_string("out_dir", "/tmp/jax_launch", "where the JAX traces go")
 flags.DEFINE_list("cases", ["window:1024@32768", "strided_causal@8192", "causal@8192"],
                   "pattern@N")
 flags.DEFINE_integer("calls", 20, "calls per graph / trace")
+flags.DEFINE_float("loop_ms", 30.0, "length of one wall-clock loop (the bench's jax_loop_ms)")
 
 H, D, BLOCK = 16, 128, 128
 
 
-def wall(fn, sync, iters=50, reps=5) -> float:
-    """Median over ``reps`` of ms per call in loops of ``iters`` calls, one sync per loop."""
-    fn()
+def wall(fn, sync) -> float:
+    """ms per call in the bench's own wall-clock loops (``--loop_ms`` of back-to-back calls, one
+    sync per loop, median of 5): how F3 times both frameworks."""
+    for _ in range(3):  # compile and warm up first: _time_wall sizes its loops on one call
+        fn()
     sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / iters * 1e3)
-    return float(np.median(times))
+    return _time_wall(fn, 5, lambda r: sync(), FLAGS.loop_ms)
 
 
 def torch_graph_ms(fn, calls) -> float:
