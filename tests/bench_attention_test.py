@@ -529,7 +529,7 @@ class SeedPresetTest(absltest.TestCase):
         self.assertIn("| fixed_density | 0.25 | 1024 | 0.250 | 2.00 | 1.54 | – | 1.30 | – | – "
                       "| – |", md)
         # Paired rounds (BenchConfig.paired_dense) judge S1 where a record has them, and the
-        # JAX record's eager dense SDPA wall time gives the last table column.
+        # JAX record's eager torch references give the last three table columns.
         paired = [dict(r) for r in recs[:4]]
         paired[2].update(paired_dense_impl="sdpa_flash", paired_dense_fwd_bwd_ms=[0.9, 3.0, 0.9],
                          paired_fwd_bwd_ms=[1.0, 1.0, 1.0], paired_speedup_fwd_bwd=0.9)
@@ -546,7 +546,6 @@ class SeedPresetTest(absltest.TestCase):
         # Other presets keep issue #8's targets and gain no seed rows.
         res = A.add_derived({"records": recs[-1:], "device_kind": "cuda"})
         self.assertNotIn("S1", {x["id"] for x in A.compute_targets(res)})
-
 
     def test_shape_references_are_medians_over_the_shapes_jax_records(self):
         def jax_rec(pattern, n, dense, floor):
