@@ -239,6 +239,31 @@ def bench_ms(fn, device, grads=None, rep_ms: float = 60.0) -> float:
     return float(np.median(times))
 
 
+def wall_loop_ms(fn, sync, loop_ms: float = 30.0, reps: int = 5) -> float:
+    """ms per call of ``fn`` in the attention bench's own wall-clock loops
+    (``sparsetp.bench.attention._time_wall``: back-to-back calls for about ``loop_ms``, then
+    ``sync(last result)``; median of ``reps``), after three warm-up calls: the bench sizes its
+    loops on one timed call, which must not include a compile."""
+    from sparsetp.bench.attention import _time_wall  # noqa: PLC0415
+
+    for _ in range(3):
+        r = fn()
+    sync(r)
+    return _time_wall(fn, reps, sync, loop_ms)
+
+
+def enqueue_us(fn, sync, calls: int) -> float:
+    """Host microseconds per call to enqueue ``calls`` back-to-back calls of ``fn``, the queue
+    drained first (``sync(result)`` waits for a call's result)."""
+    sync(fn())
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        r = fn()
+    t = (time.perf_counter() - t0) / calls * 1e6
+    sync(r)
+    return t
+
+
 def fwd_and_fwd_bwd_ms(attn, tensors, layout, device, rep_ms: float = 60.0) -> tuple:
     """(forward ms, forward+backward ms) of ``attn(q, k, v, layout) -> (out, lse)`` on
     ``tensors`` = :func:`inputs`, the backward through autograd."""

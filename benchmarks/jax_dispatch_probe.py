@@ -18,13 +18,13 @@ GPU only. Believe it only if ``tests/jax_attention_test.py`` passes.
 from __future__ import annotations
 
 import os
-import time
 
+import attention_common as C
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from sparsetp.bench.attention import _time_wall, bench_pattern
+from sparsetp.bench.attention import bench_pattern
 from sparsetp.core import make_layout
 from sparsetp.jax import layout_arrays, sparse_attention
 
@@ -33,17 +33,6 @@ flags.DEFINE_list("cases", ["strided_causal@8192", "window:1024@32768"], "patter
 flags.DEFINE_bool("with_torch", False, "run a torch attention call on the GPU first")
 
 H, D, BLOCK = 16, 128, 128
-
-
-def enqueue_us(fn, calls: int) -> float:
-    """Host microseconds per call to enqueue ``calls`` calls (the queue drained first)."""
-    jax.block_until_ready(fn())
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        r = fn()
-    t = (time.perf_counter() - t0) / calls * 1e6
-    jax.block_until_ready(r)
-    return t
 
 
 def main(argv):
@@ -76,12 +65,10 @@ def main(argv):
         def call(fwd=fwd, q=q, k=k, v=v, lay=lay):
             return fwd(q, k, v, lay)
 
-        for _ in range(3):
-            call()
-        ms = _time_wall(call, 5, jax.block_until_ready, 30.0)
+        ms = C.wall_loop_ms(call, jax.block_until_ready, 30.0)
         print(f"{spec} N={n}: {ms * 1e3:.1f} us per call in 30 ms loops; enqueue "
-              f"{enqueue_us(call, 200):.1f} us per call over 200 calls, "
-              f"{enqueue_us(call, 50):.1f} over 50")
+              f"{C.enqueue_us(call, jax.block_until_ready, 200):.1f} us per call over 200 calls, "
+              f"{C.enqueue_us(call, jax.block_until_ready, 50):.1f} over 50")
     x = jax.device_put(jnp.ones((1024,), jnp.float32), dev)
     extra = [jax.device_put(jnp.full((64,), i, jnp.int32), dev) for i in range(16)]
     for n_extra in (0, 4, 11, 16):
@@ -91,7 +78,7 @@ def main(argv):
             return op(x, *args)
 
         print(f"x + 1 with {n_extra} extra array arguments: enqueue "
-              f"{enqueue_us(trivial, 500):.1f} us per call")
+              f"{C.enqueue_us(trivial, jax.block_until_ready, 500):.1f} us per call")
 
 
 if __name__ == "__main__":

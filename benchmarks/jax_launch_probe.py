@@ -19,17 +19,17 @@ import gzip
 import json
 import os
 import tempfile
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
+import attention_common as C  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from sparsetp.bench.attention import _time_wall, bench_pattern  # noqa: E402
+from sparsetp.bench.attention import bench_pattern  # noqa: E402
 from sparsetp.core import make_layout  # noqa: E402
 from sparsetp.jax import layout_arrays  # noqa: E402
 from sparsetp.jax import sparse_attention as jax_attention  # noqa: E402
@@ -43,15 +43,6 @@ flags.DEFINE_integer("calls", 20, "calls per graph / trace")
 flags.DEFINE_float("loop_ms", 30.0, "length of one wall-clock loop (the bench's jax_loop_ms)")
 
 H, D, BLOCK = 16, 128, 128
-
-
-def wall(fn, sync) -> float:
-    """ms per call in the bench's own wall-clock loops (``--loop_ms`` of back-to-back calls, one
-    sync per loop, median of 5): how F3 times both frameworks."""
-    for _ in range(3):  # compile and warm up first: _time_wall sizes its loops on one call
-        fn()
-    sync()
-    return _time_wall(fn, 5, lambda r: sync(), FLAGS.loop_ms)
 
 
 def torch_graph_ms(fn, calls) -> float:
@@ -92,16 +83,8 @@ def jax_trace_kernels_ms(fn, calls, log_dir) -> tuple[dict, float | None]:
     return out, ((float(np.median(gaps)), float(np.mean(gaps))) if gaps else None)
 
 
-def dispatch_us(fn, sync, iters=50) -> float:
-    """Host microseconds per call to enqueue ``iters`` calls (the queue drained first)."""
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    t = (time.perf_counter() - t0) / iters * 1e6
-    sync()
-    return t
+def torch_sync(_):
+    torch.cuda.synchronize()
 
 
 def main(argv):
@@ -117,9 +100,9 @@ def main(argv):
             return torch_attention(q, k, v, layout)
 
         with torch.no_grad():
-            t_wall = wall(torch_call, torch.cuda.synchronize)
+            t_wall = C.wall_loop_ms(torch_call, torch_sync, FLAGS.loop_ms)
             t_kernel = torch_graph_ms(torch_call, FLAGS.calls)
-            t_host = dispatch_us(torch_call, torch.cuda.synchronize)
+            t_host = C.enqueue_us(torch_call, torch_sync, 50)
         lay = jax.device_put(layout_arrays(layout, head_dim=D, dtype="bfloat16",
                                            static_widths=True), dev)
         jq, jk, jv = (jax.device_put(jnp.asarray(t.float().cpu().numpy(), jnp.bfloat16), dev)
@@ -129,8 +112,8 @@ def main(argv):
         def call(fwd=fwd, jq=jq, jk=jk, jv=jv, lay=lay):
             return fwd(jq, jk, jv, lay)
 
-        j_wall = wall(call, lambda: jax.block_until_ready(call()))
-        j_host = dispatch_us(call, lambda: jax.block_until_ready(call()))
+        j_wall = C.wall_loop_ms(call, jax.block_until_ready, FLAGS.loop_ms)
+        j_host = C.enqueue_us(call, jax.block_until_ready, 50)
         os.makedirs(FLAGS.out_dir, exist_ok=True)
         kernels, gap = jax_trace_kernels_ms(call, FLAGS.calls, tempfile.mkdtemp(
             prefix=f"{spec.replace(':', '_')}_{n}_", dir=FLAGS.out_dir))
