@@ -13,7 +13,12 @@ process (:mod:`sparsetp._runtime`).
 """
 
 from sparsetp.backends.jax import checkpoint
-from sparsetp.backends.jax.attention import LayoutArrays, layout_arrays, sparse_attention
+from sparsetp.backends.jax.attention import (
+    LayoutArrays,
+    forward_kernel,
+    layout_arrays,
+    sparse_attention,
+)
 from sparsetp.backends.jax.block import (
     export_params,
     hybrid_block,
@@ -36,7 +41,7 @@ from sparsetp.backends.jax.model import loss as gpt_loss
 from sparsetp.core import GPTConfig, HybridConfig, init_gpt_params, init_params, make_layout
 
 __all__ = [
-    "sparse_attention", "LayoutArrays", "layout_arrays",
+    "sparse_attention", "forward_kernel", "LayoutArrays", "layout_arrays",
     "column_parallel_linear", "row_parallel_linear", "parallel_mlp",
     "hybrid_block", "shard_params", "param_specs", "load_params", "export_params", "make_mesh",
     "make_2d_mesh", "shard_batch",

@@ -12,6 +12,7 @@ from sparsetp.backends.torch import checkpoint
 from sparsetp.backends.torch.attention import (
     SparseAttention,
     dense_attention,
+    forward_kernel,
     naive_sparse_attention,
     sparse_attention,
 )
@@ -45,7 +46,8 @@ from sparsetp.backends.torch.parallel import (
 from sparsetp.core import GPTConfig, HybridConfig, init_gpt_params, init_params, make_layout
 
 __all__ = [
-    "sparse_attention", "SparseAttention", "naive_sparse_attention", "dense_attention",
+    "sparse_attention", "forward_kernel", "SparseAttention", "naive_sparse_attention",
+    "dense_attention",
     "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
     "all_gather_to_region", "reduce_scatter_from_region", "scatter_to_sequence_region",
     "gather_from_sequence_region",

@@ -24,7 +24,8 @@ from typing import Any
 
 from sparsetp.core.layout import SUPPORTED_BLOCK_SIZES
 
-__all__ = ["WORK_ORDERS", "KERNEL_TILES", "LaunchOptions", "current", "using", "launch_options"]
+__all__ = ["WORK_ORDERS", "KERNEL_TILES", "FWD_KERNEL_MODES", "LaunchOptions", "current", "using",
+           "launch_options"]
 
 # "auto": per view, the layout's head groups, longest lists first (schedule.grid_group);
 # "natural": heads one after another, tile = rank; "longest_first": heads one after another,
@@ -33,6 +34,9 @@ WORK_ORDERS = ("auto", "natural", "longest_first", "longest_first_bh")
 # "auto": schedule.kernel_layout's cost model on CUDA, the layout's own block elsewhere;
 # "layout": always the layout's own block; an int: that tile wherever it is >= the layout's.
 KERNEL_TILES = ("auto", "layout", *SUPPORTED_BLOCK_SIZES)
+# "auto": the sm_90 forward where eligible and measured faster (sparsetp.kernels.hopper);
+# "portable": always the portable Triton forward; "hopper": the sm_90 forward or ValueError.
+FWD_KERNEL_MODES = ("auto", "portable", "hopper")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,8 @@ class LaunchOptions:
         later calls create a C++ autograd node and launch from C++
         (:mod:`sparsetp.backends.torch.native`; same kernels, same numbers, less host time).
         Needs ``direct_launch``; off, the Python ``autograd.Function`` path runs.
+      fwd_kernel: one of :data:`FWD_KERNEL_MODES`: which forward kernel runs
+        (:func:`sparsetp.kernels.hopper.forward_choice`; the backward is always portable).
     """
 
     work_order: str = "auto"
@@ -61,6 +67,7 @@ class LaunchOptions:
     direct_launch: bool = True
     parallel_compile: bool = True
     native_autograd: bool = True
+    fwd_kernel: str = "auto"
 
     def __post_init__(self):
         if self.work_order not in WORK_ORDERS:
@@ -68,6 +75,9 @@ class LaunchOptions:
         if self.head_group is not None and (isinstance(self.head_group, bool) or not isinstance(
                 self.head_group, int) or self.head_group < 1):
             raise ValueError(f"head_group must be None or an int >= 1, got {self.head_group!r}")
+        if self.fwd_kernel not in FWD_KERNEL_MODES:
+            raise ValueError(f"fwd_kernel must be one of {FWD_KERNEL_MODES}, got "
+                             f"{self.fwd_kernel!r}")
         if self.kernel_tile not in KERNEL_TILES or isinstance(self.kernel_tile, bool):
             raise ValueError(f"kernel_tile must be one of {KERNEL_TILES}, got "
                              f"{self.kernel_tile!r}")
@@ -84,7 +94,7 @@ class LaunchOptions:
         # Launch caches key on this per call: computed once (the object is frozen).
         object.__setattr__(self, "_key", (
             self.work_order, self.head_group, self.kernel_tile, tuple(sorted(self.tiles.items())),
-            self.direct_launch, self.parallel_compile, self.native_autograd))
+            self.direct_launch, self.parallel_compile, self.native_autograd, self.fwd_kernel))
 
     def key(self) -> tuple:
         """A hashable value that changes whenever a launch built under these options could."""

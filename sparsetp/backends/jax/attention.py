@@ -50,6 +50,7 @@ from sparsetp.backends.jax import cpu as _cpu
 from sparsetp.backends.jax import launch as _launch
 from sparsetp.core.layout import BlockLayout
 from sparsetp.kernels import abi as _abi
+from sparsetp.kernels import hopper as _hopper
 from sparsetp.kernels import options as _options
 from sparsetp.kernels import schedule as _schedule
 
@@ -329,6 +330,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     >>> out = sparse_attention(q2, k2, v2, lay)     # q2 [2, 8, 128, D]        # doctest: +SKIP
     """
     lay, scale = _check_inputs(q, k, v, layout, scale)
+    if _options.current().fwd_kernel == "hopper":
+        forward_kernel(q, k, v, layout)  # raises: JAX has no launcher for the sm_90 forward
     shape = q.shape
     if lay.batch is not None:
         # A per-row layout: batch folded into heads; table head r * H + h is row r's head h
@@ -340,6 +343,28 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
                               opts=_options.current())
     out, lse = out.reshape(shape), lse.reshape(shape[:3])
     return (out, lse) if return_lse else out
+
+
+def forward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
+                   layout: LayoutLike) -> _hopper.KernelChoice:
+    """Which forward kernel :func:`sparse_attention` runs for these arguments, and why: in JAX
+    always the portable Triton kernel (or the native CPU path), since jax_triton cannot launch
+    the torch frontend's sm_90 Gluon forward (``sparsetp.torch.forward_kernel``). Under
+    ``LaunchOptions.fwd_kernel="hopper"`` this, and ``sparse_attention``, raise ValueError.
+
+    >>> import numpy as np
+    >>> from sparsetp.core import make_layout, patterns as P
+    >>> q = np.zeros((1, 2, 128, 32), np.float32)
+    >>> forward_kernel(q, q, q, make_layout(P.causal(), 128, 2, 64)).reason[:10]
+    'jax_triton'
+    """
+    _check_inputs(q, k, v, layout, None)
+    platform = next(iter(q.devices())).platform if isinstance(q, jax.Array) else "cpu"
+    return _hopper.forward_choice(
+        framework="jax", device_kind="cuda" if platform == "gpu" else "cpu", capability=None,
+        triton_version="", dtype=jnp.dtype(q.dtype).name, head_dim=int(q.shape[-1]),
+        seq_len=int(q.shape[2]), kv_len=int(k.shape[2]), batch_heads=int(q.shape[0] * q.shape[1]),
+        mean_tiles=0.0, layout_ok=True, contiguous=True)
 
 
 def _arrays_only(meta):

@@ -40,6 +40,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from sparsetp import _runtime
 from sparsetp.backends.torch import cpu as _cpu
+from sparsetp.backends.torch import hopper as _hopper
 from sparsetp.backends.torch import launch as _launch
 from sparsetp.backends.torch import native as _native
 from sparsetp.core.layout import (
@@ -103,12 +104,17 @@ class _Plan:
     strides). Holds no reference to the layout (the cache's weak key) or to any tensor but the
     metadata."""
 
-    __slots__ = ("scale", "kind", "meta", "fwd", "bwd", "native", "native_failed")
+    __slots__ = ("scale", "kind", "meta", "fwd", "bwd", "native", "native_failed", "fwd_choice",
+                 "sm90")
 
-    def __init__(self, q, layout, scale: float):
+    def __init__(self, q, k, v, layout, scale: float):
         self.scale, self.kind = scale, _launch.device_kind(q)
         self.meta = None if self.kind == "cpu" else _launch.metadata(layout, q, self.kind)
         self.fwd = None
+        # The forward kernel (sparsetp.kernels.hopper.forward_choice) and, for the sm_90 one,
+        # its launch state; the backward is the portable kernels' either way.
+        self.fwd_choice, lay128 = _hopper.choose(q, k, v, layout, self.kind)
+        self.sm90 = None if lay128 is None else _hopper.Sm90Forward(q, k, lay128, scale)
         self.bwd: dict = {}
         # (the C++ call, its plan) once this key's kernels are compiled and the extension is
         # ready (:mod:`sparsetp.backends.torch.native`); None until then.
@@ -125,6 +131,16 @@ class _Plan:
         b, h, n, _ = q.shape
         out = _launch.new_output(q.shape, q.dtype, q.device)
         lse = _launch.new_output((b, h, n), _stats_dtype(q.dtype), q.device)
+        if self.sm90 is not None and _hopper.aligned(q, k, v, out, lse):
+            try:
+                self.sm90.run(q, k, v, out, lse)
+                return out, lse
+            except Exception as exc:  # noqa: BLE001 (any compile or launch failure falls back)
+                self.sm90 = None
+                self.fwd_choice = _hopper.failed(exc)
+                warnings.warn(f"sparsetp: the sm_90 forward failed ({type(exc).__name__}: "
+                              f"{exc}); this call and its plan run the portable forward",
+                              RuntimeWarning, stacklevel=2)
         if self.fwd is None:
             self.fwd = _launch.describe(
                 abi.fwd_call, (q, k, v), self.meta,
@@ -166,7 +182,8 @@ class _Plan:
         """Hand this key's compiled kernels to the C++ extension, once it is built (a build
         starts in the background on the first call here). Kept to output gradients with
         distinct elements: the native backward copies any other gradient to these strides."""
-        if (self.native_failed or not _options.current().native_autograd
+        if (self.native_failed or self.sm90 is not None  # the C++ node runs the portable forward
+                or not _options.current().native_autograd
                 or not _launch.direct_launch_enabled() or not _distinct_dense(d_out)):
             return
         module = _native.load()
@@ -257,7 +274,7 @@ def _plan(q, k, v, layout, scale) -> _Plan:
         key = plans = None
     plan = None if plans is None else plans.get(key)
     if plan is None:
-        plan = _Plan(q, layout, _check_inputs(q, k, v, layout, scale))
+        plan = _Plan(q, k, v, layout, _check_inputs(q, k, v, layout, scale))
         if key is not None:
             plans = _PLANS.setdefault(layout, {})
             if len(plans) >= _PLANS_PER_LAYOUT:
@@ -509,6 +526,29 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         else:  # nothing to differentiate: the autograd Function's own host cost is saved
             out, lse = plan.forward(q, k, v, layout)
     return (out, lse) if return_lse else out
+
+
+def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
+                   *, scale: float | None = None) -> _hopper.hopper.KernelChoice:
+    """Which forward kernel :func:`sparse_attention` runs for these arguments, and why.
+
+    ``"hopper"``: the sm_90 Gluon forward (:mod:`sparsetp.kernels.hopper`), taken where it is
+    eligible and measured faster; ``"portable"``: the portable Triton kernel (or the native CPU
+    path on CPU tensors). Change it with ``LaunchOptions.fwd_kernel``
+    (``sparsetp.kernels.options.launch_options(fwd_kernel="portable")``). The backward always
+    runs the portable kernels. Checks the arguments as :func:`sparse_attention` does.
+
+    >>> import torch
+    >>> from sparsetp.core import patterns as P, make_layout
+    >>> q = torch.randn(1, 2, 64, 32)
+    >>> forward_kernel(q, q, q, make_layout(P.causal(), 64, 2, 32)).name
+    'portable'
+    """
+    if getattr(layout, "batch", None) is not None:
+        _check_per_row(q, k, v, layout, scale)
+        q, k, v, layout = _fold(q), _fold(k), _fold(v), layout.flat()
+    q, k, v = _autocast(q, k, v)
+    return _plan(q, k, v, layout, scale).fwd_choice
 
 
 def _fold(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,372 @@
+"""The sm_90 (Hopper) fast path of the forward, in Gluon, and the rule that picks it.
+
+:func:`_attn_fwd_kernel_sm90` computes what :func:`sparsetp.kernels.attention._attn_fwd_kernel`
+computes, on the same layout metadata (the ELL lists of ``BlockLayout.metadata``, partial tiles
+first) with the same grid and work order, but with FlashAttention-3's schedule, which
+``tl.dot`` does not reach on Hopper (``benchmarks/KERNEL_NOTES.md``, "Session 21"):
+
+* warp specialisation: a producer warp issues TMA loads of the listed K/V tiles into a
+  three-stage shared-memory ring; two consumer warpgroups of 64 query rows each wait on
+  per-stage "ready" mbarriers and free a stage by arriving on its "empty" mbarrier, so the
+  warpgroups run independently (no CTA-wide barrier in the loop);
+* intra-warpgroup overlap: while a consumer computes the softmax of key tile j, its
+  asynchronous warpgroup MMAs ``S_{j+1} = Q K_{j+1}^T`` and ``O += P_j V_j`` run on the
+  tensor cores (P stays in registers as the MMA's A operand).
+
+Scope (else the portable kernel runs; :func:`forward_choice` says why): a CUDA device of
+compute capability 9.0, the Triton versions in :data:`TESTED_TRITON`, bfloat16/float16, head
+dim 128, kernel tile 128 (the layout at block 128), sequence lengths that are multiples of 128
+(the TMA boxes are 128 rows of a ``[B * H * N, D]`` view), C-contiguous q, k, v. The JAX
+frontend keeps the portable kernel: jax_triton launches neither TMA descriptors nor the extra
+warps of a warp-specialised kernel (:func:`forward_choice` reports it).
+
+This module imports neither torch nor jax; the torch launcher is
+:mod:`sparsetp.backends.torch.hopper`.
+
+Example (the rule, without a GPU)::
+
+    >>> forward_choice(framework="torch", device_kind="cuda", capability=(9, 0),
+    ...                triton_version="3.6.0", dtype="bfloat16", head_dim=128, seq_len=32768,
+    ...                kv_len=32768, batch_heads=16, mean_tiles=9.0, layout_ok=True,
+    ...                contiguous=True).name
+    'hopper'
+    >>> forward_choice(framework="jax", device_kind="cuda", capability=(9, 0),
+    ...                triton_version="3.6.0", dtype="bfloat16", head_dim=128, seq_len=32768,
+    ...                kv_len=32768, batch_heads=16, mean_tiles=9.0, layout_ok=True,
+    ...                contiguous=True).reason[:30]
+    'jax_triton cannot launch Gluon'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sparsetp.kernels import options as _options
+
+try:  # Gluon ships with Triton >= 3.5; without it only the portable kernels exist
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    GLUON = True
+except ImportError:  # pragma: no cover (every supported Triton has Gluon)
+    GLUON = False
+
+__all__ = ["FWD_KERNELS", "TESTED_TRITON", "BLOCK", "HEAD_DIMS", "DTYPES", "KernelChoice",
+           "forward_choice", "GLUON"]
+
+FWD_KERNELS = ("portable", "hopper")
+# Triton versions whose Gluon API (warp_specialize's signature, TMA and mbarrier builtins) this
+# kernel was compiled and checked with on an H100/H200; the API moves between releases.
+TESTED_TRITON = ((3, 6),)
+BLOCK = 128  # query rows per program (two warpgroups x 64) and keys per K/V tile
+HEAD_DIMS = (128,)
+DTYPES = ("bfloat16", "float16")
+STAGES = 3  # K/V ring: 32 KB of Q + 3 x 64 KB of K, V = 224 KB of the 227 KB of shared memory
+CONSUMER_REGS = 232  # per thread, two consumer warpgroups; the producer warp keeps 24
+PRODUCER_REGS = 24
+NUM_WARPS = 4  # the default partition (consumer 0); the kernel runs 4 + 4 + 1 warps
+# "auto" takes the fast path where it measured faster than the portable kernels (H200, bf16,
+# D=128; KERNEL_NOTES "Session 21"): long lists (causal at N=8192: 32 tiles a row, 1.24x) or
+# many programs (N=32768, H=16: 4096 programs, 1.1-1.3x for every pattern). Short lists over
+# few programs (window, BigBird, strided causal at N=8192) keep the portable tile-64 kernels.
+AUTO_MIN_PROGRAMS = 2048
+AUTO_MIN_MEAN_TILES = 16.0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """Which forward kernel a call runs (``name`` in :data:`FWD_KERNELS`) and why."""
+
+    name: str
+    reason: str
+
+
+def _version(v: str) -> tuple[int, int]:
+    major, minor = v.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _ineligible(*, framework, device_kind, capability, triton_version, dtype, head_dim,
+                seq_len, kv_len, layout_ok, contiguous) -> str | None:
+    """Why the fast path cannot run this call, or None."""
+    if framework != "torch":
+        return ("jax_triton cannot launch Gluon kernels: it passes no TMA descriptors and "
+                "launches num_warps warps, not the producer and consumer partitions")
+    if device_kind != "cuda":
+        return f"the fast path is a CUDA kernel (device kind {device_kind!r})"
+    if capability != (9, 0):
+        return f"the fast path needs compute capability 9.0 (Hopper), got {capability}"
+    if not GLUON or _version(triton_version) not in TESTED_TRITON:
+        return (f"Triton {triton_version} is not one this kernel was checked with "
+                f"({', '.join(f'{a}.{b}' for a, b in TESTED_TRITON)})")
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (the fast path runs {', '.join(DTYPES)})"
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim} (the fast path runs {HEAD_DIMS})"
+    if seq_len % BLOCK or kv_len % BLOCK:
+        return f"sequence lengths {seq_len}, {kv_len} are not multiples of {BLOCK}"
+    if not layout_ok:
+        return f"the layout has no {BLOCK}-block form (built by hand at another block)"
+    if not contiguous:
+        return "q, k, v are not C-contiguous [B, H, N, D] tensors"
+    return None
+
+
+def forward_choice(*, framework: str, device_kind: str, capability, triton_version: str,
+                   dtype: str, head_dim: int, seq_len: int, kv_len: int, batch_heads: int,
+                   mean_tiles: float, layout_ok: bool, contiguous: bool) -> KernelChoice:
+    """The forward kernel of a call, under :attr:`LaunchOptions.fwd_kernel`.
+
+    ``"auto"`` runs the fast path where it is eligible and measured faster (see
+    :data:`AUTO_MIN_PROGRAMS`); ``"portable"`` always runs the portable kernel; ``"hopper"``
+    runs the fast path wherever it is eligible and raises ``ValueError`` with the reason
+    elsewhere. ``batch_heads`` is B * H of the launch, ``mean_tiles`` the mean number of listed
+    key tiles per query tile of the block-128 layout.
+    """
+    mode = _options.current().fwd_kernel
+    if mode == "portable":
+        return KernelChoice("portable", "LaunchOptions.fwd_kernel='portable'")
+    why = _ineligible(framework=framework, device_kind=device_kind, capability=capability,
+                      triton_version=triton_version, dtype=dtype, head_dim=head_dim,
+                      seq_len=seq_len, kv_len=kv_len, layout_ok=layout_ok,
+                      contiguous=contiguous)
+    if why is not None:
+        if mode == "hopper":
+            raise ValueError(f"LaunchOptions.fwd_kernel='hopper' cannot run this call: {why}")
+        return KernelChoice("portable", why)
+    if mode == "hopper":
+        return KernelChoice("hopper", "LaunchOptions.fwd_kernel='hopper'")
+    programs = batch_heads * (seq_len // BLOCK)
+    if programs >= AUTO_MIN_PROGRAMS or mean_tiles >= AUTO_MIN_MEAN_TILES:
+        return KernelChoice("hopper", f"{programs} programs, {mean_tiles:.1f} key tiles a row")
+    return KernelChoice("portable", f"short lists over few programs ({programs} programs, "
+                        f"{mean_tiles:.1f} key tiles a row): the portable kernels measured "
+                        "faster there")
+
+
+if GLUON:
+    LN2 = gl.constexpr(0.6931471805599453)
+
+    @gluon.jit
+    def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: gl.constexpr):
+        """(tile, b * H + h) of this program: :func:`sparsetp.kernels.attention._program`
+        for the forward (the same two grid forms and per-head work order)."""
+        if gl.num_programs(1) == 1:
+            g = gl.program_id(0)
+            off_bh = g // ranks
+            rank = g % ranks
+        else:
+            off_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+            rank = gl.program_id(1)
+        if ORDERED:
+            tile = gl.load(order + (off_bh % H) * stride_ch + rank * stride_cm)
+        else:
+            tile = rank
+        return tile, off_bh
+
+    @gluon.jit
+    def _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+                       stride_mr, stride_mw, N_KV, row0, s_layout: gl.constexpr,
+                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Scores [ROWS, BLOCK_N] (rows ``row0 + [0, ROWS)`` of the query tile) of list entry
+        ``e``, -inf where the pair is not allowed: the bitmask row of a partial tile (entries
+        before ``n_partial``; bit ``c % 32`` of word ``c // 32``) and keys past ``N_KV``."""
+        kb = gl.load(q_index + row + e * stride_ik)
+        c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        cols = kb * BLOCK_N + c
+        if e < n_partial:
+            mid = gl.load(q_mask_id + row + e * stride_ik)
+            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            words = gl.load(masks + mid * stride_mu + rows[:, None] * stride_mr
+                            + (c[None, :] // 32) * stride_mw)
+            ok = (((words >> (c[None, :] % 32)) & 1) != 0) & (cols[None, :] < N_KV)
+            s = gl.where(ok, s, float("-inf"))
+        elif kb * BLOCK_N + BLOCK_N > N_KV:
+            s = gl.where(cols[None, :] < N_KV, s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _fwd_loader(k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                    kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik):
+        """Producer warp: both halves of the Q tile once, then each listed K/V tile into ring
+        stage ``e % STAGES`` as soon as both consumers have freed it."""
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        STAGES_: gl.constexpr = k_smem.shape[0]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + q_desc.block_type.shape[0], 0],
+                                        q_bar, q_smem.index(1))
+        for e in range(count):
+            s = e % STAGES_
+            # A fresh mbarrier counts as completed for parity 1: the first STAGES waits pass.
+            mbarrier.wait(kv_empty.index(s), ((e // STAGES_) & 1) ^ 1)
+            r = kv_row0 + gl.load(q_index + row + e * stride_ik) * BLOCK_N
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [r, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [r, 0], v_ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _fwd_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                      kv_empty, count, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                      stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out,
+                      LSE):
+        """Consumer warpgroup: rows ``[HALF * 64, +64)`` of the query tile. Tile sizes come
+        from the buffers' shapes (constexpr arguments do not cross the partition boundary).
+
+        Per step e >= 1: issue S_e = Q K_e^T and O += P_{e-1} V_{e-1} (async), wait for S_e
+        only, mask it and compute its softmax while the P V MMA runs, then wait for that MMA,
+        free ring stage e-1 and rescale O by the new running max."""
+        SUB_M: gl.constexpr = q_smem.shape[1]
+        STAGES_: gl.constexpr = k_smem.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.shape[1]
+        HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        # P as the A operand of O += P V, from registers (32 // 16 = 2 elements per k-step).
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        q = q_smem.index(HALF)
+        row0 = HALF * SUB_M
+        m_i = gl.full([SUB_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([SUB_M], gl.float32, layout=row_s)
+        acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, layout=s_layout)
+        p = gl.zeros([SUB_M, BLOCK_N], dtype, layout=p_layout)
+        mbarrier.wait(q_bar, 0)
+        if count > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            s = _masked_scores(s, 0, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                               stride_mu, stride_mr, stride_mw, N_KV, row0, s_layout, SUB_M,
+                               BLOCK_N)
+            m_i = gl.max(s, 1) * qk_scale
+            # A row with no allowed key keeps m = -inf; subtracting 0 keeps p (and later
+            # alpha) at exp2(-inf) = 0 instead of exp2(nan).
+            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+            pf = gl.exp2(s * qk_scale - m_safe[:, None])
+            l_i = gl.sum(pf, 1)
+            p = gl.convert_layout(pf.to(dtype), p_layout)
+        for e in range(1, count):
+            st = e % STAGES_
+            pst = (e - 1) % STAGES_
+            mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            mbarrier.wait(v_ready.index(pst), ((e - 1) // STAGES_) & 1)
+            o_tok = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_e done; P V may still run
+            s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                               stride_mu, stride_mr, stride_mw, N_KV, row0, s_layout, SUB_M,
+                               BLOCK_N)
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            pf = gl.exp2(s * qk_scale - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(pf, 1)
+            m_i = m_new
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+            mbarrier.arrive(kv_empty.index(pst), count=1)  # K_{e-1} and V_{e-1} are read
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(pf.to(dtype), p_layout)
+        if count > 0:
+            last = count - 1
+            mbarrier.wait(v_ready.index(last % STAGES_), (last // STAGES_) & 1)
+            o_tok = warpgroup_mma(p, v_smem.index(last % STAGES_), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+            mbarrier.arrive(kv_empty.index(last % STAGES_), count=1)
+        # Rows with no allowed key (l = 0): output 0 and LSE -inf, never 0/0.
+        has_key = l_i > 0.0
+        l_safe = gl.where(has_key, l_i, 1.0)
+        lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        rows_o = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M, layout=row_o)
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        base = Out + (off_bh * N).to(gl.int64) * HEAD_DIM  # int64: B*H*N*D passes 2^31
+        gl.store(base + rows_o[:, None] * HEAD_DIM + cols_o[None, :], out.to(dtype))
+        rows_s = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M, layout=row_s)
+        gl.store(LSE + (off_bh * N).to(gl.int64) + rows_s, lse)
+
+    @gluon.jit
+    def _fwd_consumer0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count,
+                       n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+                       stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
+        _fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count,
+                      n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+                      stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+
+    @gluon.jit
+    def _fwd_consumer1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count,
+                       n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+                       stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
+        _fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count,
+                      n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+                      stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+
+    @gluon.jit
+    def _attn_fwd_kernel_sm90(q_desc, k_desc, v_desc,
+                              q_count, q_partial, q_index, q_mask_id, masks, q_order,
+                              qk_scale, N, N_KV, H, GROUP, H_KV,
+                              stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                              stride_mu, stride_mr, stride_mw,
+                              Out, LSE,
+                              ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              num_warps: gl.constexpr):
+        """Forward on sm_90: Out, LSE as :func:`sparsetp.kernels.attention._attn_fwd_kernel`.
+
+        q_desc, k_desc, v_desc: TMA descriptors of the ``[B * H * N, D]`` and
+        ``[B * H_kv * N_KV, D]`` views, boxes of 64 query rows / 128 key rows; Out
+        ``[B, H, N, D]`` and LSE ``[B, H, N]`` (float32) contiguous; ``qk_scale`` = scale *
+        log2(e) (softmax in base 2). N and N_KV are multiples of 128. One program per (query
+        tile, b, h) as the portable forward."""
+        SUB_M: gl.constexpr = q_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-row consumers per 128-row query tile")
+        start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M),
+                                   ORDERED)
+        off_b = off_bh // H
+        off_h = off_bh % H
+        q_row0 = off_bh * N + start_m * 2 * SUB_M
+        kv_row0 = (off_b * H_KV + off_h // GROUP) * N_KV  # GQA: kv head h // GROUP
+        count = gl.load(q_count + off_h * stride_ch + start_m * stride_cm)
+        n_partial = gl.load(q_partial + off_h * stride_ch + start_m * stride_cm)
+        row = off_h * stride_ih + start_m * stride_im
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        fence_async_shared()
+        cargs = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count, n_partial,
+                 q_index, q_mask_id, row, stride_ik, masks, stride_mu, stride_mr, stride_mw,
+                 qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+        gl.warp_specialize([
+            (_fwd_consumer0, cargs),
+            (_fwd_consumer1, cargs),
+            (_fwd_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
+                           v_ready, kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

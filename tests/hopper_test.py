@@ -1,0 +1,243 @@
+"""The sm_90 forward (:mod:`sparsetp.kernels.hopper`) and the rule that dispatches to it.
+
+* On every machine: :func:`forward_choice` takes the fast path only where it is eligible (and,
+  under ``fwd_kernel="auto"``, measured faster), names the reason otherwise, and refuses a
+  forced fast path it cannot run; the torch frontend reports the portable kernel on CPU.
+* On an sm_90 GPU: the fast path, forced, against the float64 oracle and the portable forward
+  for every example pattern (fully masked rows included), bf16 and fp16, GQA, more keys than
+  queries, a block-64 layout (re-laid at 128), a tensor-parallel head slice; bitwise
+  deterministic; its gradients (the portable backward on its output and LSE) against the
+  oracle; ``auto`` picks it where the rule says; a failing fast path warns and falls back to
+  the portable kernel with the same answer.
+"""
+
+from __future__ import annotations
+
+import unittest
+import warnings
+from unittest import mock
+
+import numpy as np
+import testing_utils as tu
+import torch
+from absl.testing import absltest, parameterized
+
+from sparsetp.backends.torch import hopper as thopper
+from sparsetp.core import make_layout, reference
+from sparsetp.core import patterns as P
+from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
+from sparsetp.kernels import hopper
+from sparsetp.kernels.options import launch_options
+from sparsetp.torch import forward_kernel, sparse_attention
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+NEEDS_SM90 = "needs an sm_90 (Hopper) GPU"
+TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _rule(**changes):
+    """forward_choice on an eligible call (changes make it otherwise)."""
+    kw = dict(framework="torch", device_kind="cuda", capability=(9, 0),
+              triton_version="3.6.0", dtype="bfloat16", head_dim=128, seq_len=8192,
+              kv_len=8192, batch_heads=16, mean_tiles=32.0, layout_ok=True, contiguous=True)
+    kw.update(changes)
+    return hopper.forward_choice(**kw)
+
+
+class ForwardChoiceTest(parameterized.TestCase):
+
+    def test_eligible_long_lists_take_the_fast_path(self):
+        self.assertEqual(_rule().name, "hopper")
+
+    @parameterized.named_parameters(
+        ("jax", {"framework": "jax"}, "jax_triton"),
+        ("cpu", {"device_kind": "cpu"}, "CUDA kernel"),
+        ("ampere", {"capability": (8, 0)}, "9.0"),
+        ("blackwell", {"capability": (10, 0)}, "9.0"),
+        ("untested_triton", {"triton_version": "3.9.0"}, "Triton 3.9.0"),
+        ("float32", {"dtype": "float32"}, "dtype float32"),
+        ("head_dim_64", {"head_dim": 64}, "head dim 64"),
+        ("ragged_queries", {"seq_len": 8000}, "multiples of 128"),
+        ("ragged_keys", {"kv_len": 8100}, "multiples of 128"),
+        ("hand_built_layout", {"layout_ok": False}, "128-block form"),
+        ("strided", {"contiguous": False}, "C-contiguous"),
+    )
+    def test_ineligible_names_the_reason_and_forcing_raises(self, changes, words):
+        choice = _rule(**changes)
+        self.assertEqual(choice.name, "portable")
+        self.assertIn(words, choice.reason)
+        with launch_options(fwd_kernel="hopper"):
+            with self.assertRaisesRegex(ValueError, "fwd_kernel='hopper' cannot run"):
+                _rule(**changes)
+
+    def test_auto_rule_thresholds(self):
+        few = 16 * 8192 // 128  # 1024 programs
+        self.assertLess(few, hopper.AUTO_MIN_PROGRAMS)
+        short = _rule(mean_tiles=hopper.AUTO_MIN_MEAN_TILES - 0.5)
+        self.assertEqual(short.name, "portable")
+        self.assertIn("short lists", short.reason)
+        self.assertEqual(_rule(mean_tiles=hopper.AUTO_MIN_MEAN_TILES).name, "hopper")
+        many = _rule(mean_tiles=4.0, seq_len=32768, kv_len=32768)
+        self.assertEqual(many.name, "hopper")
+        with launch_options(fwd_kernel="hopper"):
+            self.assertEqual(_rule(mean_tiles=1.0).name, "hopper")
+        with launch_options(fwd_kernel="portable"):
+            self.assertEqual(_rule().name, "portable")
+
+    def test_fwd_kernel_option_is_checked(self):
+        with self.assertRaisesRegex(ValueError, "fwd_kernel must be one of"):
+            with launch_options(fwd_kernel="fast"):
+                pass
+
+    def test_torch_frontend_on_cpu_reports_portable(self):
+        q = torch.randn(1, 2, 256, 128)
+        choice = forward_kernel(q, q, q, make_layout(P.causal(), 256, 2, 128))
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("'cpu'", choice.reason)
+
+    def test_jax_frontend_reports_portable_and_refuses_a_forced_fast_path(self):
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from sparsetp import jax as sjax  # noqa: PLC0415
+
+        q = jnp.zeros((1, 2, 256, 128), jnp.bfloat16)
+        layout = make_layout(P.causal(), 256, 2, 128)
+        choice = sjax.forward_kernel(q, q, q, layout)
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("jax_triton", choice.reason)
+        with launch_options(fwd_kernel="hopper"):
+            with self.assertRaisesRegex(ValueError, "jax_triton"):
+                sjax.sparse_attention(q, q, q, layout)
+
+    def test_layout_128(self):
+        lay64 = make_layout(P.causal(), 512, 4, 64)
+        lay = thopper.layout_128(lay64)
+        self.assertEqual(lay.block_size, 128)
+        np.testing.assert_array_equal(lay.dense_mask(), lay64.dense_mask())
+        self.assertIs(thopper.layout_128(lay64), lay)  # cached
+        self.assertIs(thopper.layout_128(lay), lay)
+        part = thopper.layout_128(lay64.heads(2, 4))
+        np.testing.assert_array_equal(part.dense_mask(), lay64.heads(2, 4).dense_mask())
+
+
+def _inputs(seed, b, h, h_kv, n, n_kv, d, dtype):
+    xs = tu.random_inputs(seed, (b, h, n, d), dtype, 2) + tu.random_inputs(
+        seed + 100, (b, h_kv, n_kv, d), dtype, 2)
+    q, d_out, k, v = xs
+    return q, k, v, d_out
+
+
+def _cuda(x, dtype, grad=False):
+    return torch.tensor(x, dtype=TORCH_DTYPE[dtype], device="cuda", requires_grad=grad)
+
+
+@unittest.skipUnless(SM90, NEEDS_SM90)
+class Sm90ForwardTest(parameterized.TestCase):
+
+    def _check(self, layout, q, k, v, d_out, dtype, grads=True):
+        """The forced fast path against the float64 oracle and the portable forward; its
+        gradients against the oracle's."""
+        tq, tk, tv = (_cuda(x, dtype, grad=grads) for x in (q, k, v))
+        with launch_options(fwd_kernel="hopper"):
+            self.assertEqual(forward_kernel(tq, tk, tv, layout).name, "hopper")
+            out, lse = sparse_attention(tq, tk, tv, layout, return_lse=True)
+            again = sparse_attention(tq, tk, tv, layout)
+        self.assertTrue(torch.equal(out, again), "not deterministic")
+        with launch_options(fwd_kernel="portable"):
+            ref_out, ref_lse = sparse_attention(tq, tk, tv, layout, return_lse=True)
+        ora_out, ora_lse = reference.attention(q, k, v, layout)
+        tu.assert_close(out.detach().float().cpu(), ora_out, dtype, what="out vs oracle")
+        tu.assert_close(lse.detach().cpu(), ora_lse, dtype, what="lse vs oracle")
+        tu.assert_close(out.detach().float().cpu(), ref_out.detach().float().cpu(), dtype,
+                        what="out vs portable")
+        self.assertTrue(torch.equal(torch.isinf(lse), torch.isinf(ref_lse)))
+        if grads:
+            out.backward(_cuda(d_out, dtype))
+            ora = reference.attention_grad(q, k, v, layout, d_out)
+            for name, t, e in zip(("dq", "dk", "dv"), (tq, tk, tv), ora, strict=True):
+                tu.assert_close(t.grad.float().cpu(), e, dtype, grad=True, what=name)
+        return out
+
+    @parameterized.named_parameters((name, name) for name in sorted(EXAMPLE_PATTERNS))
+    def test_example_patterns_bf16(self, name):
+        n, h = 512, 2
+        layout = make_layout(example_pattern(name, n, 128), n, h, 128)
+        self._check(layout, *_inputs(1, 1, h, h, n, n, 128, "bfloat16"), "bfloat16")
+
+    @parameterized.named_parameters(("causal", "causal"), ("per_head_mix", "per_head_mix"),
+                                    ("masked_rows", "masked_rows"))
+    def test_float16(self, name):
+        n, h = 384, 3
+        layout = make_layout(example_pattern(name, n, 128), n, h, 128)
+        self._check(layout, *_inputs(2, 2, h, h, n, n, 128, "float16"), "float16")
+
+    def test_fully_masked_rows_are_zero_with_lse_minus_inf(self):
+        n = 512
+        layout = make_layout(example_pattern("masked_rows", n, 128), n, 2, 128)
+        q, k, v, d_out = _inputs(3, 1, 2, 2, n, n, 128, "bfloat16")
+        out = self._check(layout, q, k, v, d_out, "bfloat16")
+        empty = ~layout.dense_mask().any(-1)  # [H, N]
+        self.assertTrue(empty.any(), "the pattern should have fully masked rows")
+        self.assertEqual(float(out[0][torch.from_numpy(empty)].abs().max()), 0.0)
+
+    def test_gqa(self):
+        n, h, h_kv = 512, 4, 2
+        layout = make_layout(example_pattern("per_head_mix", n, 128), n, h, 128)
+        self._check(layout, *_inputs(4, 2, h, h_kv, n, n, 128, "bfloat16"), "bfloat16")
+
+    def test_more_keys_than_queries(self):
+        n, n_kv, h = 256, 640, 2
+        layout = make_layout(P.causal(), n, h, 128, kv_len=n_kv)
+        self._check(layout, *_inputs(5, 1, h, h, n, n_kv, 128, "bfloat16"), "bfloat16")
+
+    def test_block_64_layout_runs_at_128(self):
+        n, h = 512, 2
+        layout = make_layout(example_pattern("bigbird", n, 64), n, h, 64)
+        self._check(layout, *_inputs(6, 1, h, h, n, n, 128, "bfloat16"), "bfloat16")
+
+    def test_head_slice(self):
+        n = 512
+        whole = make_layout(example_pattern("per_head_mix", n, 128), n, 4, 128)
+        self._check(whole.heads(2, 4), *_inputs(7, 1, 2, 2, n, n, 128, "bfloat16"),
+                    "bfloat16")
+
+    def test_auto_takes_the_fast_path_where_the_rule_says(self):
+        n = 2048
+        q = torch.randn(1, 2, n, 128, device="cuda", dtype=torch.bfloat16)
+        long = make_layout(P.causal(), n, 2, 128)  # 8.5 key tiles a row: short
+        self.assertEqual(forward_kernel(q, q, q, long).name, "portable")
+        q16 = torch.randn(1, 64, n, 128, device="cuda", dtype=torch.bfloat16)  # 1024 programs
+        lay16 = make_layout(P.causal(), n, 64, 128)
+        self.assertEqual(forward_kernel(q16, q16, q16, lay16).name, "portable")
+        q_many = torch.randn(2, 64, n, 128, device="cuda", dtype=torch.bfloat16)  # 2048
+        self.assertEqual(forward_kernel(q_many, q_many, q_many, lay16).name, "hopper")
+        ragged = make_layout(P.causal(), n - 8, 2, 128)
+        self.assertIn("multiples of 128",
+                      forward_kernel(q[:, :, 8:], q[:, :, 8:], q[:, :, 8:], ragged).reason)
+        strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+        self.assertIn("C-contiguous", forward_kernel(strided, strided, strided, long).reason)
+        f32 = q.float()
+        self.assertIn("dtype", forward_kernel(f32, f32, f32, long).reason)
+
+    def test_a_failing_fast_path_warns_and_falls_back(self):
+        n, h = 512, 2
+        layout = make_layout(P.causal(), n, h, 128)
+        q, k, v, _ = (_cuda(x, "bfloat16") for x in _inputs(8, 1, h, h, n, n, 128, "bfloat16"))
+        with launch_options(fwd_kernel="portable"):
+            ref = sparse_attention(q, k, v, layout)
+        broken = mock.MagicMock()
+        broken.__getitem__.side_effect = RuntimeError("compile failed (simulated)")
+        with launch_options(fwd_kernel="hopper"), \
+                mock.patch.object(hopper, "_attn_fwd_kernel_sm90", broken), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = sparse_attention(q, k, v, layout)
+            choice = forward_kernel(q, k, v, layout)
+        self.assertTrue(torch.equal(out, ref))
+        self.assertTrue(any("sm_90 forward failed" in str(w.message) for w in caught))
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("compile failed (simulated)", choice.reason)
+
+
+if __name__ == "__main__":
+    absltest.main()
