@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from sparsetp.kernels import hopper
-from sparsetp.kernels.hopper import _masked_scores, _program
+from sparsetp.kernels.hopper import _finish, _masked_scores, _online_softmax, _program
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report registers/shared")
@@ -55,7 +55,6 @@ flags.DEFINE_integer("head_dim", 128, "D")
 flags.DEFINE_integer("rounds", 3, "interleaved timing rounds")
 flags.DEFINE_string("out", None, "write the records here as JSON")
 
-LN2 = gl.constexpr(0.6931471805599453)
 BLOCK = 128
 NUM_WARPS = 8
 STAGES = 2
@@ -139,10 +138,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc,
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         s = _masked_scores(s, 0, n_partial, q_index, q_mask_id, row, stride_ik, masks,
                            stride_mu, stride_mr, stride_mw, N_KV, 0, s_layout, BLOCK_M, BLOCK_N)
-        m_i = gl.max(s, 1) * qk_scale
-        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-        pf = gl.exp2(s * qk_scale - m_safe[:, None])
-        l_i = gl.sum(pf, 1)
+        pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
         p = gl.convert_layout(pf.to(dtype), p_layout)
 
     for e in range(1, count):
@@ -158,13 +154,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc,
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
                            stride_mu, stride_mr, stride_mw, N_KV, 0, s_layout, BLOCK_M, BLOCK_N)
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        # A row with no allowed key so far keeps m = -inf; subtracting 0 keeps alpha and p at 0.
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        pf = gl.exp2(s * qk_scale - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(pf, 1)
-        m_i = m_new
+        pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         # Stage pst is free now (its K fed the previous S, its V the MMA just waited on).
         _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, q_index, row, e + 1, count,
@@ -183,11 +173,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc,
         mbarrier.invalidate(k_bar.index(i))
         mbarrier.invalidate(v_bar.index(i))
 
-    # Rows with no allowed key (l = 0): output 0 and LSE -inf, never 0/0.
-    has_key = l_i > 0.0
-    l_safe = gl.where(has_key, l_i, 1.0)
-    lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    out, lse = _finish(acc, m_i, l_i, row_o)
     rows_o = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
     cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     base = Out + (off_bh * N).to(gl.int64) * HEAD_DIM
@@ -198,11 +184,16 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc,
 
 
 # name -> (kernel, query rows per TMA box, constexprs, num_warps of the default partition)
-_WS = {"CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
+_WS = {"CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS,
+       "PINGPONG": False}
 VARIANTS = {
     "plain": ("_gluon_attn_fwd", BLOCK, {}, NUM_WARPS),
     "ws2": ("_attn_fwd_kernel_sm90", BLOCK // 2, {"STAGES": 2, **_WS}, hopper.NUM_WARPS),
     "ws3": ("_attn_fwd_kernel_sm90", BLOCK // 2, {"STAGES": 3, **_WS}, hopper.NUM_WARPS),
+    "ws2pp": ("_attn_fwd_kernel_sm90", BLOCK // 2, {"STAGES": 2, **_WS, "PINGPONG": True},
+              hopper.NUM_WARPS),
+    "ws3pp": ("_attn_fwd_kernel_sm90", BLOCK // 2, {"STAGES": 3, **_WS, "PINGPONG": True},
+              hopper.NUM_WARPS),
 }
 
 

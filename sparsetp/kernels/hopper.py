@@ -70,6 +70,7 @@ DTYPES = ("bfloat16", "float16")
 STAGES = 3  # K/V ring: 32 KB of Q + 3 x 64 KB of K, V = 224 KB of the 227 KB of shared memory
 CONSUMER_REGS = 232  # per thread, two consumer warpgroups; the producer warp keeps 24
 PRODUCER_REGS = 24
+PINGPONG = True  # FA3's inter-warpgroup ping-pong: 1-3% faster on 9 of 10 cases (KERNEL_NOTES)
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel runs 4 + 4 + 1 warps
 # "auto" takes the fast path where it measured faster than the portable kernels (H200, bf16,
 # D=128; KERNEL_NOTES "Session 21"): long lists (causal at N=8192: 32 tiles a row, 1.24x) or
@@ -192,6 +193,27 @@ if GLUON:
         return s
 
     @gluon.jit
+    def _online_softmax(s, m_i, l_i, qk_scale):
+        """One online-softmax step on raw scores ``s``: (p in fp32, alpha to rescale the
+        accumulator by, the new running max, the new running sum), in base 2."""
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        # A row with no allowed key so far keeps m = -inf; subtracting 0 instead keeps alpha
+        # and p at exp2(-inf) = 0 rather than exp2(nan).
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s * qk_scale - m_safe[:, None])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _finish(acc, m_i, l_i, row_layout: gl.constexpr):
+        """(out, LSE in natural log) of the final state. Rows with no allowed key (l = 0) give
+        output 0 and LSE -inf, never 0/0."""
+        has_key = l_i > 0.0
+        l_safe = gl.where(has_key, l_i, 1.0)
+        lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+        return acc / gl.convert_layout(l_safe, row_layout)[:, None], lse
+
+    @gluon.jit
     def _fwd_loader(k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                     kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik):
         """Producer warp: both halves of the Q tile once, then each listed K/V tile into ring
@@ -214,7 +236,7 @@ if GLUON:
 
     @gluon.jit
     def _fwd_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                      kv_empty, count, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                      kv_empty, turn, count, n_partial, q_index, q_mask_id, row, stride_ik, masks,
                       stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out,
                       LSE):
         """Consumer warpgroup: rows ``[HALF * 64, +64)`` of the query tile. Tile sizes come
@@ -222,7 +244,12 @@ if GLUON:
 
         Per step e >= 1: issue S_e = Q K_e^T and O += P_{e-1} V_{e-1} (async), wait for S_e
         only, mask it and compute its softmax while the P V MMA runs, then wait for that MMA,
-        free ring stage e-1 and rescale O by the new running max."""
+        free ring stage e-1 and rescale O by the new running max.
+
+        With two ``turn`` barriers (FA3's ping-pong), the warpgroups take turns to issue their
+        MMAs: each waits for its turn, issues, and hands the turn to the other, so one
+        warpgroup's softmax runs while the other's MMAs hold the tensor cores."""
+        PINGPONG: gl.constexpr = turn.shape[0] == 2
         SUB_M: gl.constexpr = q_smem.shape[1]
         STAGES_: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -245,39 +272,39 @@ if GLUON:
         s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, layout=s_layout)
         p = gl.zeros([SUB_M, BLOCK_N], dtype, layout=p_layout)
         mbarrier.wait(q_bar, 0)
+        if PINGPONG and HALF == 1:
+            mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
         if count > 0:
             mbarrier.wait(k_ready.index(0), 0)
+            if PINGPONG:
+                mbarrier.wait(turn.index(HALF), 0)
             s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
             s = _masked_scores(s, 0, n_partial, q_index, q_mask_id, row, stride_ik, masks,
                                stride_mu, stride_mr, stride_mw, N_KV, row0, s_layout, SUB_M,
                                BLOCK_N)
-            m_i = gl.max(s, 1) * qk_scale
-            # A row with no allowed key keeps m = -inf; subtracting 0 keeps p (and later
-            # alpha) at exp2(-inf) = 0 instead of exp2(nan).
-            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-            pf = gl.exp2(s * qk_scale - m_safe[:, None])
-            l_i = gl.sum(pf, 1)
+            pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             p = gl.convert_layout(pf.to(dtype), p_layout)
         for e in range(1, count):
             st = e % STAGES_
             pst = (e - 1) % STAGES_
             mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(HALF), e & 1)
             s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
             mbarrier.wait(v_ready.index(pst), ((e - 1) // STAGES_) & 1)
             o_tok = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_e done; P V may still run
             s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
                                stride_mu, stride_mr, stride_mw, N_KV, row0, s_layout, SUB_M,
                                BLOCK_N)
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            pf = gl.exp2(s * qk_scale - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(pf, 1)
-            m_i = m_new
+            pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(kv_empty.index(pst), count=1)  # K_{e-1} and V_{e-1} are read
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -285,14 +312,14 @@ if GLUON:
         if count > 0:
             last = count - 1
             mbarrier.wait(v_ready.index(last % STAGES_), (last // STAGES_) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(HALF), count & 1)
             o_tok = warpgroup_mma(p, v_smem.index(last % STAGES_), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - HALF), count=1)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(kv_empty.index(last % STAGES_), count=1)
-        # Rows with no allowed key (l = 0): output 0 and LSE -inf, never 0/0.
-        has_key = l_i > 0.0
-        l_safe = gl.where(has_key, l_i, 1.0)
-        lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        out, lse = _finish(acc, m_i, l_i, row_o)
         rows_o = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M, layout=row_o)
         cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         base = Out + (off_bh * N).to(gl.int64) * HEAD_DIM  # int64: B*H*N*D passes 2^31
@@ -301,18 +328,18 @@ if GLUON:
         gl.store(LSE + (off_bh * N).to(gl.int64) + rows_s, lse)
 
     @gluon.jit
-    def _fwd_consumer0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count,
+    def _fwd_consumer0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count,
                        n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                        stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
-        _fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count,
+        _fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count,
                       n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                       stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
 
     @gluon.jit
-    def _fwd_consumer1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count,
+    def _fwd_consumer1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count,
                        n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                        stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
-        _fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count,
+        _fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count,
                       n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                       stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
 
@@ -325,7 +352,7 @@ if GLUON:
                               Out, LSE,
                               ORDERED: gl.constexpr, STAGES: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              PINGPONG: gl.constexpr, num_warps: gl.constexpr):
         """Forward on sm_90: Out, LSE as :func:`sparsetp.kernels.attention._attn_fwd_kernel`.
 
         q_desc, k_desc, v_desc: TMA descriptors of the ``[B * H * N, D]`` and
@@ -355,13 +382,19 @@ if GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # The consumers read PINGPONG off this array's length (constexprs stay on this side of
+        # the partition boundary).
+        turn = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1],
+                                         mbarrier.MBarrierLayout())
+        for i in gl.static_range(2 if PINGPONG else 1):
+            mbarrier.init(turn.index(i), count=1)
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
         fence_async_shared()
-        cargs = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, count, n_partial,
+        cargs = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count, n_partial,
                  q_index, q_mask_id, row, stride_ik, masks, stride_mu, stride_mr, stride_mw,
                  qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
         gl.warp_specialize([

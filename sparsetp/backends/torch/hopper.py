@@ -119,7 +119,7 @@ class Sm90Forward:
             hopper._attn_fwd_kernel_sm90[self.grid](
                 *descs, *self.args, out, lse, ORDERED=self.ordered, STAGES=hopper.STAGES,
                 CONSUMER_REGS=hopper.CONSUMER_REGS, PRODUCER_REGS=hopper.PRODUCER_REGS,
-                num_warps=hopper.NUM_WARPS)
+                PINGPONG=hopper.PINGPONG, num_warps=hopper.NUM_WARPS)
 
 
 def aligned(*tensors: torch.Tensor) -> bool:
