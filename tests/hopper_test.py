@@ -71,13 +71,14 @@ class ForwardChoiceTest(parameterized.TestCase):
                 _rule(**changes)
 
     def test_auto_rule_thresholds(self):
-        few = 16 * 8192 // 128  # 1024 programs
+        few = 16 * 4096 // 128  # 512 programs
         self.assertLess(few, hopper.AUTO_MIN_PROGRAMS)
-        short = _rule(mean_tiles=hopper.AUTO_MIN_MEAN_TILES - 0.5)
+        short = _rule(mean_tiles=hopper.AUTO_MIN_MEAN_TILES - 0.5, seq_len=4096, kv_len=4096)
         self.assertEqual(short.name, "portable")
         self.assertIn("short lists", short.reason)
-        self.assertEqual(_rule(mean_tiles=hopper.AUTO_MIN_MEAN_TILES).name, "hopper")
-        many = _rule(mean_tiles=4.0, seq_len=32768, kv_len=32768)
+        self.assertEqual(_rule(mean_tiles=hopper.AUTO_MIN_MEAN_TILES, seq_len=4096,
+                               kv_len=4096).name, "hopper")
+        many = _rule(mean_tiles=4.0, seq_len=8192, kv_len=8192)
         self.assertEqual(many.name, "hopper")
         with launch_options(fwd_kernel="hopper"):
             self.assertEqual(_rule(mean_tiles=1.0).name, "hopper")
@@ -204,12 +205,12 @@ class Sm90ForwardTest(parameterized.TestCase):
     def test_auto_takes_the_fast_path_where_the_rule_says(self):
         n = 2048
         q = torch.randn(1, 2, n, 128, device="cuda", dtype=torch.bfloat16)
-        long = make_layout(P.causal(), n, 2, 128)  # 8.5 key tiles a row: short
+        long = make_layout(P.causal(), n, 2, 128)  # 8.5 key tiles a row, 32 programs
         self.assertEqual(forward_kernel(q, q, q, long).name, "portable")
-        q16 = torch.randn(1, 64, n, 128, device="cuda", dtype=torch.bfloat16)  # 1024 programs
-        lay16 = make_layout(P.causal(), n, 64, 128)
+        q16 = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)  # 512 programs
+        lay16 = make_layout(P.causal(), n, 32, 128)
         self.assertEqual(forward_kernel(q16, q16, q16, lay16).name, "portable")
-        q_many = torch.randn(2, 64, n, 128, device="cuda", dtype=torch.bfloat16)  # 2048
+        q_many = torch.randn(2, 32, n, 128, device="cuda", dtype=torch.bfloat16)  # 1024
         self.assertEqual(forward_kernel(q_many, q_many, q_many, lay16).name, "hopper")
         ragged = make_layout(P.causal(), n - 8, 2, 128)
         self.assertIn("multiples of 128",

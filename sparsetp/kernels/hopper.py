@@ -73,11 +73,12 @@ PRODUCER_REGS = 24
 PINGPONG = True  # FA3's inter-warpgroup ping-pong: 1-3% faster on 9 of 10 cases (KERNEL_NOTES)
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel runs 4 + 4 + 1 warps
 # "auto" takes the fast path where it measured faster than the portable kernels (H200, bf16,
-# D=128; KERNEL_NOTES "Session 21"): long lists (causal at N=8192: 32 tiles a row, 1.24x) or
-# many programs (N=32768, H=16: 4096 programs, 1.1-1.3x for every pattern). Short lists over
-# few programs (window, BigBird, strided causal at N=8192) keep the portable tile-64 kernels.
-AUTO_MIN_PROGRAMS = 2048
-AUTO_MIN_MEAN_TILES = 16.0
+# D=128, H=16; KERNEL_NOTES "Session 21"): from 1024 programs (N=8192 and up: 1.05-1.37x on
+# window, BigBird, strided causal, causal and a per-head mix) or on long lists. At N=4096 (512
+# programs) short lists went either way (0.84-1.14x, strided causal's partial tiles slowest)
+# and causal's 16 tiles a row tied (0.98x), so those keep the portable kernels.
+AUTO_MIN_PROGRAMS = 1024
+AUTO_MIN_MEAN_TILES = 32.0
 
 
 @dataclasses.dataclass(frozen=True)
