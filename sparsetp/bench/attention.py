@@ -731,6 +731,10 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
     if bp.check is not None:
         bp.check(layout, sets, case, rec)
+    from sparsetp.torch import forward_kernel  # noqa: PLC0415
+
+    # Which forward runs (the sm_90 Gluon kernel or the portable one; the backward is portable).
+    rec["fwd_kernel"] = forward_kernel(*sets[0][:3], layout).name
     f, fb, g = _torch_pair(lambda q, k, v: sparse_attention(q, k, v, layout), sets)
     return Prepared(f, fb, g)
 

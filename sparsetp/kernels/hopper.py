@@ -70,7 +70,7 @@ DTYPES = ("bfloat16", "float16")
 STAGES = 3  # K/V ring: 32 KB of Q + 3 x 64 KB of K, V = 224 KB of the 227 KB of shared memory
 CONSUMER_REGS = 232  # per thread, two consumer warpgroups; the producer warp keeps 24
 PRODUCER_REGS = 24
-PINGPONG = True  # FA3's inter-warpgroup ping-pong: 1-3% faster on 9 of 10 cases (KERNEL_NOTES)
+PINGPONG = True  # FA3's inter-warpgroup ping-pong: 1-4% faster on 9 of 10 cases (KERNEL_NOTES)
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel runs 4 + 4 + 1 warps
 # "auto" takes the fast path where it measured faster than the portable kernels (H200, bf16,
 # D=128, H=16; KERNEL_NOTES "Session 21"): from 1024 programs (N=8192 and up: 1.05-1.37x on

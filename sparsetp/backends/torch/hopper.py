@@ -80,7 +80,8 @@ class Sm90Forward:
     """One plan's sm_90 forward: the block-128 metadata on q's device, the grid and work order
     of the portable forward for that layout, and the TMA box layouts."""
 
-    __slots__ = ("meta", "args", "grid", "ordered", "box_layout", "qk_scale")
+    __slots__ = ("meta", "args", "arg_values", "grid", "ordered", "box_layout", "qk_scale",
+                 "compiled")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, lay, scale: float):
         from triton.experimental.gluon import language as gl  # noqa: PLC0415
@@ -97,6 +98,10 @@ class Sm90Forward:
         arrays, strides = abi._check_meta(meta, "q", h, n // hopper.BLOCK, hopper.BLOCK)
         self.qk_scale = float(scale) * 1.4426950408889634  # softmax in base 2 (exp2)
         self.args = (*arrays, self.qk_scale, n, n_kv, h, h // h_kv, h_kv, *strides)
+        # The direct launch's values: metadata as pointers (kept alive by ``meta``).
+        self.arg_values = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                for a in self.args)
+        self.compiled = None  # Triton's compiled kernel, once the JIT entry has launched it
         self.grid = schedule.list_grid(b, h, n // hopper.BLOCK,
                                        schedule.grid_group(meta, "q", b, h))
         self.ordered = _options.current().work_order != "natural"
@@ -105,10 +110,27 @@ class Sm90Forward:
                            gl.NVMMASharedLayout.get_default_for([hopper.BLOCK, d], gdt))
 
     def run(self, q, k, v, out, lse) -> None:
-        """Launch on this call's tensors (contiguous, 16-byte aligned: :func:`aligned`)."""
+        """Launch on this call's tensors (contiguous, 16-byte aligned: :func:`aligned`).
+
+        The first launch goes through Triton's JIT entry (which compiles); later ones call the
+        compiled kernel directly, as ``launch.run`` does for the portable kernels: everything
+        Triton specialised on is fixed by the plan (shapes, strides, dtypes, 16-byte
+        alignment), and the launcher reads of a descriptor argument only its base pointer,
+        shape, strides and padding (:class:`_Box`), so the descriptors' checks and the JIT
+        entry's binding are not paid per call."""
+        d = q.shape[-1]
+        device = q.device.index
+        if (self.compiled is not None and _launch.direct_launch_enabled()
+                and torch.cuda.current_device() == device and _launch._launch_hooks() is None):
+            c = self.compiled
+            boxes = (_Box(q, d), _Box(k, d), _Box(v, d))
+            c.run(*self.grid, _launch._current_stream(device), c.function, c.packed_metadata,
+                  None, None, None, *boxes, *self.arg_values, out.data_ptr(), lse.data_ptr(),
+                  self.ordered, hopper.STAGES, hopper.CONSUMER_REGS, hopper.PRODUCER_REGS,
+                  hopper.PINGPONG, hopper.NUM_WARPS)
+            return
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
 
-        d = q.shape[-1]
         q_box, kv_box = self.box_layout
         q2, k2, v2 = q.view(-1, d), k.view(-1, d), v.view(-1, d)
         descs = (TensorDescriptor(q2, list(q2.shape), [d, 1], [hopper.BLOCK // 2, d], q_box),
@@ -116,10 +138,21 @@ class Sm90Forward:
                  TensorDescriptor(v2, list(v2.shape), [d, 1], [hopper.BLOCK, d], kv_box))
         _launch._restore_cache_dir()
         with torch.cuda.device(q.device):
-            hopper._attn_fwd_kernel_sm90[self.grid](
+            self.compiled = hopper._attn_fwd_kernel_sm90[self.grid](
                 *descs, *self.args, out, lse, ORDERED=self.ordered, STAGES=hopper.STAGES,
                 CONSUMER_REGS=hopper.CONSUMER_REGS, PRODUCER_REGS=hopper.PRODUCER_REGS,
                 PINGPONG=hopper.PINGPONG, num_warps=hopper.NUM_WARPS)
+
+
+class _Box:
+    """What Triton's launcher reads of a host tensor descriptor (``make_tensordesc_arg``): the
+    ``[rows, d]`` view of a contiguous tensor."""
+
+    __slots__ = ("base", "shape", "strides")
+    padding = "zero"
+
+    def __init__(self, t: torch.Tensor, d: int):
+        self.base, self.shape, self.strides = t, [t.numel() // d, d], [d, 1]
 
 
 def aligned(*tensors: torch.Tensor) -> bool:
