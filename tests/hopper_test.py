@@ -40,7 +40,8 @@ def _rule(**changes):
     """forward_choice on an eligible call (changes make it otherwise)."""
     kw = dict(framework="torch", device_kind="cuda", capability=(9, 0),
               triton_version="3.6.0", dtype="bfloat16", head_dim=128, seq_len=8192,
-              kv_len=8192, batch_heads=16, mean_tiles=32.0, layout_ok=True, contiguous=True)
+              kv_len=8192, batch_heads=16, mean_tiles=32.0, layout_ok=True, contiguous=True,
+              scale=128 ** -0.5)
     kw.update(changes)
     return hopper.forward_choice(**kw)
 
@@ -62,6 +63,8 @@ class ForwardChoiceTest(parameterized.TestCase):
         ("ragged_keys", {"kv_len": 8100}, "multiples of 128"),
         ("hand_built_layout", {"layout_ok": False}, "128-block form"),
         ("strided", {"contiguous": False}, "C-contiguous"),
+        ("zero_scale", {"scale": 0.0}, "not positive"),
+        ("negative_scale", {"scale": -0.3}, "not positive"),
     )
     def test_ineligible_names_the_reason_and_forcing_raises(self, changes, words):
         choice = _rule(**changes)
@@ -140,10 +143,14 @@ class Sm90ForwardTest(parameterized.TestCase):
         """The forced fast path against the float64 oracle and the portable forward; its
         gradients against the oracle's."""
         tq, tk, tv = (_cuda(x, dtype, grad=grads) for x in (q, k, v))
-        with launch_options(fwd_kernel="hopper"):
+        # A fast path that failed would warn and run the portable forward: make that an error,
+        # and ask again afterwards which kernel the plan runs.
+        with launch_options(fwd_kernel="hopper"), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
             self.assertEqual(forward_kernel(tq, tk, tv, layout).name, "hopper")
             out, lse = sparse_attention(tq, tk, tv, layout, return_lse=True)
             again = sparse_attention(tq, tk, tv, layout)
+            self.assertEqual(forward_kernel(tq, tk, tv, layout).name, "hopper")
         self.assertTrue(torch.equal(out, again), "not deterministic")
         with launch_options(fwd_kernel="portable"):
             ref_out, ref_lse = sparse_attention(tq, tk, tv, layout, return_lse=True)
@@ -230,11 +237,37 @@ class Sm90ForwardTest(parameterized.TestCase):
             entry = mock.MagicMock()
             with mock.patch.object(hopper, "_attn_fwd_kernel_sm90", entry):
                 later = [sparse_attention(q, k, v, layout) for _ in range(2)]
-            q2 = q.clone()  # other storage: the pointers are read per call
+            q2 = torch.randn_like(q)  # other storage and values: pointers are read per call
             moved = sparse_attention(q2, k, v, layout)
         entry.__getitem__.assert_not_called()
-        for out in (*later, moved):
+        for out in later:
             self.assertTrue(torch.equal(out, first))
+        with launch_options(fwd_kernel="portable"):
+            moved_ref = sparse_attention(q2, k, v, layout)
+        self.assertFalse(torch.equal(moved, first))
+        tu.assert_close(moved.float().cpu(), moved_ref.float().cpu(), "bfloat16",
+                        what="direct launch on new inputs vs portable")
+
+    def test_misaligned_inputs_run_portable_and_say_so(self):
+        n = 8192  # causal: 32.5 key tiles a row, so "auto" takes the fast path when it can
+        layout = make_layout(P.causal(), n, 1, 128)
+        q, k, v = (torch.randn(1, 1, n, 128, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        buf = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+        q_odd = buf[1:].view(q.shape)  # contiguous, 2 bytes past a 16-byte boundary
+        q_odd.copy_(q)
+        self.assertEqual(forward_kernel(q, k, v, layout).name, "hopper")
+        choice = forward_kernel(q_odd, k, v, layout)
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("16-byte boundary", choice.reason)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            out = sparse_attention(q_odd, k, v, layout)
+        with launch_options(fwd_kernel="portable"):
+            self.assertTrue(torch.equal(out, sparse_attention(q_odd, k, v, layout)))
+        with launch_options(fwd_kernel="hopper"):
+            with self.assertRaisesRegex(ValueError, "16-byte boundary"):
+                sparse_attention(q_odd, k, v, layout)
 
     def test_a_failing_fast_path_warns_and_falls_back(self):
         n, h = 512, 2

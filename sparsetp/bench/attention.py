@@ -710,6 +710,8 @@ def _torch_pair(fn, sets):
 
 
 def _prep_sparsetp(cfg, case, layout, bp, rec):
+    import torch  # noqa: PLC0415
+
     from sparsetp.torch import sparse_attention  # noqa: PLC0415
 
     if (_kernels_kind(cfg) == "interpreter"
@@ -718,22 +720,27 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
                    f"{cfg.max_interp_tiles}")
     from sparsetp.kernels import schedule  # noqa: PLC0415
 
-    # The tile the kernels run at (the layout's block, or the same pattern re-laid at another
-    # block by schedule.kernel_layout's cost model on CUDA).
+    # The tile the portable kernels run at (the layout's block, or the same pattern re-laid at
+    # another block by schedule.kernel_layout's cost model on CUDA); the sm_90 forward, where
+    # "fwd_kernel" says it ran, runs at 128.
     rec["kernel_block"] = schedule.kernel_layout(
         layout, _kernels_kind(cfg), head_dim=case["D"], dtype=case["dtype"]).block_size
     if _kernels_kind(cfg) == "cuda":
         from sparsetp.backends.torch import native  # noqa: PLC0415
 
         # Timed calls after the warm-up run the eager path users get: the C++ autograd node
-        # once its extension has built ("ready"), else the Python one (the status says why).
+        # once its extension has built ("ready"), else the Python one (the status says why);
+        # calls on the sm_90 forward ("fwd_kernel": "hopper") keep the Python one.
         rec["torch_native"] = native.wait()
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
     if bp.check is not None:
         bp.check(layout, sets, case, rec)
     from sparsetp.torch import forward_kernel  # noqa: PLC0415
 
-    # Which forward runs (the sm_90 Gluon kernel or the portable one; the backward is portable).
+    # Which forward runs (the sm_90 Gluon kernel or the portable one; the backward is portable),
+    # asked after a first call, which is where a failing fast path would fall back.
+    with torch.no_grad():
+        sparse_attention(*sets[0][:3], layout)
     rec["fwd_kernel"] = forward_kernel(*sets[0][:3], layout).name
     f, fb, g = _torch_pair(lambda q, k, v: sparse_attention(q, k, v, layout), sets)
     return Prepared(f, fb, g)

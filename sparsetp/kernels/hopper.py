@@ -16,7 +16,8 @@ first) with the same grid and work order, but with FlashAttention-3's schedule, 
 Scope (else the portable kernel runs; :func:`forward_choice` says why): a CUDA device of
 compute capability 9.0, the Triton versions in :data:`TESTED_TRITON`, bfloat16/float16, head
 dim 128, kernel tile 128 (the layout at block 128), sequence lengths that are multiples of 128
-(the TMA boxes are 128 rows of a ``[B * H * N, D]`` view), C-contiguous q, k, v. The JAX
+(the TMA boxes are 128 rows of a ``[B * H * N, D]`` view), C-contiguous q, k, v starting on
+16-byte boundaries, a positive softmax scale. The JAX
 frontend keeps the portable kernel: jax_triton launches neither TMA descriptors nor the extra
 warps of a warp-specialised kernel (:func:`forward_choice` reports it).
 
@@ -28,12 +29,12 @@ Example (the rule, without a GPU)::
     >>> forward_choice(framework="torch", device_kind="cuda", capability=(9, 0),
     ...                triton_version="3.6.0", dtype="bfloat16", head_dim=128, seq_len=32768,
     ...                kv_len=32768, batch_heads=16, mean_tiles=9.0, layout_ok=True,
-    ...                contiguous=True).name
+    ...                contiguous=True, scale=0.088).name
     'hopper'
     >>> forward_choice(framework="jax", device_kind="cuda", capability=(9, 0),
     ...                triton_version="3.6.0", dtype="bfloat16", head_dim=128, seq_len=32768,
     ...                kv_len=32768, batch_heads=16, mean_tiles=9.0, layout_ok=True,
-    ...                contiguous=True).reason[:30]
+    ...                contiguous=True, scale=0.088).reason[:30]
     'jax_triton cannot launch Gluon'
 """
 
@@ -95,7 +96,7 @@ def _version(v: str) -> tuple[int, int]:
 
 
 def _ineligible(*, framework, device_kind, capability, triton_version, dtype, head_dim,
-                seq_len, kv_len, layout_ok, contiguous) -> str | None:
+                seq_len, kv_len, layout_ok, contiguous, scale) -> str | None:
     """Why the fast path cannot run this call, or None."""
     if framework != "torch":
         return ("jax_triton cannot launch Gluon kernels: it passes no TMA descriptors and "
@@ -117,12 +118,17 @@ def _ineligible(*, framework, device_kind, capability, triton_version, dtype, he
         return f"the layout has no {BLOCK}-block form (built by hand at another block)"
     if not contiguous:
         return "q, k, v are not C-contiguous [B, H, N, D] tensors"
+    if not scale > 0:
+        # Masked scores are -inf before the scale multiplies them (one FMA into exp2): exact
+        # for a positive scale only (0 * -inf is NaN, a negative scale flips the running max).
+        return f"softmax scale {scale} is not positive"
     return None
 
 
 def forward_choice(*, framework: str, device_kind: str, capability, triton_version: str,
                    dtype: str, head_dim: int, seq_len: int, kv_len: int, batch_heads: int,
-                   mean_tiles: float, layout_ok: bool, contiguous: bool) -> KernelChoice:
+                   mean_tiles: float, layout_ok: bool, contiguous: bool,
+                   scale: float) -> KernelChoice:
     """The forward kernel of a call, under :attr:`LaunchOptions.fwd_kernel`.
 
     ``"auto"`` runs the fast path where it is eligible and measured faster (see
@@ -137,7 +143,7 @@ def forward_choice(*, framework: str, device_kind: str, capability, triton_versi
     why = _ineligible(framework=framework, device_kind=device_kind, capability=capability,
                       triton_version=triton_version, dtype=dtype, head_dim=head_dim,
                       seq_len=seq_len, kv_len=kv_len, layout_ok=layout_ok,
-                      contiguous=contiguous)
+                      contiguous=contiguous, scale=scale)
     if why is not None:
         if mode == "hopper":
             raise ValueError(f"LaunchOptions.fwd_kernel='hopper' cannot run this call: {why}")

@@ -358,13 +358,13 @@ def forward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
     >>> forward_kernel(q, q, q, make_layout(P.causal(), 128, 2, 64)).reason[:10]
     'jax_triton'
     """
-    _check_inputs(q, k, v, layout, None)
+    _, scale = _check_inputs(q, k, v, layout, None)
     platform = next(iter(q.devices())).platform if isinstance(q, jax.Array) else "cpu"
     return _hopper.forward_choice(
         framework="jax", device_kind="cuda" if platform == "gpu" else "cpu", capability=None,
         triton_version="", dtype=jnp.dtype(q.dtype).name, head_dim=int(q.shape[-1]),
         seq_len=int(q.shape[2]), kv_len=int(k.shape[2]), batch_heads=int(q.shape[0] * q.shape[1]),
-        mean_tiles=0.0, layout_ok=True, contiguous=True)
+        mean_tiles=0.0, layout_ok=True, contiguous=True, scale=scale)
 
 
 def _arrays_only(meta):

@@ -113,7 +113,7 @@ class _Plan:
         self.fwd = None
         # The forward kernel (sparsetp.kernels.hopper.forward_choice) and, for the sm_90 one,
         # its launch state; the backward is the portable kernels' either way.
-        self.fwd_choice, lay128 = _hopper.choose(q, k, v, layout, self.kind)
+        self.fwd_choice, lay128 = _hopper.choose(q, k, v, layout, self.kind, scale)
         self.sm90 = None if lay128 is None else _hopper.Sm90Forward(q, k, lay128, scale)
         self.bwd: dict = {}
         # (the C++ call, its plan) once this key's kernels are compiled and the extension is
@@ -131,7 +131,12 @@ class _Plan:
         b, h, n, _ = q.shape
         out = _launch.new_output(q.shape, q.dtype, q.device)
         lse = _launch.new_output((b, h, n), _stats_dtype(q.dtype), q.device)
-        if self.sm90 is not None and _hopper.aligned(q, k, v, out, lse):
+        if self.sm90 is not None and not _hopper.aligned(q, k, v, out, lse):
+            # Alignment is per call (not in the plan's key): this call runs portable.
+            if _options.current().fwd_kernel == "hopper":
+                raise ValueError("LaunchOptions.fwd_kernel='hopper' cannot run this call: "
+                                 + _hopper.MISALIGNED.reason)
+        elif self.sm90 is not None:
             try:
                 self.sm90.run(q, k, v, out, lse)
                 return out, lse
@@ -548,7 +553,10 @@ def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Bl
         _check_per_row(q, k, v, layout, scale)
         q, k, v, layout = _fold(q), _fold(k), _fold(v), layout.flat()
     q, k, v = _autocast(q, k, v)
-    return _plan(q, k, v, layout, scale).fwd_choice
+    choice = _plan(q, k, v, layout, scale).fwd_choice
+    if choice.name == "hopper" and not _hopper.aligned(q, k, v):
+        return _hopper.MISALIGNED
+    return choice
 
 
 def _fold(t: torch.Tensor) -> torch.Tensor:

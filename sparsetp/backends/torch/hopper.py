@@ -47,8 +47,8 @@ def layout_128(layout):
     return out
 
 
-def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout,
-           kind: str) -> tuple[hopper.KernelChoice, object]:
+def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, kind: str,
+           scale: float) -> tuple[hopper.KernelChoice, object]:
     """(the forward kernel of this call, its block-128 layout or None). Checks the device and
     dtype first, so a call that cannot take the fast path builds no layout."""
     if kind == "cuda":
@@ -58,7 +58,7 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout,
     common = dict(framework="torch", device_kind=kind, capability=capability,
                   triton_version=triton.__version__, dtype=abi.check_dtype(q.dtype),
                   head_dim=q.shape[-1], seq_len=q.shape[2], kv_len=k.shape[2],
-                  contiguous=all(t.is_contiguous() for t in (q, k, v)))
+                  contiguous=all(t.is_contiguous() for t in (q, k, v)), scale=scale)
     lay = None
     probe = hopper._ineligible(**common, layout_ok=True)
     if probe is None and _options.current().fwd_kernel != "portable":
@@ -158,3 +158,7 @@ class _Box:
 def aligned(*tensors: torch.Tensor) -> bool:
     """Whether every tensor starts on a 16-byte boundary (TMA descriptors need it)."""
     return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+MISALIGNED = hopper.KernelChoice(
+    "portable", "q, k or v does not start on a 16-byte boundary (TMA descriptors need it)")
