@@ -22,9 +22,9 @@ On a Hopper GPU: check against the portable backward's dQ and Delta, then time b
 from __future__ import annotations
 
 import json
-import tempfile
 
 from absl import app, flags
+from gluon_tools import list_args, sm90_profile, stand_ins, tma_desc
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -226,66 +226,19 @@ def _attn_bwd_dq_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
 
 
 def _launch_args(q, k, v, d_out, out, lse, meta, scale, dq, delta):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
-
-    d = q.shape[-1]
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
-    gdt = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}[str(q.dtype)]
-    descs = []
-    for t, rows in ((q, BLOCK // 2), (d_out, BLOCK // 2), (k, BLOCK), (v, BLOCK)):
-        t2 = t.reshape(-1, d)
-        lay = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
-        descs.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [rows, d], lay))
-    qi, mk = meta["q_index"], meta["masks"]
-    return (*descs, meta["q_count"], meta["q_partial"], qi, meta["q_mask_id"], mk,
-            meta["q_order"], scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv, h_kv,
-            meta["q_count"].stride(0), meta["q_count"].stride(1), qi.stride(0), qi.stride(1),
-            qi.stride(2), mk.stride(0), mk.stride(1), mk.stride(2), out, lse, dq, delta)
+    arrays, strides = list_args(meta)
+    return (tma_desc(q, BLOCK // 2), tma_desc(d_out, BLOCK // 2), tma_desc(k, BLOCK),
+            tma_desc(v, BLOCK), *arrays, scale * 1.4426950408889634, scale, n, n_kv, h,
+            h // h_kv, h_kv, *strides, out, lse, dq, delta)
 
 
 def _compile_only():
     """Compile for sm_90 with CPU stand-ins; print registers, spills, shared memory."""
-    import torch  # noqa: PLC0415
-    import triton  # noqa: PLC0415
-    from cubin_tools import sass_profile  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
-    from triton.runtime.jit import mangle_type  # noqa: PLC0415
-
-    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
-    lse = torch.empty(1, 2, 256)
-    i32 = torch.empty(2, 2, 4, dtype=torch.int32)
-    meta = {"q_count": i32[:, :, 0], "q_partial": i32[:, :, 0], "q_index": i32,
-            "q_mask_id": i32, "masks": torch.empty(3, BLOCK, 4, dtype=torch.int32),
-            "q_order": i32[:, :, 0]}
-    kernel = _attn_bwd_dq_kernel_sm90
-    args = _launch_args(q, q, q, q, q, lse, meta, 0.1, q, lse)
-    sig = {}
-    for name, a in zip(kernel.arg_names, args, strict=False):
-        if isinstance(a, torch.Tensor):
-            sig[name] = "*i32" if a.dtype == torch.int32 else mangle_type(a)
-        elif isinstance(a, int):
-            sig[name] = "i32"
-        elif isinstance(a, float):
-            sig[name] = "fp32"
-        else:
-            sig[name] = mangle_type(a)
-    constexprs = {"ORDERED": True, "num_warps": 4}
-    for name in constexprs:
-        sig[name] = "constexpr"
-    attrs = {(i, ): [["tt.divisibility", 16]] for i, a in enumerate(args)
-             if isinstance(a, torch.Tensor)}
-    c = triton.compile(GluonASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = c.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(c.asm["cubin"])
-        f.flush()
-        sass = sass_profile(f.name)
-    print(json.dumps({"shared": c.metadata.shared, "registers": sass["registers"],
-                      "stack_bytes": sass["stack_bytes"], "wgmma": ptx.count("wgmma.mma_async"),
-                      "tma": ptx.count("cp.async.bulk.tensor")}))
+    q, stats, meta = stand_ins(BLOCK)
+    args = _launch_args(q, q, q, q, q, stats, meta, 0.1, q, stats)
+    print(json.dumps(sm90_profile(_attn_bwd_dq_kernel_sm90, args, {"ORDERED": True}, 4)))
 
 
 def _measure(spec, q, k, v, d_out):

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import functools
 import json
-import re
-import tempfile
 import time
 
 from absl import app, flags
+from gluon_tools import list_args, sm90_profile, stand_ins, tma_desc
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -202,29 +201,12 @@ def _kernel(name):
     return globals()[name] if name in globals() else getattr(hopper, name)
 
 
-def _descs(q, k, v, q_rows):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
-
-    d = q.shape[-1]
-    gdt = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}[str(q.dtype)]
-    out = []
-    for t, rows in ((q, q_rows), (k, BLOCK), (v, BLOCK)):
-        t2 = t.reshape(-1, d)
-        lay = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
-        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [rows, d], lay))
-    return out
-
-
 def _launch_args(q, k, v, meta, scale, out, lse, q_rows):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
-    qd, kd, vd = _descs(q, k, v, q_rows)
-    qi, mk = meta["q_index"], meta["masks"]
-    return (qd, kd, vd, meta["q_count"], meta["q_partial"], qi, meta["q_mask_id"], mk,
-            meta["q_order"], scale * 1.4426950408889634, n, n_kv, h, h // h_kv, h_kv,
-            meta["q_count"].stride(0), meta["q_count"].stride(1),
-            qi.stride(0), qi.stride(1), qi.stride(2), mk.stride(0), mk.stride(1), mk.stride(2),
-            out, lse)
+    arrays, strides = list_args(meta)
+    return (tma_desc(q, q_rows), tma_desc(k, BLOCK), tma_desc(v, BLOCK), *arrays,
+            scale * 1.4426950408889634, n, n_kv, h, h // h_kv, h_kv, *strides, out, lse)
 
 
 def gluon_forward(q, k, v, meta, grid, ordered, scale, variant="plain"):
@@ -243,51 +225,12 @@ def gluon_forward(q, k, v, meta, grid, ordered, scale, variant="plain"):
 def _compile_only():
     """Compile each variant for sm_90 with CPU stand-ins for the tensors; print registers,
     spills, shared memory and instruction counts."""
-    import torch  # noqa: PLC0415
-    import triton  # noqa: PLC0415
-    from cubin_tools import sass_profile  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
-    from triton.runtime.jit import mangle_type  # noqa: PLC0415
-
-    d = FLAGS.head_dim
-    q = torch.empty(1, 2, 256, d, dtype=torch.bfloat16)
-    i32 = torch.empty(2, 2, 4, dtype=torch.int32)
-    meta = {"q_count": i32[:, :, 0], "q_partial": i32[:, :, 0], "q_index": i32,
-            "q_mask_id": i32, "masks": torch.empty(3, BLOCK, 4, dtype=torch.int32),
-            "q_order": i32[:, :, 0]}
+    q, stats, meta = stand_ins(BLOCK, FLAGS.head_dim)
     for variant in FLAGS.variants:
         name, q_rows, consts, warps = VARIANTS[variant]
-        kernel = _kernel(name)
-        args = _launch_args(q, q, q, meta, 0.1, q, torch.empty(1, 2, 256), q_rows)
-        sig = {}
-        for arg_name, a in zip(kernel.arg_names, args, strict=False):
-            if isinstance(a, torch.Tensor):
-                sig[arg_name] = "*i32" if a.dtype == torch.int32 else mangle_type(a)
-            elif isinstance(a, int):
-                sig[arg_name] = "i32"
-            elif isinstance(a, float):
-                sig[arg_name] = "fp32"
-            else:
-                sig[arg_name] = mangle_type(a)
-        constexprs = {"ORDERED": True, **consts, "num_warps": warps}
-        for arg_name in constexprs:
-            sig[arg_name] = "constexpr"
-        attrs = {(i, ): [["tt.divisibility", 16]] for i, a in enumerate(args)
-                 if isinstance(a, torch.Tensor)}
-        c = triton.compile(GluonASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        ptx = c.asm["ptx"]
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"])
-            f.flush()
-            sass = sass_profile(f.name)
-        print(json.dumps({"variant": variant, "shared": c.metadata.shared,
-                          "registers": sass["registers"], "stack_bytes": sass["stack_bytes"],
-                          "setmaxnreg": re.findall(r"setmaxnreg[.a-z0-9]*\s+\d+", ptx),
-                          "bar_sync": ptx.count("bar.sync"),
-                          "wgmma": ptx.count("wgmma.mma_async"),
-                          "tma": ptx.count("cp.async.bulk.tensor")}))
+        args = _launch_args(q, q, q, meta, 0.1, q, stats, q_rows)
+        prof = sm90_profile(_kernel(name), args, {"ORDERED": True, **consts}, warps)
+        print(json.dumps({"variant": variant, **prof}))
 
 
 def _measure(spec, q, k, v) -> dict:

@@ -1,0 +1,87 @@
+"""What the Gluon (sm_90) lab kernels share: TMA descriptors, the layout-list arguments, CPU
+stand-in inputs and a compile-for-sm_90 profile without a GPU.
+
+Used by ``gluon_fwd.py`` and ``gluon_dq.py``. Flag-free (like ``cubin_tools.py``), so every
+script can import it. The library's own launcher is ``sparsetp/backends/torch/hopper.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+from cubin_tools import sass_profile
+
+
+def tma_desc(t, rows: int):
+    """A host TMA descriptor of the contiguous ``t`` viewed as ``[numel / D, D]``, boxes of
+    ``rows`` rows (the library's kernels read ``[B * H * N, D]`` this way)."""
+    from triton.experimental.gluon import language as gl  # noqa: PLC0415
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
+
+    d = t.shape[-1]
+    gdt = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}[str(t.dtype)]
+    t2 = t.reshape(-1, d)
+    lay = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
+    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [rows, d], lay)
+
+
+def list_args(meta) -> tuple:
+    """The query-major list arguments of the sm_90 kernels, in their order: q_count,
+    q_partial, q_index, q_mask_id, masks, q_order, then the strides of q_count, q_index and
+    masks (as ``sparsetp.kernels.abi`` passes them to the portable kernels)."""
+    qc, qi, mk = meta["q_count"], meta["q_index"], meta["masks"]
+    return ((qc, meta["q_partial"], qi, meta["q_mask_id"], mk, meta["q_order"]),
+            (*qc.stride(), *qi.stride(), *mk.stride()))
+
+
+def stand_ins(block: int, head_dim: int = 128):
+    """CPU tensors with the kernels' argument types, for compiling without a GPU: q-shaped
+    bf16 ``[1, 2, 256, head_dim]``, stats-shaped fp32 ``[1, 2, 256]`` and layout lists."""
+    import torch  # noqa: PLC0415
+
+    i32 = torch.empty(2, 2, 4, dtype=torch.int32)
+    meta = {"q_count": i32[:, :, 0], "q_partial": i32[:, :, 0], "q_index": i32,
+            "q_mask_id": i32, "masks": torch.empty(3, block, 4, dtype=torch.int32),
+            "q_order": i32[:, :, 0]}
+    return (torch.empty(1, 2, 256, head_dim, dtype=torch.bfloat16), torch.empty(1, 2, 256),
+            meta)
+
+
+def sm90_profile(kernel, args, constexprs: dict, num_warps: int) -> dict:
+    """Compile the Gluon ``kernel`` for sm_90 on ``args`` (stand-ins typed as a real launch
+    types them: int32 lists, every pointer 16-byte aligned) and report shared memory,
+    registers, spills (stack), setmaxnreg, CTA barriers, wgmma and TMA instruction counts."""
+    import torch  # noqa: PLC0415
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+    from triton.runtime.jit import mangle_type  # noqa: PLC0415
+
+    sig = {}
+    for name, a in zip(kernel.arg_names, args, strict=False):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*i32" if a.dtype == torch.int32 else mangle_type(a)
+        elif isinstance(a, int):
+            sig[name] = "i32"
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = mangle_type(a)
+    constexprs = {**constexprs, "num_warps": num_warps}
+    for name in constexprs:
+        sig[name] = "constexpr"
+    attrs = {(i, ): [["tt.divisibility", 16]] for i, a in enumerate(args)
+             if isinstance(a, torch.Tensor)}
+    c = triton.compile(GluonASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptx = c.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        sass = sass_profile(f.name)
+    return {"shared": c.metadata.shared, "registers": sass["registers"],
+            "stack_bytes": sass["stack_bytes"],
+            "setmaxnreg": re.findall(r"setmaxnreg[.a-z0-9]*\s+\d+", ptx),
+            "bar_sync": ptx.count("bar.sync"), "wgmma": ptx.count("wgmma.mma_async"),
+            "tma": ptx.count("cp.async.bulk.tensor")}
