@@ -47,7 +47,7 @@ flags.DEFINE_integer("rounds", 3, "interleaved timing rounds")
 flags.DEFINE_string("out", None, "write the records here as JSON")
 
 BLOCK = 128
-STAGES = 2  # Q and dO (64 KB) + 2 x 64 KB of K, V: 192 KB of shared memory
+STAGES = gl.constexpr(2)  # Q and dO (64 KB) + 2 x 64 KB of K, V: 192 KB of shared memory
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -201,14 +201,14 @@ def _attn_bwd_dq_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     row = off_h * stride_ih + start_m * stride_im
     q_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     qd_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(qd_bar, count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
