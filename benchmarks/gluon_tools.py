@@ -1,7 +1,7 @@
 """What the Gluon (sm_90) lab kernels share: TMA descriptors, the layout-list arguments, CPU
 stand-in inputs and a compile-for-sm_90 profile without a GPU.
 
-Used by ``gluon_fwd.py`` and ``gluon_dq.py``. Flag-free (like ``cubin_tools.py``), so every
+Used by ``gluon_fwd.py`` and ``gluon_bwd.py``. Flag-free (like ``cubin_tools.py``), so every
 script can import it. The library's own launcher is ``sparsetp/backends/torch/hopper.py``.
 """
 

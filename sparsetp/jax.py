@@ -15,6 +15,7 @@ process (:mod:`sparsetp._runtime`).
 from sparsetp.backends.jax import checkpoint
 from sparsetp.backends.jax.attention import (
     LayoutArrays,
+    backward_kernel,
     forward_kernel,
     layout_arrays,
     sparse_attention,
@@ -41,7 +42,7 @@ from sparsetp.backends.jax.model import loss as gpt_loss
 from sparsetp.core import GPTConfig, HybridConfig, init_gpt_params, init_params, make_layout
 
 __all__ = [
-    "sparse_attention", "forward_kernel", "LayoutArrays", "layout_arrays",
+    "sparse_attention", "forward_kernel", "backward_kernel", "LayoutArrays", "layout_arrays",
     "column_parallel_linear", "row_parallel_linear", "parallel_mlp",
     "hybrid_block", "shard_params", "param_specs", "load_params", "export_params", "make_mesh",
     "make_2d_mesh", "shard_batch",

@@ -11,6 +11,7 @@ torch.Size([1, 2, 64, 32])
 from sparsetp.backends.torch import checkpoint
 from sparsetp.backends.torch.attention import (
     SparseAttention,
+    backward_kernel,
     dense_attention,
     forward_kernel,
     naive_sparse_attention,
@@ -46,8 +47,8 @@ from sparsetp.backends.torch.parallel import (
 from sparsetp.core import GPTConfig, HybridConfig, init_gpt_params, init_params, make_layout
 
 __all__ = [
-    "sparse_attention", "forward_kernel", "SparseAttention", "naive_sparse_attention",
-    "dense_attention",
+    "sparse_attention", "forward_kernel", "backward_kernel", "SparseAttention",
+    "naive_sparse_attention", "dense_attention",
     "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
     "all_gather_to_region", "reduce_scatter_from_region", "scatter_to_sequence_region",
     "gather_from_sequence_region",

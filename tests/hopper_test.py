@@ -1,15 +1,17 @@
-"""The sm_90 forward (:mod:`sparsetp.kernels.hopper`) and the rule that dispatches to it.
+"""The sm_90 forward and dQ pass (:mod:`sparsetp.kernels.hopper`) and the rules that dispatch
+to them.
 
-* On every machine: :func:`forward_choice` takes the fast path only where it is eligible (and,
-  under ``fwd_kernel="auto"``, measured faster), names the reason otherwise, and refuses a
-  forced fast path it cannot run; the torch frontend reports the portable kernel on CPU.
-* On an sm_90 GPU: the fast path, forced, against the float64 oracle and the portable forward
+* On every machine: :func:`forward_choice` and :func:`backward_choice` take the fast path only
+  where it is eligible (and, under ``"auto"``, measured faster), name the reason otherwise, and
+  refuse a forced fast path they cannot run; the torch frontend reports the portable kernels on
+  CPU, the JAX frontend everywhere.
+* On an sm_90 GPU: both fast paths, forced, against the float64 oracle and the portable kernels
   for every example pattern (fully masked rows included), bf16 and fp16, GQA, more keys than
   queries, a block-64 layout (re-laid at 128), a tensor-parallel head slice; bitwise
-  deterministic; its gradients (the portable backward on its output and LSE) against the
-  oracle; ``auto`` picks it where the rule says; later calls launch the compiled kernel
-  directly with the same results; a failing fast path warns and falls back to the portable
-  kernel with the same answer.
+  deterministic, forward and gradients; an LSE cotangent and a non-contiguous output gradient
+  in the dQ pass; ``auto`` picks them where the rule says; later calls launch the compiled
+  kernels directly with the same results; a failing fast path warns and falls back to the
+  portable kernel with the same answer.
 """
 
 from __future__ import annotations
@@ -29,21 +31,21 @@ from sparsetp.core import patterns as P
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
 from sparsetp.kernels import hopper
 from sparsetp.kernels.options import launch_options
-from sparsetp.torch import forward_kernel, sparse_attention
+from sparsetp.torch import backward_kernel, forward_kernel, sparse_attention
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_SM90 = "needs an sm_90 (Hopper) GPU"
 TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _rule(**changes):
-    """forward_choice on an eligible call (changes make it otherwise)."""
+def _rule(rule=hopper.forward_choice, **changes):
+    """forward_choice (or ``rule``) on an eligible call (changes make it otherwise)."""
     kw = dict(framework="torch", device_kind="cuda", capability=(9, 0),
               triton_version="3.6.0", dtype="bfloat16", head_dim=128, seq_len=8192,
               kv_len=8192, batch_heads=16, mean_tiles=32.0, layout_ok=True, contiguous=True,
               scale=128 ** -0.5)
     kw.update(changes)
-    return hopper.forward_choice(**kw)
+    return rule(**kw)
 
 
 class ForwardChoiceTest(parameterized.TestCase):
@@ -67,12 +69,24 @@ class ForwardChoiceTest(parameterized.TestCase):
         ("negative_scale", {"scale": -0.3}, "not positive"),
     )
     def test_ineligible_names_the_reason_and_forcing_raises(self, changes, words):
-        choice = _rule(**changes)
-        self.assertEqual(choice.name, "portable")
-        self.assertIn(words, choice.reason)
-        with launch_options(fwd_kernel="hopper"):
-            with self.assertRaisesRegex(ValueError, "fwd_kernel='hopper' cannot run"):
-                _rule(**changes)
+        for rule, option in ((hopper.forward_choice, "fwd_kernel"),
+                             (hopper.backward_choice, "bwd_kernel")):
+            choice = _rule(rule, **changes)
+            self.assertEqual(choice.name, "portable")
+            self.assertIn(words, choice.reason)
+            with launch_options(**{option: "hopper"}):
+                with self.assertRaisesRegex(ValueError, f"{option}='hopper' cannot run"):
+                    _rule(rule, **changes)
+
+    def test_the_options_choose_each_pass_apart(self):
+        with launch_options(fwd_kernel="portable"):
+            self.assertEqual(_rule().name, "portable")
+            self.assertEqual(_rule(hopper.backward_choice).name, "hopper")
+        with launch_options(bwd_kernel="portable"):
+            self.assertEqual(_rule().name, "hopper")
+            choice = _rule(hopper.backward_choice)
+            self.assertEqual((choice.name, choice.reason),
+                             ("portable", "LaunchOptions.bwd_kernel='portable'"))
 
     def test_auto_rule_thresholds(self):
         few = 16 * 4096 // 128  # 512 programs
@@ -89,16 +103,18 @@ class ForwardChoiceTest(parameterized.TestCase):
         with launch_options(fwd_kernel="portable"):
             self.assertEqual(_rule().name, "portable")
 
-    def test_fwd_kernel_option_is_checked(self):
-        with self.assertRaisesRegex(ValueError, "fwd_kernel must be one of"):
-            with launch_options(fwd_kernel="fast"):
-                pass
+    def test_kernel_options_are_checked(self):
+        for option in ("fwd_kernel", "bwd_kernel"):
+            with self.assertRaisesRegex(ValueError, f"{option} must be one of"):
+                with launch_options(**{option: "fast"}):
+                    pass
 
     def test_torch_frontend_on_cpu_reports_portable(self):
         q = torch.randn(1, 2, 256, 128)
-        choice = forward_kernel(q, q, q, make_layout(P.causal(), 256, 2, 128))
-        self.assertEqual(choice.name, "portable")
-        self.assertIn("'cpu'", choice.reason)
+        for ask in (forward_kernel, backward_kernel):
+            choice = ask(q, q, q, make_layout(P.causal(), 256, 2, 128))
+            self.assertEqual(choice.name, "portable")
+            self.assertIn("'cpu'", choice.reason)
 
     def test_jax_frontend_reports_portable_and_refuses_a_forced_fast_path(self):
         import jax.numpy as jnp  # noqa: PLC0415
@@ -107,12 +123,14 @@ class ForwardChoiceTest(parameterized.TestCase):
 
         q = jnp.zeros((1, 2, 256, 128), jnp.bfloat16)
         layout = make_layout(P.causal(), 256, 2, 128)
-        choice = sjax.forward_kernel(q, q, q, layout)
-        self.assertEqual(choice.name, "portable")
-        self.assertIn("jax_triton", choice.reason)
-        with launch_options(fwd_kernel="hopper"):
-            with self.assertRaisesRegex(ValueError, "jax_triton"):
-                sjax.sparse_attention(q, q, q, layout)
+        for ask, option in ((sjax.forward_kernel, "fwd_kernel"),
+                            (sjax.backward_kernel, "bwd_kernel")):
+            choice = ask(q, q, q, layout)
+            self.assertEqual(choice.name, "portable")
+            self.assertIn("jax_triton", choice.reason)
+            with launch_options(**{option: "hopper"}):
+                with self.assertRaisesRegex(ValueError, f"{option}='hopper'.*jax_triton"):
+                    sjax.sparse_attention(q, q, q, layout)
 
     def test_layout_128(self):
         lay64 = make_layout(P.causal(), 512, 4, 64)
@@ -140,20 +158,29 @@ def _cuda(x, dtype, grad=False):
 class Sm90ForwardTest(parameterized.TestCase):
 
     def _check(self, layout, q, k, v, d_out, dtype, grads=True):
-        """The forced fast path against the float64 oracle and the portable forward; its
-        gradients against the oracle's."""
+        """The forced fast paths (forward, dQ pass) against the float64 oracle and the portable
+        kernels; bitwise deterministic, forward and gradients."""
         tq, tk, tv = (_cuda(x, dtype, grad=grads) for x in (q, k, v))
-        # A fast path that failed would warn and run the portable forward: make that an error,
-        # and ask again afterwards which kernel the plan runs.
-        with launch_options(fwd_kernel="hopper"), warnings.catch_warnings():
+        # A fast path that failed would warn and run the portable kernel: make that an error,
+        # and ask again afterwards which kernels the plan runs.
+        with launch_options(fwd_kernel="hopper", bwd_kernel="hopper"), \
+                warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             self.assertEqual(forward_kernel(tq, tk, tv, layout).name, "hopper")
+            self.assertEqual(backward_kernel(tq, tk, tv, layout).name, "hopper")
             out, lse = sparse_attention(tq, tk, tv, layout, return_lse=True)
             again = sparse_attention(tq, tk, tv, layout)
+            if grads:
+                tdo = _cuda(d_out, dtype)
+                got = torch.autograd.grad(out, (tq, tk, tv), tdo)
+                got_again = torch.autograd.grad(again, (tq, tk, tv), tdo)
             self.assertEqual(forward_kernel(tq, tk, tv, layout).name, "hopper")
+            self.assertEqual(backward_kernel(tq, tk, tv, layout).name, "hopper")
         self.assertTrue(torch.equal(out, again), "not deterministic")
-        with launch_options(fwd_kernel="portable"):
+        with launch_options(fwd_kernel="portable", bwd_kernel="portable"):
             ref_out, ref_lse = sparse_attention(tq, tk, tv, layout, return_lse=True)
+            if grads:
+                ref = torch.autograd.grad(ref_out, (tq, tk, tv), tdo)
         ora_out, ora_lse = reference.attention(q, k, v, layout)
         tu.assert_close(out.detach().float().cpu(), ora_out, dtype, what="out vs oracle")
         tu.assert_close(lse.detach().cpu(), ora_lse, dtype, what="lse vs oracle")
@@ -161,10 +188,13 @@ class Sm90ForwardTest(parameterized.TestCase):
                         what="out vs portable")
         self.assertTrue(torch.equal(torch.isinf(lse), torch.isinf(ref_lse)))
         if grads:
-            out.backward(_cuda(d_out, dtype))
             ora = reference.attention_grad(q, k, v, layout, d_out)
-            for name, t, e in zip(("dq", "dk", "dv"), (tq, tk, tv), ora, strict=True):
-                tu.assert_close(t.grad.float().cpu(), e, dtype, grad=True, what=name)
+            for name, g, g2, r, e in zip(("dq", "dk", "dv"), got, got_again, ref, ora,
+                                         strict=True):
+                self.assertTrue(torch.equal(g, g2), f"{name} not deterministic")
+                tu.assert_close(g.float().cpu(), e, dtype, grad=True, what=f"{name} vs oracle")
+                tu.assert_close(g.float().cpu(), r.float().cpu(), dtype, grad=True,
+                                what=f"{name} vs portable")
         return out
 
     @parameterized.named_parameters((name, name) for name in sorted(EXAMPLE_PATTERNS))
@@ -220,6 +250,8 @@ class Sm90ForwardTest(parameterized.TestCase):
         self.assertEqual(forward_kernel(q16, q16, q16, lay16).name, "portable")
         q_many = torch.randn(2, 32, n, 128, device="cuda", dtype=torch.bfloat16)  # 1024
         self.assertEqual(forward_kernel(q_many, q_many, q_many, lay16).name, "hopper")
+        self.assertEqual(backward_kernel(q_many, q_many, q_many, lay16).name, "hopper")
+        self.assertEqual(backward_kernel(q16, q16, q16, lay16).name, "portable")
         ragged = make_layout(P.causal(), n - 8, 2, 128)
         self.assertIn("multiples of 128",
                       forward_kernel(q[:, :, 8:], q[:, :, 8:], q[:, :, 8:], ragged).reason)
@@ -268,6 +300,99 @@ class Sm90ForwardTest(parameterized.TestCase):
         with launch_options(fwd_kernel="hopper"):
             with self.assertRaisesRegex(ValueError, "16-byte boundary"):
                 sparse_attention(q_odd, k, v, layout)
+
+    def _dq_pair(self, layout, q, k, v, loss):
+        """Gradients of ``loss(out, lse)`` with the forced sm_90 dQ pass and with the portable
+        one (the forward portable in both, so only the dQ pass differs)."""
+        grads = []
+        for mode in ("hopper", "portable"):
+            with launch_options(fwd_kernel="portable", bwd_kernel=mode), \
+                    warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                out, lse = sparse_attention(q, k, v, layout, return_lse=True)
+                grads.append(torch.autograd.grad(loss(out, lse), (q, k, v)))
+                self.assertEqual(backward_kernel(q, k, v, layout).name, mode)
+        return grads
+
+    def test_dq_pass_with_an_lse_cotangent(self):
+        n, h = 512, 2
+        layout = make_layout(example_pattern("masked_rows", n, 128), n, h, 128)
+        q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
+                          for x in _inputs(10, 1, h, h, n, n, 128, "bfloat16"))
+        d_lse = torch.randn(1, h, n, device="cuda")
+
+        def loss(out, lse):
+            # -inf LSE rows (no key) must not reach the gradient: zero their cotangent's use.
+            return (out * d_out).sum() + torch.where(lse.isinf(), 0.0, lse * d_lse).sum()
+
+        (got, ref) = self._dq_pair(layout, q, k, v, loss)
+        # float64 oracle by autograd of a dense masked attention (rows with a key only).
+        mask = torch.from_numpy(layout.dense_mask()).cuda()
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        s = (q64 @ k64.transpose(-1, -2) * 128 ** -0.5).masked_fill(~mask, float("-inf"))
+        has = mask.any(-1)
+        s = torch.where(has[..., None], s, 0.0)
+        lse = torch.logsumexp(s, -1)
+        out = torch.where(has[..., None], torch.softmax(s, -1), 0.0) @ v64
+        ora = torch.autograd.grad(
+            (out * d_out.double()).sum() + torch.where(has, lse * d_lse.double(), 0.0).sum(),
+            (q64, k64, v64))
+        for name, g, r, e in zip(("dq", "dk", "dv"), got, ref, ora, strict=True):
+            tu.assert_close(g.float().cpu(), e.cpu(), "bfloat16", grad=True,
+                            what=f"{name} vs oracle")
+            tu.assert_close(g.float().cpu(), r.float().cpu(), "bfloat16", grad=True,
+                            what=f"{name} vs portable")
+
+    def test_dq_pass_with_a_transposed_output_gradient(self):
+        n, h = 512, 2
+        layout = make_layout(P.causal(), n, h, 128)
+        q, k, v, _ = (_cuda(x, "bfloat16", grad=True)
+                      for x in _inputs(11, 1, h, h, n, n, 128, "bfloat16"))
+        w = torch.randn(1, n, h * 128, device="cuda", dtype=torch.bfloat16)
+
+        def loss(out, lse):
+            # A block's output projection: the gradient reaching attention is not contiguous.
+            return (out.transpose(1, 2).reshape(1, n, h * 128) * w).float().sum()
+
+        got, ref = self._dq_pair(layout, q, k, v, loss)
+        for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+            tu.assert_close(g.float().cpu(), r.float().cpu(), "bfloat16", grad=True,
+                            what=f"{name} vs portable")
+
+    def test_later_dq_passes_launch_the_compiled_kernel_directly(self):
+        n, h = 512, 2
+        layout = make_layout(P.causal(), n, h, 128)
+        q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
+                          for x in _inputs(12, 1, h, h, n, n, 128, "bfloat16"))
+        with launch_options(bwd_kernel="hopper"):
+            first = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
+            entry = mock.MagicMock()
+            with mock.patch.object(hopper, "_attn_bwd_dq_kernel_sm90", entry):
+                later = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
+        entry.__getitem__.assert_not_called()
+        for a, b in zip(first, later, strict=True):
+            self.assertTrue(torch.equal(a, b))
+
+    def test_a_failing_dq_pass_warns_and_falls_back(self):
+        n, h = 512, 2
+        layout = make_layout(P.causal(), n, h, 128)
+        q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
+                          for x in _inputs(13, 1, h, h, n, n, 128, "bfloat16"))
+        with launch_options(bwd_kernel="portable"):
+            ref = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
+        broken = mock.MagicMock()
+        broken.__getitem__.side_effect = RuntimeError("compile failed (simulated)")
+        with launch_options(bwd_kernel="hopper"), \
+                mock.patch.object(hopper, "_attn_bwd_dq_kernel_sm90", broken), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
+            choice = backward_kernel(q, k, v, layout)
+        for a, b in zip(got, ref, strict=True):
+            self.assertTrue(torch.equal(a, b))
+        self.assertTrue(any("sm_90 dQ pass failed" in str(w.message) for w in caught))
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("compile failed (simulated)", choice.reason)
 
     def test_a_failing_fast_path_warns_and_falls_back(self):
         n, h = 512, 2

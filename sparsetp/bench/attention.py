@@ -730,18 +730,23 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
 
         # Timed calls after the warm-up run the eager path users get: the C++ autograd node
         # once its extension has built ("ready"), else the Python one (the status says why);
-        # calls on the sm_90 forward ("fwd_kernel": "hopper") keep the Python one.
+        # calls on an sm_90 pass ("fwd_kernel" or "bwd_kernel": "hopper") keep the Python one.
         rec["torch_native"] = native.wait()
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
     if bp.check is not None:
         bp.check(layout, sets, case, rec)
-    from sparsetp.torch import forward_kernel  # noqa: PLC0415
+    from sparsetp.torch import backward_kernel, forward_kernel  # noqa: PLC0415
 
-    # Which forward runs (the sm_90 Gluon kernel or the portable one; the backward is portable),
-    # asked after a first call, which is where a failing fast path would fall back.
-    with torch.no_grad():
-        sparse_attention(*sets[0][:3], layout)
+    # Which forward and dQ pass run (the sm_90 Gluon kernels or the portable ones; dK/dV is
+    # portable), asked after a first call, which is where a failing fast path would fall back.
+    if _kernels_kind(cfg) == "cuda":  # both passes (interpreted, only the forward: cheap)
+        q0, k0, v0 = (t.detach().requires_grad_() for t in sets[0][:3])
+        sparse_attention(q0, k0, v0, layout).sum().backward()
+    else:
+        with torch.no_grad():
+            sparse_attention(*sets[0][:3], layout)
     rec["fwd_kernel"] = forward_kernel(*sets[0][:3], layout).name
+    rec["bwd_kernel"] = backward_kernel(*sets[0][:3], layout).name
     f, fb, g = _torch_pair(lambda q, k, v: sparse_attention(q, k, v, layout), sets)
     return Prepared(f, fb, g)
 

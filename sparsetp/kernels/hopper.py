@@ -1,4 +1,5 @@
-"""The sm_90 (Hopper) fast path of the forward, in Gluon, and the rule that picks it.
+"""The sm_90 (Hopper) fast paths of the forward and of the backward's dQ pass, in Gluon, and
+the rule that picks them.
 
 :func:`_attn_fwd_kernel_sm90` computes what :func:`sparsetp.kernels.attention._attn_fwd_kernel`
 computes, on the same layout metadata (the ELL lists of ``BlockLayout.metadata``, partial tiles
@@ -13,7 +14,14 @@ first) with the same grid and work order, but with FlashAttention-3's schedule, 
   asynchronous warpgroup MMAs ``S_{j+1} = Q K_{j+1}^T`` and ``O += P_j V_j`` run on the
   tensor cores (P stays in registers as the MMA's A operand).
 
-Scope (else the portable kernel runs; :func:`forward_choice` says why): a CUDA device of
+:func:`_attn_bwd_dq_kernel_sm90` is the backward's query-major pass (dQ and Delta, as
+:func:`sparsetp.kernels.attention._attn_bwd_dq_kernel`) in the same schedule: the producer loads
+Q and dO once and the listed K/V tiles into a two-stage ring; each consumer walks a key tile in
+two 64-key halves (S, dP, dS of 64 x 64 and the dQ accumulator fit its registers). The key-major
+dK/dV pass stays portable: its sm_90 form (``benchmarks/gluon_bwd.py``) measured slower.
+
+Scope (else the portable kernel runs; :func:`forward_choice` and :func:`backward_choice` say
+why; the same for both): a CUDA device of
 compute capability 9.0, the Triton versions in :data:`TESTED_TRITON`, bfloat16/float16, head
 dim 128, kernel tile 128 (the layout at block 128), sequence lengths that are multiples of 128
 (the TMA boxes are 128 rows of a ``[B * H * N, D]`` view), C-contiguous q, k, v starting on
@@ -59,7 +67,7 @@ except ImportError:  # pragma: no cover (every supported Triton has Gluon)
     GLUON = False
 
 __all__ = ["FWD_KERNELS", "TESTED_TRITON", "BLOCK", "HEAD_DIMS", "DTYPES", "KernelChoice",
-           "forward_choice", "GLUON"]
+           "forward_choice", "backward_choice", "GLUON"]
 
 FWD_KERNELS = ("portable", "hopper")
 # Triton versions whose Gluon API (warp_specialize's signature, TMA and mbarrier builtins) this
@@ -73,6 +81,8 @@ CONSUMER_REGS = 232  # per thread, two consumer warpgroups; the producer warp ke
 PRODUCER_REGS = 24
 PINGPONG = True  # FA3's inter-warpgroup ping-pong: 1-4% faster on 9 of 10 cases (KERNEL_NOTES)
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel runs 4 + 4 + 1 warps
+# dQ pass: Q and dO (64 KB) stay; 2 x 64 KB of K, V = 192 KB of shared memory
+DQ_STAGES = 2
 # "auto" takes the fast path where it measured faster than the portable kernels (H200, bf16,
 # D=128, H=16; KERNEL_NOTES "Session 21"): from 1024 programs (N=8192 and up: 1.05-1.37x on
 # window, BigBird, strided causal, causal and a per-head mix) or on long lists. At N=4096 (512
@@ -125,6 +135,27 @@ def _ineligible(*, framework, device_kind, capability, triton_version, dtype, he
     return None
 
 
+def _choice(option: str, why: str | None, batch_heads: int, seq_len: int,
+            mean_tiles: float) -> KernelChoice:
+    """The kernel under ``LaunchOptions.<option>`` for a call the fast path cannot run for
+    ``why`` (None: it can)."""
+    mode = getattr(_options.current(), option)
+    if mode == "portable":
+        return KernelChoice("portable", f"LaunchOptions.{option}='portable'")
+    if why is not None:
+        if mode == "hopper":
+            raise ValueError(f"LaunchOptions.{option}='hopper' cannot run this call: {why}")
+        return KernelChoice("portable", why)
+    if mode == "hopper":
+        return KernelChoice("hopper", f"LaunchOptions.{option}='hopper'")
+    programs = batch_heads * (seq_len // BLOCK)
+    if programs >= AUTO_MIN_PROGRAMS or mean_tiles >= AUTO_MIN_MEAN_TILES:
+        return KernelChoice("hopper", f"{programs} programs, {mean_tiles:.1f} key tiles a row")
+    return KernelChoice("portable", f"short lists over few programs ({programs} programs, "
+                        f"{mean_tiles:.1f} key tiles a row): the portable kernels measured "
+                        "faster there")
+
+
 def forward_choice(*, framework: str, device_kind: str, capability, triton_version: str,
                    dtype: str, head_dim: int, seq_len: int, kv_len: int, batch_heads: int,
                    mean_tiles: float, layout_ok: bool, contiguous: bool,
@@ -137,29 +168,38 @@ def forward_choice(*, framework: str, device_kind: str, capability, triton_versi
     elsewhere. ``batch_heads`` is B * H of the launch, ``mean_tiles`` the mean number of listed
     key tiles per query tile of the block-128 layout.
     """
-    mode = _options.current().fwd_kernel
-    if mode == "portable":
-        return KernelChoice("portable", "LaunchOptions.fwd_kernel='portable'")
     why = _ineligible(framework=framework, device_kind=device_kind, capability=capability,
                       triton_version=triton_version, dtype=dtype, head_dim=head_dim,
                       seq_len=seq_len, kv_len=kv_len, layout_ok=layout_ok,
                       contiguous=contiguous, scale=scale)
-    if why is not None:
-        if mode == "hopper":
-            raise ValueError(f"LaunchOptions.fwd_kernel='hopper' cannot run this call: {why}")
-        return KernelChoice("portable", why)
-    if mode == "hopper":
-        return KernelChoice("hopper", "LaunchOptions.fwd_kernel='hopper'")
-    programs = batch_heads * (seq_len // BLOCK)
-    if programs >= AUTO_MIN_PROGRAMS or mean_tiles >= AUTO_MIN_MEAN_TILES:
-        return KernelChoice("hopper", f"{programs} programs, {mean_tiles:.1f} key tiles a row")
-    return KernelChoice("portable", f"short lists over few programs ({programs} programs, "
-                        f"{mean_tiles:.1f} key tiles a row): the portable kernels measured "
-                        "faster there")
+    return _choice("fwd_kernel", why, batch_heads, seq_len, mean_tiles)
+
+
+def backward_choice(*, framework: str, device_kind: str, capability, triton_version: str,
+                    dtype: str, head_dim: int, seq_len: int, kv_len: int, batch_heads: int,
+                    mean_tiles: float, layout_ok: bool, contiguous: bool,
+                    scale: float) -> KernelChoice:
+    """The dQ kernel of a call's backward, under :attr:`LaunchOptions.bwd_kernel`, by the
+    forward's eligibility and rule (:func:`forward_choice`). ``"hopper"`` runs the sm_90 dQ
+    pass (:func:`_attn_bwd_dq_kernel_sm90`, which also writes Delta); the dK/dV pass is the
+    portable kernel either way (its sm_90 form measured slower, KERNEL_NOTES "Session 22").
+
+    >>> backward_choice(framework="torch", device_kind="cuda", capability=(9, 0),
+    ...                 triton_version="3.6.0", dtype="float32", head_dim=128, seq_len=8192,
+    ...                 kv_len=8192, batch_heads=16, mean_tiles=9.0, layout_ok=True,
+    ...                 contiguous=True, scale=0.088).reason
+    'dtype float32 (the fast path runs bfloat16, float16)'
+    """
+    why = _ineligible(framework=framework, device_kind=device_kind, capability=capability,
+                      triton_version=triton_version, dtype=dtype, head_dim=head_dim,
+                      seq_len=seq_len, kv_len=kv_len, layout_ok=layout_ok,
+                      contiguous=contiguous, scale=scale)
+    return _choice("bwd_kernel", why, batch_heads, seq_len, mean_tiles)
 
 
 if GLUON:
     LN2 = gl.constexpr(0.6931471805599453)
+    LOG2E = gl.constexpr(1.4426950408889634)
 
     @gluon.jit
     def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: gl.constexpr):
@@ -180,13 +220,15 @@ if GLUON:
 
     @gluon.jit
     def _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                       stride_mr, stride_mw, N_KV, row0, s_layout: gl.constexpr,
-                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Scores [ROWS, BLOCK_N] (rows ``row0 + [0, ROWS)`` of the query tile) of list entry
-        ``e``, -inf where the pair is not allowed: the bitmask row of a partial tile (entries
-        before ``n_partial``; bit ``c % 32`` of word ``c // 32``) and keys past ``N_KV``."""
+                       stride_mr, stride_mw, N_KV, row0, col0: gl.constexpr,
+                       s_layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
+                       BLOCK_N: gl.constexpr):
+        """Scores [ROWS, COLS] (rows ``row0 + [0, ROWS)``, keys ``col0 + [0, COLS)`` of the
+        BLOCK_N-key tile) of list entry ``e``, -inf where the pair is not allowed: the bitmask
+        row of a partial tile (entries before ``n_partial``; bit ``c % 32`` of word ``c //
+        32``) and keys past ``N_KV``."""
         kb = gl.load(q_index + row + e * stride_ik)
-        c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))
         cols = kb * BLOCK_N + c
         if e < n_partial:
             mid = gl.load(q_mask_id + row + e * stride_ik)
@@ -291,8 +333,8 @@ if GLUON:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
             s = _masked_scores(s, 0, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                               stride_mu, stride_mr, stride_mw, N_KV, row0, s_layout, SUB_M,
-                               BLOCK_N)
+                               stride_mu, stride_mr, stride_mw, N_KV, row0, 0, s_layout, SUB_M,
+                               BLOCK_N, BLOCK_N)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             p = gl.convert_layout(pf.to(dtype), p_layout)
         for e in range(1, count):
@@ -309,8 +351,8 @@ if GLUON:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_e done; P V may still run
             s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                               stride_mu, stride_mr, stride_mw, N_KV, row0, s_layout, SUB_M,
-                               BLOCK_N)
+                               stride_mu, stride_mr, stride_mw, N_KV, row0, 0, s_layout, SUB_M,
+                               BLOCK_N, BLOCK_N)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(kv_empty.index(pst), count=1)  # K_{e-1} and V_{e-1} are read
@@ -409,4 +451,182 @@ if GLUON:
             (_fwd_consumer1, cargs),
             (_fwd_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
                            v_ready, kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    @gluon.jit
+    def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qd_bar,
+                   k_ready, v_ready, kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik):
+        """Producer warp of the dQ pass: both halves of Q and dO once, then the listed K/V
+        tiles into the ring, as :func:`_fwd_loader`."""
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        STAGES_: gl.constexpr = k_smem.shape[0]
+        SUB_M: gl.constexpr = q_desc.block_type.shape[0]
+        mbarrier.expect(qd_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+        for i in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [q_row0 + i * SUB_M, 0], qd_bar,
+                                            q_smem.index(i))
+            tma.async_copy_global_to_shared(do_desc, [q_row0 + i * SUB_M, 0], qd_bar,
+                                            do_smem.index(i))
+        for e in range(count):
+            s = e % STAGES_
+            mbarrier.wait(kv_empty.index(s), ((e // STAGES_) & 1) ^ 1)
+            r = kv_row0 + gl.load(q_index + row + e * stride_ik) * BLOCK_N
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [r, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [r, 0], v_ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _dq_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready,
+                     v_ready, kv_empty, count, n_partial, q_index, q_mask_id, row, stride_ik,
+                     masks, stride_mu, stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m,
+                     off_bh, dlse_flag, Out, LSE, DLSE, DQ, Delta):
+        """Consumer warpgroup of the dQ pass: Delta and dQ of rows ``[HALF * 64, +64)`` of the
+        query tile. Each key tile is walked in two 64-key halves: S and dP of 64 x 64 fp32,
+        the dQ accumulator (64 x D fp32) and dS as an MMA operand fit the consumer's
+        registers, where whole 128-key tiles would not."""
+        HAS_DLSE: gl.constexpr = dlse_flag.shape[0] == 2
+        SUB_M: gl.constexpr = q_smem.shape[1]
+        STAGES_: gl.constexpr = k_smem.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.shape[1]
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout,
+                                                      k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte rows
+        row0 = HALF * SUB_M
+        base = (off_bh * N).to(gl.int64)  # int64: B*H*N*D passes 2^31
+        rows_t = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, tile))
+        cols_t = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, tile))
+        o = gl.load(Out + base * HEAD_DIM + rows_t[:, None] * HEAD_DIM + cols_t[None, :])
+        lse_t = gl.load(LSE + base + rows_t)
+        mbarrier.wait(qd_bar, 0)
+        q = q_smem.index(HALF)
+        do = do_smem.index(HALF)
+        # Delta = rowsum(dO * O) - dLSE in fp32 (dLSE only on rows with a finite LSE: a row
+        # with no key has P = 0, and inf - inf must not reach the sums), as the portable dQ.
+        delta_t = gl.sum(do.load(tile).to(gl.float32) * o.to(gl.float32), 1)
+        if HAS_DLSE:
+            d_lse = gl.load(DLSE + base + rows_t)
+            finite = (lse_t > float("-inf")) & (lse_t < float("inf"))
+            delta_t = delta_t - gl.where(finite, d_lse, 0.0)
+        gl.store(Delta + base + rows_t, delta_t)
+        delta = gl.convert_layout(delta_t, row_s)
+        # Base-2 LSE; rows with no key get +inf, so P = exp2(s - inf) = 0 and their dQ is 0.
+        lse2 = gl.convert_layout(
+            gl.where(lse_t == float("-inf"), float("inf"), lse_t * LOG2E), row_s)
+        s_zero = gl.zeros([SUB_M, HALF_N], gl.float32, layout=s_layout)
+        dq = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=dq_layout)
+        for e in range(count):
+            st = e % STAGES_
+            mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
+            mbarrier.wait(v_ready.index(st), (e // STAGES_) & 1)
+            for h in gl.static_range(2):
+                k_h = k_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
+                v_h = v_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
+                s_tok = warpgroup_mma(q, k_h.permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                dp_tok = warpgroup_mma(do, v_h.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                                   stride_mu, stride_mr, stride_mw, N_KV, row0, h * HALF_N,
+                                   s_layout, SUB_M, HALF_N, BLOCK_N)
+                p = gl.exp2(s * qk_scale - lse2[:, None])
+                dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                ds = p * (dp - delta[:, None])
+                dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_h, dq)
+            mbarrier.arrive(kv_empty.index(st), count=1)  # K and V of this stage are read
+        # dS is the gradient w.r.t. the natural-log scaled scores: scale, not qk_scale.
+        dq = dq * scale
+        rows_o = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M,
+                                                         layout=gl.SliceLayout(1, dq_layout))
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+        gl.store(DQ + base * HEAD_DIM + rows_o[:, None] * HEAD_DIM + cols_o[None, :],
+                 dq.to(dtype))
+
+    @gluon.jit
+    def _dq_consumer0(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
+                      count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+                      stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
+                      Out, LSE, DLSE, DQ, Delta):
+        _dq_consumer(0, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
+                     count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+                     stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
+                     Out, LSE, DLSE, DQ, Delta)
+
+    @gluon.jit
+    def _dq_consumer1(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
+                      count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+                      stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
+                      Out, LSE, DLSE, DQ, Delta):
+        _dq_consumer(1, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
+                     count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+                     stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
+                     Out, LSE, DLSE, DQ, Delta)
+
+    @gluon.jit
+    def _attn_bwd_dq_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
+                                 q_count, q_partial, q_index, q_mask_id, masks, q_order,
+                                 qk_scale, scale, N, N_KV, H, GROUP, H_KV,
+                                 stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                                 stride_mu, stride_mr, stride_mw,
+                                 Out, LSE, DLSE, DQ, Delta,
+                                 ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                                 HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                 PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """dQ and Delta on sm_90, as :func:`sparsetp.kernels.attention._attn_bwd_dq_kernel`.
+
+        q_desc, do_desc: TMA descriptors of the ``[B * H * N, D]`` views, boxes of 64 rows;
+        k_desc, v_desc: of ``[B * H_kv * N_KV, D]``, boxes of 128 rows; Out, DQ ``[B, H, N,
+        D]`` and LSE, DLSE, Delta ``[B, H, N]`` (float32) contiguous; DLSE (the LSE cotangent)
+        is read only with ``HAS_DLSE``. The forward's grid, lists and schedule
+        (producer warp, K/V ring, two consumer warpgroups of 64 rows)."""
+        SUB_M: gl.constexpr = q_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-row consumers per 128-row query tile")
+        start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M),
+                                   ORDERED)
+        off_b = off_bh // H
+        off_h = off_bh % H
+        q_row0 = off_bh * N + start_m * 2 * SUB_M
+        kv_row0 = (off_b * H_KV + off_h // GROUP) * N_KV
+        count = gl.load(q_count + off_h * stride_ch + start_m * stride_cm)
+        n_partial = gl.load(q_partial + off_h * stride_ch + start_m * stride_cm)
+        row = off_h * stride_ih + start_m * stride_im
+        q_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        qd_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # The consumers read HAS_DLSE off this array's length (as the forward's PINGPONG).
+        dlse_flag = gl.allocate_shared_memory(gl.int64, [2 if HAS_DLSE else 1, 1],
+                                              mbarrier.MBarrierLayout())
+        mbarrier.init(qd_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        fence_async_shared()
+        cargs = (q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty, count,
+                 n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu, stride_mr,
+                 stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag, Out, LSE, DLSE,
+                 DQ, Delta)
+        gl.warp_specialize([
+            (_dq_consumer0, cargs),
+            (_dq_consumer1, cargs),
+            (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                          qd_bar, k_ready, v_ready, kv_empty, q_index, row, count, q_row0,
+                          kv_row0, stride_ik)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

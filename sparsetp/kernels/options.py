@@ -57,7 +57,9 @@ class LaunchOptions:
         (:mod:`sparsetp.backends.torch.native`; same kernels, same numbers, less host time).
         Needs ``direct_launch``; off, the Python ``autograd.Function`` path runs.
       fwd_kernel: one of :data:`FWD_KERNEL_MODES`: which forward kernel runs
-        (:func:`sparsetp.kernels.hopper.forward_choice`; the backward is always portable).
+        (:func:`sparsetp.kernels.hopper.forward_choice`).
+      bwd_kernel: one of :data:`FWD_KERNEL_MODES`: which kernel runs the backward's dQ pass
+        (:func:`sparsetp.kernels.hopper.backward_choice`; the dK/dV pass is always portable).
     """
 
     work_order: str = "auto"
@@ -68,6 +70,7 @@ class LaunchOptions:
     parallel_compile: bool = True
     native_autograd: bool = True
     fwd_kernel: str = "auto"
+    bwd_kernel: str = "auto"
 
     def __post_init__(self):
         if self.work_order not in WORK_ORDERS:
@@ -75,9 +78,10 @@ class LaunchOptions:
         if self.head_group is not None and (isinstance(self.head_group, bool) or not isinstance(
                 self.head_group, int) or self.head_group < 1):
             raise ValueError(f"head_group must be None or an int >= 1, got {self.head_group!r}")
-        if self.fwd_kernel not in FWD_KERNEL_MODES:
-            raise ValueError(f"fwd_kernel must be one of {FWD_KERNEL_MODES}, got "
-                             f"{self.fwd_kernel!r}")
+        for name in ("fwd_kernel", "bwd_kernel"):
+            if getattr(self, name) not in FWD_KERNEL_MODES:
+                raise ValueError(f"{name} must be one of {FWD_KERNEL_MODES}, got "
+                                 f"{getattr(self, name)!r}")
         if self.kernel_tile not in KERNEL_TILES or isinstance(self.kernel_tile, bool):
             raise ValueError(f"kernel_tile must be one of {KERNEL_TILES}, got "
                              f"{self.kernel_tile!r}")
@@ -94,7 +98,8 @@ class LaunchOptions:
         # Launch caches key on this per call: computed once (the object is frozen).
         object.__setattr__(self, "_key", (
             self.work_order, self.head_group, self.kernel_tile, tuple(sorted(self.tiles.items())),
-            self.direct_launch, self.parallel_compile, self.native_autograd, self.fwd_kernel))
+            self.direct_launch, self.parallel_compile, self.native_autograd, self.fwd_kernel,
+            self.bwd_kernel))
 
     def key(self) -> tuple:
         """A hashable value that changes whenever a launch built under these options could."""

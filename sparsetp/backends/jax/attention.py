@@ -332,6 +332,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     lay, scale = _check_inputs(q, k, v, layout, scale)
     if _options.current().fwd_kernel == "hopper":
         forward_kernel(q, k, v, layout)  # raises: JAX has no launcher for the sm_90 forward
+    if _options.current().bwd_kernel == "hopper":
+        backward_kernel(q, k, v, layout)  # raises alike for the sm_90 dQ pass
     shape = q.shape
     if lay.batch is not None:
         # A per-row layout: batch folded into heads; table head r * H + h is row r's head h
@@ -358,9 +360,29 @@ def forward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
     >>> forward_kernel(q, q, q, make_layout(P.causal(), 128, 2, 64)).reason[:10]
     'jax_triton'
     """
+    return _hopper.forward_choice(**_rule_args(q, k, v, layout))
+
+
+def backward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
+                    layout: LayoutLike) -> _hopper.KernelChoice:
+    """Which kernel runs the dQ pass of :func:`sparse_attention`'s backward, and why: in JAX
+    always the portable one, as :func:`forward_kernel` says for the forward. Under
+    ``LaunchOptions.bwd_kernel="hopper"`` this, and ``sparse_attention``, raise ValueError.
+
+    >>> import numpy as np
+    >>> from sparsetp.core import make_layout, patterns as P
+    >>> q = np.zeros((1, 2, 128, 32), np.float32)
+    >>> backward_kernel(q, q, q, make_layout(P.causal(), 128, 2, 64)).reason[:10]
+    'jax_triton'
+    """
+    return _hopper.backward_choice(**_rule_args(q, k, v, layout))
+
+
+def _rule_args(q, k, v, layout) -> dict:
+    """The kernel rules' arguments for a JAX call (checked as :func:`sparse_attention`)."""
     _, scale = _check_inputs(q, k, v, layout, None)
     platform = next(iter(q.devices())).platform if isinstance(q, jax.Array) else "cpu"
-    return _hopper.forward_choice(
+    return dict(
         framework="jax", device_kind="cuda" if platform == "gpu" else "cpu", capability=None,
         triton_version="", dtype=jnp.dtype(q.dtype).name, head_dim=int(q.shape[-1]),
         seq_len=int(q.shape[2]), kv_len=int(k.shape[2]), batch_heads=int(q.shape[0] * q.shape[1]),

@@ -105,16 +105,17 @@ class _Plan:
     metadata."""
 
     __slots__ = ("scale", "kind", "meta", "fwd", "bwd", "native", "native_failed", "fwd_choice",
-                 "sm90")
+                 "bwd_choice", "sm90")
 
     def __init__(self, q, k, v, layout, scale: float):
         self.scale, self.kind = scale, _launch.device_kind(q)
         self.meta = None if self.kind == "cpu" else _launch.metadata(layout, q, self.kind)
         self.fwd = None
-        # The forward kernel (sparsetp.kernels.hopper.forward_choice) and, for the sm_90 one,
-        # its launch state; the backward is the portable kernels' either way.
-        self.fwd_choice, lay128 = _hopper.choose(q, k, v, layout, self.kind, scale)
-        self.sm90 = None if lay128 is None else _hopper.Sm90Forward(q, k, lay128, scale)
+        # The forward and dQ kernels (sparsetp.kernels.hopper.forward_choice, backward_choice)
+        # and, where either is the sm_90 one, its launch state; dK/dV is portable either way.
+        self.fwd_choice, self.bwd_choice, lay128 = _hopper.choose(q, k, v, layout, self.kind,
+                                                                  scale)
+        self.sm90 = None if lay128 is None else _hopper.Sm90Kernels(q, k, lay128, scale)
         self.bwd: dict = {}
         # (the C++ call, its plan) once this key's kernels are compiled and the extension is
         # ready (:mod:`sparsetp.backends.torch.native`); None until then.
@@ -131,17 +132,17 @@ class _Plan:
         b, h, n, _ = q.shape
         out = _launch.new_output(q.shape, q.dtype, q.device)
         lse = _launch.new_output((b, h, n), _stats_dtype(q.dtype), q.device)
-        if self.sm90 is not None and not _hopper.aligned(q, k, v, out, lse):
+        sm90 = self.fwd_choice.name == "hopper"
+        if sm90 and not _hopper.aligned(q, k, v, out, lse):
             # Alignment is per call (not in the plan's key): this call runs portable.
             if _options.current().fwd_kernel == "hopper":
                 raise ValueError("LaunchOptions.fwd_kernel='hopper' cannot run this call: "
                                  + _hopper.MISALIGNED.reason)
-        elif self.sm90 is not None:
+        elif sm90:
             try:
                 self.sm90.run(q, k, v, out, lse)
                 return out, lse
             except Exception as exc:  # noqa: BLE001 (any compile or launch failure falls back)
-                self.sm90 = None
                 self.fwd_choice = _hopper.failed(exc)
                 warnings.warn(f"sparsetp: the sm_90 forward failed ({type(exc).__name__}: "
                               f"{exc}); this call and its plan run the portable forward",
@@ -170,14 +171,39 @@ class _Plan:
         # q, k and v too: saved-tensor hooks (save_on_cpu) may give them back in other strides
         key = (q.stride(), k.stride(), v.stride(), d_out.stride(), out.stride(), lse.stride(),
                None if d_lse is None else d_lse.stride())
+        sm90 = self.bwd_choice.name == "hopper"
+        if sm90:
+            # The TMA boxes read [rows, D] views: copy what is not (a block's transposed output
+            # gradient usually is not; the copy is small beside the kernels).
+            out, d_out = out.contiguous(), d_out.contiguous()
+            d_lse = None if d_lse is None else d_lse.contiguous()
+            if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+                    and _hopper.aligned(q, k, v, out, lse, d_out)):
+                if _options.current().bwd_kernel == "hopper":
+                    raise ValueError("LaunchOptions.bwd_kernel='hopper' cannot run this call: "
+                                     "q, k or v is not a contiguous tensor on a 16-byte "
+                                     "boundary (TMA descriptors need it)")
+                sm90 = False
+            key = (q.stride(), k.stride(), v.stride(), d_out.stride(), out.stride(),
+                   lse.stride(), None if d_lse is None else d_lse.stride())
         descs = self.bwd.get(key)
         if descs is None:
             descs = self.bwd[key] = self._backward_descriptions(
                 q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv)
         dq_desc, dkdv_desc = descs
         # dQ also writes delta = rowsum(dO * O) - d_lse, which dK/dV reads.
-        _launch.run(dq_desc, (q, k, v, d_out, lse, out, lse if d_lse is None else d_lse),
-                    (dq, delta), kind)
+        if sm90:
+            try:
+                self.sm90.dq(q, k, v, out, lse, d_out, d_lse, dq, delta)
+            except Exception as exc:  # noqa: BLE001 (any compile or launch failure falls back)
+                self.bwd_choice = _hopper.failed(exc, "dQ pass")
+                warnings.warn(f"sparsetp: the sm_90 dQ pass failed ({type(exc).__name__}: "
+                              f"{exc}); this call and its plan run the portable dQ pass",
+                              RuntimeWarning, stacklevel=2)
+                sm90 = False
+        if not sm90:
+            _launch.run(dq_desc, (q, k, v, d_out, lse, out, lse if d_lse is None else d_lse),
+                        (dq, delta), kind)
         _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), (dk, dv), kind)
         if self.native is None and kind == "cuda" and d_lse is None:
             self._make_native(q, k, v, out, lse, d_out, dq_desc, dkdv_desc)
@@ -187,7 +213,8 @@ class _Plan:
         """Hand this key's compiled kernels to the C++ extension, once it is built (a build
         starts in the background on the first call here). Kept to output gradients with
         distinct elements: the native backward copies any other gradient to these strides."""
-        if (self.native_failed or self.sm90 is not None  # the C++ node runs the portable forward
+        if (self.native_failed  # the C++ node runs the portable kernels only
+                or "hopper" in (self.fwd_choice.name, self.bwd_choice.name)
                 or not _options.current().native_autograd
                 or not _launch.direct_launch_enabled() or not _distinct_dense(d_out)):
             return
@@ -540,8 +567,8 @@ def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Bl
     ``"hopper"``: the sm_90 Gluon forward (:mod:`sparsetp.kernels.hopper`), taken where it is
     eligible and measured faster; ``"portable"``: the portable Triton kernel (or the native CPU
     path on CPU tensors). Change it with ``LaunchOptions.fwd_kernel``
-    (``sparsetp.kernels.options.launch_options(fwd_kernel="portable")``). The backward always
-    runs the portable kernels. Checks the arguments as :func:`sparse_attention` does.
+    (``sparsetp.kernels.options.launch_options(fwd_kernel="portable")``). The backward's
+    kernels: :func:`backward_kernel`. Checks the arguments as :func:`sparse_attention` does.
 
     >>> import torch
     >>> from sparsetp.core import patterns as P, make_layout
@@ -549,11 +576,36 @@ def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Bl
     >>> forward_kernel(q, q, q, make_layout(P.causal(), 64, 2, 32)).name
     'portable'
     """
+    return _choice(q, k, v, layout, scale, "fwd_choice")
+
+
+def backward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
+                    *, scale: float | None = None) -> _hopper.hopper.KernelChoice:
+    """Which kernel runs the dQ pass of :func:`sparse_attention`'s backward for these
+    arguments, and why.
+
+    ``"hopper"``: the sm_90 Gluon dQ pass (:func:`sparsetp.kernels.hopper.backward_choice`),
+    by the forward's eligibility and rule; ``"portable"``: the portable Triton kernel (or the
+    native CPU path). The dK/dV pass is portable either way. Change it with
+    ``LaunchOptions.bwd_kernel``. Checks the arguments as :func:`sparse_attention` does.
+
+    >>> import torch
+    >>> from sparsetp.core import patterns as P, make_layout
+    >>> q = torch.randn(1, 2, 64, 32)
+    >>> backward_kernel(q, q, q, make_layout(P.causal(), 64, 2, 32)).reason
+    "the fast path is a CUDA kernel (device kind 'cpu')"
+    """
+    return _choice(q, k, v, layout, scale, "bwd_choice")
+
+
+def _choice(q, k, v, layout, scale, which: str) -> _hopper.hopper.KernelChoice:
+    """The plan's ``which`` ("fwd_choice" / "bwd_choice") for these arguments, with the
+    per-call alignment rule."""
     if getattr(layout, "batch", None) is not None:
         _check_per_row(q, k, v, layout, scale)
         q, k, v, layout = _fold(q), _fold(k), _fold(v), layout.flat()
     q, k, v = _autocast(q, k, v)
-    choice = _plan(q, k, v, layout, scale).fwd_choice
+    choice = getattr(_plan(q, k, v, layout, scale), which)
     if choice.name == "hopper" and not _hopper.aligned(q, k, v):
         return _hopper.MISALIGNED
     return choice

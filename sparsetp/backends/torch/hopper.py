@@ -1,10 +1,11 @@
-"""Launch the sm_90 forward (:mod:`sparsetp.kernels.hopper`) on torch tensors.
+"""Launch the sm_90 forward and dQ pass (:mod:`sparsetp.kernels.hopper`) on torch tensors.
 
-:func:`choose` decides per plan (the rule is :func:`sparsetp.kernels.hopper.forward_choice`);
-:class:`Sm90Forward` holds what a launch needs (the layout at block 128 on the device, grid,
-TMA box layouts) and launches; a launch that fails to compile warns once and the plan falls back
-to the portable kernel (``backends/torch/attention.py``), so a fast-path failure never gives a
-wrong answer or an error.
+:func:`choose` decides per plan (the rules are :func:`sparsetp.kernels.hopper.forward_choice`
+and :func:`~sparsetp.kernels.hopper.backward_choice`); :class:`Sm90Kernels` holds what a launch
+needs (the layout at block 128 on the device, grid, TMA box layouts) and launches; a launch that
+fails to compile warns once and the plan falls back to the portable kernel
+(``backends/torch/attention.py``), so a fast-path failure never gives a wrong answer or an
+error.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from sparsetp.backends.torch import launch as _launch
 from sparsetp.kernels import abi, hopper, schedule
 from sparsetp.kernels import options as _options
 
-__all__ = ["choose", "failed", "Sm90Forward", "layout_128", "aligned"]
+__all__ = ["choose", "failed", "Sm90Kernels", "layout_128", "aligned"]
 
 _LAYOUTS_128: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _META_128: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -48,9 +49,10 @@ def layout_128(layout):
 
 
 def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, kind: str,
-           scale: float) -> tuple[hopper.KernelChoice, object]:
-    """(the forward kernel of this call, its block-128 layout or None). Checks the device and
-    dtype first, so a call that cannot take the fast path builds no layout."""
+           scale: float) -> tuple[hopper.KernelChoice, hopper.KernelChoice, object]:
+    """(the forward kernel of this call, its dQ kernel, the block-128 layout when either is
+    the fast path, else None). Checks the device and dtype first, so a call that cannot take
+    the fast path builds no layout."""
     if kind == "cuda":
         capability = tuple(torch.cuda.get_device_capability(q.device))
     else:
@@ -61,27 +63,31 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, kind: str,
                   contiguous=all(t.is_contiguous() for t in (q, k, v)), scale=scale)
     lay = None
     probe = hopper._ineligible(**common, layout_ok=True)
-    if probe is None and _options.current().fwd_kernel != "portable":
+    opts = _options.current()
+    if probe is None and (opts.fwd_kernel, opts.bwd_kernel) != ("portable", "portable"):
         lay = layout_128(layout)
     mean = 0.0 if lay is None else float(lay.q_count.mean())
     # Where the probe failed, its reason (not the unbuilt layout) is the one to report.
-    choice = hopper.forward_choice(**common, batch_heads=q.shape[0] * q.shape[1],
-                                   mean_tiles=mean, layout_ok=lay is not None or probe is not None)
-    return choice, (lay if choice.name == "hopper" else None)
+    kw = dict(common, batch_heads=q.shape[0] * q.shape[1], mean_tiles=mean,
+              layout_ok=lay is not None or probe is not None)
+    fwd, bwd = hopper.forward_choice(**kw), hopper.backward_choice(**kw)
+    return fwd, bwd, (lay if "hopper" in (fwd.name, bwd.name) else None)
 
 
-def failed(exc: BaseException) -> hopper.KernelChoice:
-    """The choice a plan reports after its sm_90 forward failed and it fell back."""
-    return hopper.KernelChoice("portable", f"the sm_90 forward failed here and was dropped: "
+def failed(exc: BaseException, what: str = "forward") -> hopper.KernelChoice:
+    """The choice a plan reports after its sm_90 ``what`` ("forward", "dQ pass") failed and it
+    fell back."""
+    return hopper.KernelChoice("portable", f"the sm_90 {what} failed here and was dropped: "
                                f"{type(exc).__name__}: {exc}"[:500])
 
 
-class Sm90Forward:
-    """One plan's sm_90 forward: the block-128 metadata on q's device, the grid and work order
-    of the portable forward for that layout, and the TMA box layouts."""
+class Sm90Kernels:
+    """One plan's sm_90 launches (forward, dQ pass): the block-128 metadata on q's device, the
+    grid and work order of the portable query-major kernels for that layout, and the TMA box
+    layouts."""
 
-    __slots__ = ("meta", "args", "arg_values", "grid", "ordered", "box_layout", "qk_scale",
-                 "compiled")
+    __slots__ = ("meta", "args", "arg_values", "dq_args", "dq_values", "grid", "ordered",
+                 "box_layout", "qk_scale", "compiled", "compiled_dq")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, lay, scale: float):
         from triton.experimental.gluon import language as gl  # noqa: PLC0415
@@ -98,16 +104,62 @@ class Sm90Forward:
         arrays, strides = abi._check_meta(meta, "q", h, n // hopper.BLOCK, hopper.BLOCK)
         self.qk_scale = float(scale) * 1.4426950408889634  # softmax in base 2 (exp2)
         self.args = (*arrays, self.qk_scale, n, n_kv, h, h // h_kv, h_kv, *strides)
+        self.dq_args = (*arrays, self.qk_scale, float(scale), n, n_kv, h, h // h_kv, h_kv,
+                        *strides)
         # The direct launch's values: metadata as pointers (kept alive by ``meta``).
-        self.arg_values = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
-                                for a in self.args)
+        self.arg_values, self.dq_values = (
+            tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+            for args in (self.args, self.dq_args))
         self.compiled = None  # Triton's compiled kernel, once the JIT entry has launched it
+        self.compiled_dq = {}  # the same per HAS_DLSE
         self.grid = schedule.list_grid(b, h, n // hopper.BLOCK,
                                        schedule.grid_group(meta, "q", b, h))
         self.ordered = _options.current().work_order != "natural"
         gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
         self.box_layout = (gl.NVMMASharedLayout.get_default_for([hopper.BLOCK // 2, d], gdt),
                            gl.NVMMASharedLayout.get_default_for([hopper.BLOCK, d], gdt))
+
+    def _direct(self, device: int) -> bool:
+        return (_launch.direct_launch_enabled() and torch.cuda.current_device() == device
+                and _launch._launch_hooks() is None)
+
+    def _descs(self, pairs):
+        """Host TMA descriptors of ``(tensor, box rows)`` pairs, as ``[rows, d]`` views."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
+
+        out = []
+        for t, rows in pairs:
+            d = t.shape[-1]
+            t2 = t.view(-1, d)
+            box = self.box_layout[0 if rows == hopper.BLOCK // 2 else 1]
+            out.append(TensorDescriptor(t2, list(t2.shape), [d, 1], [rows, d], box))
+        return out
+
+    def dq(self, q, k, v, out, lse, d_out, d_lse, dq, delta) -> None:
+        """Launch the dQ pass (dQ and Delta) on this call's tensors: q, k, v, out, d_out, lse
+        and d_lse (None: no LSE cotangent) contiguous and 16-byte aligned (:func:`aligned`).
+        Compiled once per ``d_lse is None``; later calls launch directly, as :meth:`run`."""
+        d = q.shape[-1]
+        device = q.device.index
+        has_dlse = d_lse is not None
+        c = self.compiled_dq.get(has_dlse)
+        dlse = d_lse if has_dlse else lse  # never read without a cotangent
+        if c is not None and self._direct(device):
+            boxes = (_Box(q, d), _Box(d_out, d), _Box(k, d), _Box(v, d))
+            c.run(*self.grid, _launch._current_stream(device), c.function, c.packed_metadata,
+                  None, None, None, *boxes, *self.dq_values, out.data_ptr(), lse.data_ptr(),
+                  dlse.data_ptr(), dq.data_ptr(), delta.data_ptr(), self.ordered,
+                  hopper.DQ_STAGES, has_dlse, hopper.CONSUMER_REGS, hopper.PRODUCER_REGS,
+                  hopper.NUM_WARPS)
+            return
+        half, full = hopper.BLOCK // 2, hopper.BLOCK
+        descs = self._descs(((q, half), (d_out, half), (k, full), (v, full)))
+        _launch._restore_cache_dir()
+        with torch.cuda.device(q.device):
+            self.compiled_dq[has_dlse] = hopper._attn_bwd_dq_kernel_sm90[self.grid](
+                *descs, *self.dq_args, out, lse, dlse, dq, delta, ORDERED=self.ordered,
+                STAGES=hopper.DQ_STAGES, HAS_DLSE=has_dlse, CONSUMER_REGS=hopper.CONSUMER_REGS,
+                PRODUCER_REGS=hopper.PRODUCER_REGS, num_warps=hopper.NUM_WARPS)
 
     def run(self, q, k, v, out, lse) -> None:
         """Launch on this call's tensors (contiguous, 16-byte aligned: :func:`aligned`).
@@ -120,8 +172,7 @@ class Sm90Forward:
         entry's binding are not paid per call."""
         d = q.shape[-1]
         device = q.device.index
-        if (self.compiled is not None and _launch.direct_launch_enabled()
-                and torch.cuda.current_device() == device and _launch._launch_hooks() is None):
+        if self.compiled is not None and self._direct(device):
             c = self.compiled
             boxes = (_Box(q, d), _Box(k, d), _Box(v, d))
             c.run(*self.grid, _launch._current_stream(device), c.function, c.packed_metadata,
@@ -129,13 +180,7 @@ class Sm90Forward:
                   self.ordered, hopper.STAGES, hopper.CONSUMER_REGS, hopper.PRODUCER_REGS,
                   hopper.PINGPONG, hopper.NUM_WARPS)
             return
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
-
-        q_box, kv_box = self.box_layout
-        q2, k2, v2 = q.view(-1, d), k.view(-1, d), v.view(-1, d)
-        descs = (TensorDescriptor(q2, list(q2.shape), [d, 1], [hopper.BLOCK // 2, d], q_box),
-                 TensorDescriptor(k2, list(k2.shape), [d, 1], [hopper.BLOCK, d], kv_box),
-                 TensorDescriptor(v2, list(v2.shape), [d, 1], [hopper.BLOCK, d], kv_box))
+        descs = self._descs(((q, hopper.BLOCK // 2), (k, hopper.BLOCK), (v, hopper.BLOCK)))
         _launch._restore_cache_dir()
         with torch.cuda.device(q.device):
             self.compiled = hopper._attn_fwd_kernel_sm90[self.grid](

@@ -1,0 +1,461 @@
+"""A Gluon dK/dV for Hopper (sm_90) and, with the library's sm_90 dQ pass, a whole Gluon
+backward. Lab variant (KERNEL_NOTES, "Session 22").
+
+Question (issue #34 backward at 0.61-0.76 of FA4; #23 GQA and packed-document backward at
+0.99-1.07 of FlexAttention): the Gluon dQ runs 1.04-1.27x the portable dQ (session 22, run 1);
+does the key-major pass, 61% of the portable backward, gain as much or more in the forward's
+schedule? Per key tile of 128 keys and (b, kv head), one program: a producer warp loads K and V
+once and, for each query head of the kv head's group in turn (GQA: a fixed order, no atomics),
+each listed query tile in two 64-row steps (Q and dO by TMA into a ring); two consumer
+warpgroups own 64 keys each and keep their dK, dV accumulators (64 x 128 fp32) in registers.
+Per step, on transposed scores S^T = K Q^T [64 keys, 64 queries]:
+
+    S^T, dP^T = V dO^T (async MMAs); P^T = exp2(S^T * qk_scale - LSE2);
+    dV += P^T dO (async, overlapping dS^T = P^T (dP^T - Delta)); dK += dS^T Q.
+
+``DEFER`` (a variant) waits for a step's dV/dK MMAs only after the next step's S^T and dP^T are
+issued, so the tensor cores never idle between steps.
+
+Compile for sm_90 without a GPU (Triton 3.6 beside the local one)::
+
+    PYTHONPATH=/tmp/t36:$PWD python benchmarks/gluon_bwd.py --compile_only
+
+On a Hopper GPU: check dQ, dK, dV against the portable backward, then time::
+
+    PYTHONPATH=$PWD python benchmarks/gluon_bwd.py --out=/tmp/gluon_bwd.json
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+from gluon_tools import list_args, sm90_profile, stand_ins, tma_desc
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from sparsetp.kernels import hopper
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report registers/shared")
+flags.DEFINE_list("patterns", ["causal", "window:1024", "bigbird", "strided_causal"],
+                  "bench patterns (sparsetp.bench.attention)")
+flags.DEFINE_list("seq_lens", ["8192", "32768"], "N")
+flags.DEFINE_list("variants", ["s3"], "dK/dV variants (VARIANTS)")
+flags.DEFINE_integer("heads", 16, "H")
+flags.DEFINE_integer("kv_heads", 0, "H_kv (0: H)")
+flags.DEFINE_integer("rounds", 3, "interleaved timing rounds")
+flags.DEFINE_string("out", None, "write the records here as JSON")
+
+BLOCK = 128
+SUB = 64  # queries per step (one TMA box of Q and of dO)
+LOG2E = gl.constexpr(1.4426950408889634)
+# name: (ring stages of Q/dO steps, DEFER); K, V 64 KB + stages x 32 KB of shared memory
+VARIANTS = {"s2": (2, False), "s3": (3, False), "s4": (4, False), "s3d": (3, True),
+            "s4d": (4, True)}
+
+
+@gluon.jit
+def _kv_program(order, stride_ch, stride_cm, H_KV, ranks, GROUP, ORDERED: gl.constexpr):
+    """(key tile, b * H_kv + kv head): the portable dK/dV's ``_program`` (kv heads take the
+    work order of their group's first query head)."""
+    if gl.num_programs(1) == 1:
+        g = gl.program_id(0)
+        off_bh = g // ranks
+        rank = g % ranks
+    else:
+        off_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+        rank = gl.program_id(1)
+    if ORDERED:
+        tile = gl.load(order + (off_bh % H_KV) * GROUP * stride_ch + rank * stride_cm)
+    else:
+        tile = rank
+    return tile, off_bh
+
+
+@gluon.jit
+def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
+                 q_ready, q_empty, k_count, k_index, stride_ch, stride_cm, stride_ih, stride_im,
+                 stride_ik, N, H, GROUP, off_b, off_g, start_n, kv_row0):
+    """Producer warp: K and V once, then per query head of the group and listed query tile
+    the Q and dO rows of its two 64-row steps, into ring stage ``t % NSTAGE``."""
+    NSTAGE: gl.constexpr = q_smem.shape[0]
+    SUB_M: gl.constexpr = q_smem.shape[1]
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row0, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row0, 0], kv_bar, v_smem)
+    t = 0
+    for j in range(GROUP):
+        h = off_g * GROUP + j
+        count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
+        row = h * stride_ih + start_n * stride_im
+        q_row0 = (off_b * H + h) * N
+        for e in range(count):
+            qb = gl.load(k_index + row + e * stride_ik)
+            for sub in gl.static_range(2):
+                s = t % NSTAGE
+                mbarrier.wait(q_empty.index(s), ((t // NSTAGE) & 1) ^ 1)
+                r = q_row0 + qb * (2 * SUB_M) + sub * SUB_M
+                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes
+                                + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [r, 0], q_ready.index(s),
+                                                q_smem.index(s))
+                tma.async_copy_global_to_shared(do_desc, [r, 0], q_ready.index(s),
+                                                do_smem.index(s))
+                t += 1
+
+
+@gluon.jit
+def _scores_t(s, e, sub, n_partial, k_mask_id, row, stride_ik, masks, stride_mu, stride_mr,
+              stride_mw, key0, s_layout: gl.constexpr, KEYS: gl.constexpr,
+              SUB_M: gl.constexpr):
+    """Transposed scores [KEYS keys, SUB_M queries] of list entry ``e``'s step ``sub``, -inf
+    where the partial tile's bitmask (rows queries, bits keys) disallows the pair."""
+    if e < n_partial:
+        mid = gl.load(k_mask_id + row + e * stride_ik)
+        c = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        r = sub * SUB_M + gl.arange(0, SUB_M, layout=gl.SliceLayout(0, s_layout))
+        words = gl.load(masks + mid * stride_mu + r[None, :] * stride_mr
+                        + (c[:, None] // 32) * stride_mw)
+        s = gl.where(((words >> (c[:, None] % 32)) & 1) != 0, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _dkdv_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready,
+                   q_empty, defer, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
+                   stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw,
+                   qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta,
+                   DK, DV):
+    """Consumer warpgroup: dK, dV of keys ``[HALF * 64, +64)`` of the key tile."""
+    DEFER: gl.constexpr = defer.shape[0] == 2
+    NSTAGE: gl.constexpr = q_smem.shape[0]
+    SUB_M: gl.constexpr = q_smem.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    KEYS: gl.constexpr = k_smem.shape[0] // 2
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    key0: gl.constexpr = HALF * KEYS
+    k_h = k_smem.slice(key0, KEYS, dim=0)
+    v_h = v_smem.slice(key0, KEYS, dim=0)
+    s_zero = gl.zeros([KEYS, SUB_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    t = 0
+    for j in range(GROUP):
+        h = off_g * GROUP + j
+        count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
+        n_partial = gl.load(k_partial + h * stride_ch + start_n * stride_cm)
+        row = h * stride_ih + start_n * stride_im
+        stats = (off_b * H + h).to(gl.int64) * N
+        for e in range(count):
+            qb = gl.load(k_index + row + e * stride_ik)
+            for sub in gl.static_range(2):
+                st = t % NSTAGE
+                cols = qb * (2 * SUB_M) + sub * SUB_M + gl.arange(0, SUB_M, layout=col_s)
+                mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
+                qs = q_smem.index(st)
+                dos = do_smem.index(st)
+                s_tok = warpgroup_mma(k_h, qs.permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                dp_tok = warpgroup_mma(v_h, dos.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                if DEFER:
+                    # The previous step's dV/dK (issued before S^T) finish with S^T.
+                    s, dv, dk = warpgroup_mma_wait(1, deps=(s_tok, dv, dk))
+                    if t > 0:
+                        mbarrier.arrive(q_empty.index((t - 1) % NSTAGE), count=1)
+                else:
+                    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                s = _scores_t(s, e, sub, n_partial, k_mask_id, row, stride_ik, masks,
+                              stride_mu, stride_mr, stride_mw, key0, s_layout, KEYS, SUB_M)
+                # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient. Loaded late:
+                # a column vector costs 16 registers a thread in this layout.
+                lse = gl.load(LSE + stats + cols)
+                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                p = gl.exp2(s * qk_scale - lse2[None, :])
+                dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                # dS^T before either MMA is issued: an issued MMA pins its register operand
+                # until it completes, and the fp32 P^T and dP^T must be dead by then.
+                ds = p * (dp - gl.load(Delta + stats + cols)[None, :])
+                p_op = gl.convert_layout(p.to(dtype), op_layout)
+                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+                dv = warpgroup_mma(p_op, dos, dv, is_async=True)
+                dk = warpgroup_mma(ds_op, qs, dk, is_async=True)
+                if DEFER:
+                    # Both stay in flight (two groups outstanding): this wait only gives the
+                    # loop-carried values their tensor type; the next step's first wait ends them.
+                    dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))
+                else:
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    mbarrier.arrive(q_empty.index(st), count=1)
+                t += 1
+    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    if DEFER:
+        if t > 0:
+            mbarrier.arrive(q_empty.index((t - 1) % NSTAGE), count=1)
+    # dS is the gradient w.r.t. the natural-log scaled scores: scale, not qk_scale.
+    dk = dk * scale
+    rows = kv_row0 + key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+    cols_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    offs = rows.to(gl.int64)[:, None] * HEAD_DIM + cols_d[None, :]
+    gl.store(DK + offs, dk.to(dtype))
+    gl.store(DV + offs, dv.to(dtype))
+
+
+@gluon.jit
+def _dkdv_consumer0(q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer, k_count,
+                    k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm, stride_ih,
+                    stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale, scale, N,
+                    H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV):
+    _dkdv_consumer(0, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer,
+                   k_count, k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm,
+                   stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale,
+                   scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV)
+
+
+@gluon.jit
+def _dkdv_consumer1(q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer, k_count,
+                    k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm, stride_ih,
+                    stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale, scale, N,
+                    H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV):
+    _dkdv_consumer(1, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer,
+                   k_count, k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm,
+                   stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale,
+                   scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
+                               k_count, k_partial, k_index, k_mask_id, masks, k_order,
+                               qk_scale, scale, N, N_KV, H, GROUP,
+                               stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                               stride_mu, stride_mr, stride_mw,
+                               LSE, Delta, DK, DV,
+                               ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                               DEFER: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV as the portable dK/dV kernel, on sm_90. q_desc, do_desc: TMA boxes of 64 rows of
+    ``[B * H * N, D]``; k_desc, v_desc: 128 rows of ``[B * H_kv * N_KV, D]``; LSE, Delta
+    ``[B, H, N]`` and DK, DV ``[B, H_kv, N_KV, D]`` contiguous; N, N_KV multiples of 128. One
+    program per (key tile, b, kv head)."""
+    SUB_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    H_KV = H // GROUP
+    start_n, off_bh = _kv_program(k_order, stride_ch, stride_cm, H_KV, gl.cdiv(N_KV, BLOCK_N),
+                                  GROUP, ORDERED)
+    off_b = off_bh // H_KV
+    off_g = off_bh % H_KV
+    kv_row0 = off_bh * N_KV + start_n * BLOCK_N
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Carries DEFER across the partition boundary as its length (constexprs do not cross it).
+    defer = gl.allocate_shared_memory(gl.int64, [2 if DEFER else 1, 1],
+                                      mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    cargs = (q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer, k_count,
+             k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm, stride_ih, stride_im,
+             stride_ik, stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
+             off_g, start_n, kv_row0, LSE, Delta, DK, DV)
+    gl.warp_specialize([
+        (_dkdv_consumer0, cargs),
+        (_dkdv_consumer1, cargs),
+        (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                        kv_bar, q_ready, q_empty, k_count, k_index, stride_ch, stride_cm,
+                        stride_ih, stride_im, stride_ik, N, H, GROUP, off_b, off_g, start_n,
+                        kv_row0)),
+    ], [4, 1], [232, 24])
+
+
+def _key_lists(meta) -> tuple:
+    """The key-major list arguments (as :func:`gluon_tools.list_args` for the query side)."""
+    kc, ki, mk = meta["k_count"], meta["k_index"], meta["masks"]
+    return ((kc, meta["k_partial"], ki, meta["k_mask_id"], mk, meta["k_order"]),
+            (*kc.stride(), *ki.stride(), *mk.stride()))
+
+
+def _dkdv_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv):
+    h, n = q.shape[1], q.shape[2]
+    h_kv, n_kv = k.shape[1], k.shape[2]
+    arrays, strides = _key_lists(meta)
+    return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
+            *arrays, scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv, *strides,
+            lse, delta, dk, dv)
+
+
+def _dq_args(q, k, v, d_out, out, lse, meta, scale, dq, delta):
+    """The library's sm_90 dQ pass (no LSE cotangent: ``lse`` fills its slot, never read)."""
+    h, n = q.shape[1], q.shape[2]
+    h_kv, n_kv = k.shape[1], k.shape[2]
+    arrays, strides = list_args(meta)
+    return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
+            *arrays, scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv, h_kv, *strides,
+            out, lse, lse, dq, delta)
+
+
+DQ_CONSTEXPRS = {"STAGES": hopper.DQ_STAGES, "HAS_DLSE": False,
+                 "CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
+
+
+def _compile_only():
+    """Compile the library's dQ pass and each dK/dV variant for sm_90 with CPU stand-ins;
+    print registers, spills, shared memory."""
+    q, stats, meta = stand_ins(BLOCK)
+    prof = sm90_profile(hopper._attn_bwd_dq_kernel_sm90,
+                        _dq_args(q, q, q, q, q, stats, meta, 0.1, q, stats),
+                        {"ORDERED": True, **DQ_CONSTEXPRS}, hopper.NUM_WARPS)
+    print(json.dumps({"kernel": "library dQ", **prof}))
+    meta = {**meta, **{key.replace("q_", "k_"): val for key, val in meta.items()
+                       if key.startswith("q_")}}
+    args = _dkdv_args(q, q, q, q, stats, stats, meta, 0.1, q, q)
+    for name in FLAGS.variants:
+        stages, defer = VARIANTS[name]
+        prof = sm90_profile(_attn_bwd_dkdv_kernel_sm90, args,
+                            {"ORDERED": True, "STAGES": stages, "DEFER": defer}, 4)
+        print(json.dumps({"variant": name, **prof}))
+
+
+def _kernel_ms(fn, reps=10):
+    """Mean CUDA time per call of each attention kernel ``fn`` launches (torch profiler)."""
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.key_averages():
+        total = getattr(ev, "device_time_total", None)
+        if total is None:
+            total = ev.cuda_time_total
+        if "attn" in ev.key and total > 0:
+            times[ev.key[:60]] = total / reps / 1e3
+    return times
+
+
+def _measure(spec, q, k, v, d_out):
+    """Check the Gluon backward (the library's dQ, each dK/dV variant) against the portable
+    backward, then time the whole backwards in interleaved rounds."""
+    import torch  # noqa: PLC0415
+    import triton  # noqa: PLC0415
+
+    from sparsetp.backends.torch import attention as tattn  # noqa: PLC0415
+    from sparsetp.bench.attention import bench_pattern  # noqa: PLC0415
+    from sparsetp.core import make_layout  # noqa: PLC0415
+    from sparsetp.kernels import schedule  # noqa: PLC0415
+    from sparsetp.kernels.options import launch_options  # noqa: PLC0415
+    from sparsetp.torch import backward_kernel  # noqa: PLC0415
+
+    b, h, n, d = q.shape
+    h_kv = k.shape[1]
+    scale = d ** -0.5
+    layout = make_layout(bench_pattern(spec, n, BLOCK, h).pattern, n, h, BLOCK)
+    meta = {key: torch.from_numpy(val.copy()).cuda() for key, val in layout.metadata().items()}
+    q_group, k_group = schedule.head_groups(layout)
+    q_grid = schedule.list_grid(b, h, n // BLOCK,
+                                schedule.grid_group({"q_head_group": q_group}, "q", b, h))
+    kv_grid = schedule.list_grid(b, h_kv, n // BLOCK,
+                                 schedule.grid_group({"k_head_group": k_group}, "k", b, h_kv))
+    with launch_options(fwd_kernel="portable", bwd_kernel="portable"):
+        out, lse = tattn._forward(q, k, v, layout, scale)
+        ref = tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
+
+    def gluon_bwd(variant):
+        stages, defer = VARIANTS[variant]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty_like(lse)
+        hopper._attn_bwd_dq_kernel_sm90[q_grid](
+            *_dq_args(q, k, v, d_out, out, lse, meta, scale, dq, delta), ORDERED=True,
+            **DQ_CONSTEXPRS, num_warps=hopper.NUM_WARPS)
+        _attn_bwd_dkdv_kernel_sm90[kv_grid](
+            *_dkdv_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv), ORDERED=True,
+            STAGES=stages, DEFER=defer, num_warps=4)
+        return dq, dk, dv
+
+    rec = {"pattern": spec, "N": n, "H": h, "H_kv": h_kv, "check": {}}
+    for variant in FLAGS.variants:
+        got = gluon_bwd(variant)
+        rec["check"][variant] = {
+            name: float((a.float() - r.float()).abs().max())
+            for name, a, r in zip(("dq", "dk", "dv"), got, ref, strict=True)}
+        rec["check"][variant]["ref_max"] = max(float(r.float().abs().max()) for r in ref)
+
+    def portable_bwd():
+        with launch_options(fwd_kernel="portable", bwd_kernel="portable"):
+            return tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
+
+    def library_bwd():  # as users get it: bwd_kernel="auto" (the sm_90 dQ where it runs)
+        return tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
+
+    lib = library_bwd()
+    rec["check"]["library"] = {
+        name: float((a.float() - r.float()).abs().max())
+        for name, a, r in zip(("dq", "dk", "dv"), lib, ref, strict=True)}
+    rec["bwd_kernel"] = backward_kernel(q, k, v, layout).name
+    arms = {"portable": portable_bwd, "library": library_bwd,
+            **{v_: (lambda v_=v_: gluon_bwd(v_)) for v_ in FLAGS.variants}}
+    times = {name: [] for name in arms}
+    for _ in range(FLAGS.rounds):
+        for name, fn in arms.items():
+            times[name].append(triton.testing.do_bench(fn, warmup=25, rep=200))
+    rec["ms"] = {k_: sorted(t)[len(t) // 2] for k_, t in times.items()}
+    rec["kernel_ms"] = {name: _kernel_ms(fn) for name, fn in arms.items()}
+    return rec
+
+
+def main(argv):
+    del argv
+    if FLAGS.compile_only:
+        _compile_only()
+        return
+    import torch  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    records = []
+    h_kv = FLAGS.kv_heads or FLAGS.heads
+    for n in map(int, FLAGS.seq_lens):
+        q, d_out = (torch.randn(1, FLAGS.heads, n, 128, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+        k, v = (torch.randn(1, h_kv, n, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        for spec in FLAGS.patterns:
+            try:
+                rec = _measure(spec, q, k, v, d_out)
+            except Exception as exc:  # noqa: BLE001 (a failed case is recorded, not fatal)
+                rec = {"pattern": spec, "N": n, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
