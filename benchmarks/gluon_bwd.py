@@ -1,20 +1,20 @@
-"""A Gluon dK/dV for Hopper (sm_90) and, with the library's sm_90 dQ pass, a whole Gluon
-backward. Lab variant (KERNEL_NOTES, "Session 22").
+"""The sm_90 backward in Gluon: the library's dQ pass with the dK/dV variants. Lab (KERNEL_NOTES,
+"Session 22").
 
 Question (issue #34 backward at 0.61-0.76 of FA4; #23 GQA and packed-document backward at
-0.99-1.07 of FlexAttention): the Gluon dQ runs 1.04-1.27x the portable dQ (session 22, run 1);
-does the key-major pass, 61% of the portable backward, gain as much or more in the forward's
-schedule? Per key tile of 128 keys and (b, kv head), one program: a producer warp loads K and V
-once and, for each query head of the kv head's group in turn (GQA: a fixed order, no atomics),
-each listed query tile in two 64-row steps (Q and dO by TMA into a ring); two consumer
-warpgroups own 64 keys each and keep their dK, dV accumulators (64 x 128 fp32) in registers.
-Per step, on transposed scores S^T = K Q^T [64 keys, 64 queries]:
+0.99-1.07 of FlexAttention): does the forward's warp-specialised schedule carry over to the
+deterministic key-major pass (dK/dV, 61% of the portable backward)? Per key tile of 128 keys
+and (b, kv head), one program: a producer warp loads K and V once and, for each query head of
+the kv head's group in turn (GQA: a fixed order, no atomics), each listed query tile in two
+64-row steps (Q and dO by TMA into a ring); two consumer warpgroups own 64 keys each and keep
+their dK, dV accumulators (64 x 128 fp32) in registers. Two forms of the step:
 
-    S^T, dP^T = V dO^T (async MMAs); P^T = exp2(S^T * qk_scale - LSE2);
-    dV += P^T dO (async, overlapping dS^T = P^T (dP^T - Delta)); dK += dS^T Q.
-
-``DEFER`` (a variant) waits for a step's dV/dK MMAs only after the next step's S^T and dP^T are
-issued, so the tensor cores never idle between steps.
+* ``t`` (this file, rejected: it spills): transposed scores S^T = K Q^T [64 keys, 64 queries],
+  P^T and dS^T as register operands of dV += P^T dO and dK += dS^T Q; ``DEFER`` waits for a
+  step's dV/dK only after the next step's S^T and dP^T are issued;
+* ``n`` (FA3's form, the library's ``_attn_bwd_dkdv_kernel_sm90``): S = Q K^T [64 queries,
+  64 keys], P and dS through shared memory as transposed A operands; ``EARLY_DP`` issues dP
+  with S.
 
 Compile for sm_90 without a GPU (Triton 3.6 beside the local one)::
 
@@ -48,7 +48,7 @@ flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report regi
 flags.DEFINE_list("patterns", ["causal", "window:1024", "bigbird", "strided_causal"],
                   "bench patterns (sparsetp.bench.attention)")
 flags.DEFINE_list("seq_lens", ["8192", "32768"], "N")
-flags.DEFINE_list("variants", ["s3"], "dK/dV variants (VARIANTS)")
+flags.DEFINE_list("variants", ["s3", "n2", "n2e", "n3"], "dK/dV variants (VARIANTS)")
 flags.DEFINE_integer("heads", 16, "H")
 flags.DEFINE_integer("kv_heads", 0, "H_kv (0: H)")
 flags.DEFINE_integer("rounds", 3, "interleaved timing rounds")
@@ -58,8 +58,12 @@ BLOCK = 128
 SUB = 64  # queries per step (one TMA box of Q and of dO)
 LOG2E = gl.constexpr(1.4426950408889634)
 # name: (ring stages of Q/dO steps, DEFER); K, V 64 KB + stages x 32 KB of shared memory
-VARIANTS = {"s2": (2, False), "s3": (3, False), "s4": (4, False), "s3d": (3, True),
-            "s4d": (4, True)}
+# name: (form, ring stages, DEFER for "t" / EARLY_DP for "n"); shared memory: K, V 64 KB +
+# stages x 32 KB (+ 32 KB of P, dS in FA3's form "n", the library's kernel)
+VARIANTS = {"s2": ("t", 2, False), "s3": ("t", 3, False), "s4": ("t", 4, False),
+            "s3d": ("t", 3, True), "s4d": ("t", 4, True),
+            "n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
+            "n2e": ("n", 2, True)}
 
 
 @gluon.jit
@@ -291,6 +295,16 @@ def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     ], [4, 1], [232, 24])
 
 
+def _dkdv_launch(form: str, stages: int, flag: bool):
+    """(kernel, constexprs) of a variant: "t" the transposed lab kernel above (flag: DEFER),
+    "n" the library's FA3-form kernel (flag: EARLY_DP)."""
+    if form == "t":
+        return _attn_bwd_dkdv_kernel_sm90, {"STAGES": stages, "DEFER": flag}
+    return hopper._attn_bwd_dkdv_kernel_sm90, {
+        "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": hopper.CONSUMER_REGS,
+        "PRODUCER_REGS": hopper.PRODUCER_REGS}
+
+
 def _key_lists(meta) -> tuple:
     """The key-major list arguments (as :func:`gluon_tools.list_args` for the query side)."""
     kc, ki, mk = meta["k_count"], meta["k_index"], meta["masks"]
@@ -333,9 +347,8 @@ def _compile_only():
                        if key.startswith("q_")}}
     args = _dkdv_args(q, q, q, q, stats, stats, meta, 0.1, q, q)
     for name in FLAGS.variants:
-        stages, defer = VARIANTS[name]
-        prof = sm90_profile(_attn_bwd_dkdv_kernel_sm90, args,
-                            {"ORDERED": True, "STAGES": stages, "DEFER": defer}, 4)
+        kernel, constexprs = _dkdv_launch(*VARIANTS[name])
+        prof = sm90_profile(kernel, args, {"ORDERED": True, **constexprs}, 4)
         print(json.dumps({"variant": name, **prof}))
 
 
@@ -388,15 +401,14 @@ def _measure(spec, q, k, v, d_out):
         ref = tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
 
     def gluon_bwd(variant):
-        stages, defer = VARIANTS[variant]
+        kernel, constexprs = _dkdv_launch(*VARIANTS[variant])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
         hopper._attn_bwd_dq_kernel_sm90[q_grid](
             *_dq_args(q, k, v, d_out, out, lse, meta, scale, dq, delta), ORDERED=True,
             **DQ_CONSTEXPRS, num_warps=hopper.NUM_WARPS)
-        _attn_bwd_dkdv_kernel_sm90[kv_grid](
-            *_dkdv_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv), ORDERED=True,
-            STAGES=stages, DEFER=defer, num_warps=4)
+        kernel[kv_grid](*_dkdv_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv),
+                        ORDERED=True, **constexprs, num_warps=4)
         return dq, dk, dv
 
     rec = {"pattern": spec, "N": n, "H": h, "H_kv": h_kv, "check": {}}

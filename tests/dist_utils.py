@@ -1,7 +1,7 @@
 """A small multi-process harness for torch.distributed tests (NCCL on GPUs, gloo on CPU).
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh processes (spawn start
-method), each joining its OWN process group on a free localhost port, runs
+method), each joining its OWN process group through a fresh rendezvous file, runs
 ``fn(rank, world_size, *args)`` in each and returns the per-rank results (rank order; they must
 pickle).
 
@@ -45,8 +45,11 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import queue as queue_lib
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 
@@ -95,7 +98,7 @@ def generator(seed: int):
     return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
 
 
-def _worker(rank, world_size, port, backend, pg_timeout, fn, args, results):
+def _worker(rank, world_size, init_method, backend, pg_timeout, fn, args, results):
     try:
         import torch
         import torch.distributed as dist
@@ -107,7 +110,7 @@ def _worker(rank, world_size, port, backend, pg_timeout, fn, args, results):
         else:  # CPU ranks, even where GPUs are visible
             torch.set_default_device("cpu")
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            backend, init_method=init_method, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
@@ -137,9 +140,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
                          f"torch sees {gpu_count()}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # A file rendezvous, not a TCP port: a port found free here can be taken by another test
+    # process before rank 0 binds it (EADDRINUSE under many xdist workers).
+    store_dir = tempfile.mkdtemp(prefix="sparsetp-pg-")
+    init_method = "file://" + os.path.join(store_dir, "store")
     procs = [ctx.Process(target=_worker, name=f"rank{r}", daemon=True,
-                         args=(r, world_size, port, backend, pg_timeout, fn, args, results))
+                         args=(r, world_size, init_method, backend, pg_timeout, fn, args,
+                               results))
              for r in range(world_size)]
     outputs: dict[int, object] = {}
     done: set[int] = set()
@@ -193,4 +200,5 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
                 p.join(5)
         results.close()
         results.join_thread()
+        shutil.rmtree(store_dir, ignore_errors=True)
 

@@ -1,4 +1,4 @@
-"""The sm_90 forward and dQ pass (:mod:`sparsetp.kernels.hopper`) and the rules that dispatch
+"""The sm_90 forward and backward (:mod:`sparsetp.kernels.hopper`) and the rules that dispatch
 to them.
 
 * On every machine: :func:`forward_choice` and :func:`backward_choice` take the fast path only
@@ -9,7 +9,7 @@ to them.
   for every example pattern (fully masked rows included), bf16 and fp16, GQA, more keys than
   queries, a block-64 layout (re-laid at 128), a tensor-parallel head slice; bitwise
   deterministic, forward and gradients; an LSE cotangent and a non-contiguous output gradient
-  in the dQ pass; ``auto`` picks them where the rule says; later calls launch the compiled
+  in the backward; ``auto`` picks them where the rule says; later calls launch the compiled
   kernels directly with the same results; a failing fast path warns and falls back to the
   portable kernel with the same answer.
 """
@@ -301,9 +301,9 @@ class Sm90ForwardTest(parameterized.TestCase):
             with self.assertRaisesRegex(ValueError, "16-byte boundary"):
                 sparse_attention(q_odd, k, v, layout)
 
-    def _dq_pair(self, layout, q, k, v, loss):
-        """Gradients of ``loss(out, lse)`` with the forced sm_90 dQ pass and with the portable
-        one (the forward portable in both, so only the dQ pass differs)."""
+    def _bwd_pair(self, layout, q, k, v, loss):
+        """Gradients of ``loss(out, lse)`` with the forced sm_90 backward and with the portable
+        one (the forward portable in both, so only the backward differs)."""
         grads = []
         for mode in ("hopper", "portable"):
             with launch_options(fwd_kernel="portable", bwd_kernel=mode), \
@@ -314,7 +314,7 @@ class Sm90ForwardTest(parameterized.TestCase):
                 self.assertEqual(backward_kernel(q, k, v, layout).name, mode)
         return grads
 
-    def test_dq_pass_with_an_lse_cotangent(self):
+    def test_backward_with_an_lse_cotangent(self):
         n, h = 512, 2
         layout = make_layout(example_pattern("masked_rows", n, 128), n, h, 128)
         q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
@@ -325,7 +325,7 @@ class Sm90ForwardTest(parameterized.TestCase):
             # -inf LSE rows (no key) must not reach the gradient: zero their cotangent's use.
             return (out * d_out).sum() + torch.where(lse.isinf(), 0.0, lse * d_lse).sum()
 
-        (got, ref) = self._dq_pair(layout, q, k, v, loss)
+        (got, ref) = self._bwd_pair(layout, q, k, v, loss)
         # float64 oracle by autograd of a dense masked attention (rows with a key only).
         mask = torch.from_numpy(layout.dense_mask()).cuda()
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -343,7 +343,7 @@ class Sm90ForwardTest(parameterized.TestCase):
             tu.assert_close(g.float().cpu(), r.float().cpu(), "bfloat16", grad=True,
                             what=f"{name} vs portable")
 
-    def test_dq_pass_with_a_transposed_output_gradient(self):
+    def test_backward_with_a_transposed_output_gradient(self):
         n, h = 512, 2
         layout = make_layout(P.causal(), n, h, 128)
         q, k, v, _ = (_cuda(x, "bfloat16", grad=True)
@@ -354,26 +354,37 @@ class Sm90ForwardTest(parameterized.TestCase):
             # A block's output projection: the gradient reaching attention is not contiguous.
             return (out.transpose(1, 2).reshape(1, n, h * 128) * w).float().sum()
 
-        got, ref = self._dq_pair(layout, q, k, v, loss)
+        got, ref = self._bwd_pair(layout, q, k, v, loss)
         for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
             tu.assert_close(g.float().cpu(), r.float().cpu(), "bfloat16", grad=True,
                             what=f"{name} vs portable")
 
-    def test_later_dq_passes_launch_the_compiled_kernel_directly(self):
+    def test_later_backwards_launch_the_compiled_kernels_directly(self):
         n, h = 512, 2
         layout = make_layout(P.causal(), n, h, 128)
         q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
                           for x in _inputs(12, 1, h, h, n, n, 128, "bfloat16"))
         with launch_options(bwd_kernel="hopper"):
             first = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
-            entry = mock.MagicMock()
-            with mock.patch.object(hopper, "_attn_bwd_dq_kernel_sm90", entry):
+            entries = mock.MagicMock(), mock.MagicMock()
+            with mock.patch.object(hopper, "_attn_bwd_dq_kernel_sm90", entries[0]), \
+                    mock.patch.object(hopper, "_attn_bwd_dkdv_kernel_sm90", entries[1]):
                 later = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
-        entry.__getitem__.assert_not_called()
+            d_new = torch.randn_like(d_out)  # other storage and values: pointers read per call
+            moved = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_new)
+        for entry in entries:
+            entry.__getitem__.assert_not_called()
         for a, b in zip(first, later, strict=True):
             self.assertTrue(torch.equal(a, b))
+        with launch_options(bwd_kernel="portable"):
+            ref = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_new)
+        for name, a, r in zip(("dq", "dk", "dv"), moved, ref, strict=True):
+            tu.assert_close(a.float().cpu(), r.float().cpu(), "bfloat16", grad=True,
+                            what=f"{name}: direct launch on new inputs vs portable")
 
-    def test_a_failing_dq_pass_warns_and_falls_back(self):
+    @parameterized.named_parameters(("dq", "_attn_bwd_dq_kernel_sm90", "dQ pass"),
+                                    ("dkdv", "_attn_bwd_dkdv_kernel_sm90", "dK/dV pass"))
+    def test_a_failing_backward_pass_warns_and_falls_back(self, kernel, what):
         n, h = 512, 2
         layout = make_layout(P.causal(), n, h, 128)
         q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
@@ -382,15 +393,18 @@ class Sm90ForwardTest(parameterized.TestCase):
             ref = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
         broken = mock.MagicMock()
         broken.__getitem__.side_effect = RuntimeError("compile failed (simulated)")
-        with launch_options(bwd_kernel="hopper"), \
-                mock.patch.object(hopper, "_attn_bwd_dq_kernel_sm90", broken), \
+        with launch_options(bwd_kernel="hopper"), mock.patch.object(hopper, kernel, broken), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
             choice = backward_kernel(q, k, v, layout)
-        for a, b in zip(got, ref, strict=True):
-            self.assertTrue(torch.equal(a, b))
-        self.assertTrue(any("sm_90 dQ pass failed" in str(w.message) for w in caught))
+        for name, a, b in zip(("dq", "dk", "dv"), got, ref, strict=True):
+            if what == "dQ pass":  # the whole backward ran portable
+                self.assertTrue(torch.equal(a, b), name)
+            else:  # the sm_90 dQ pass ran (dQ, and Delta for dK, summed in its own order)
+                tu.assert_close(a.float().cpu(), b.float().cpu(), "bfloat16", grad=True,
+                                what=name)
+        self.assertTrue(any(f"sm_90 {what} failed" in str(w.message) for w in caught))
         self.assertEqual(choice.name, "portable")
         self.assertIn("compile failed (simulated)", choice.reason)
 

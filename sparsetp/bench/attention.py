@@ -737,8 +737,8 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
         bp.check(layout, sets, case, rec)
     from sparsetp.torch import backward_kernel, forward_kernel  # noqa: PLC0415
 
-    # Which forward and dQ pass run (the sm_90 Gluon kernels or the portable ones; dK/dV is
-    # portable), asked after a first call, which is where a failing fast path would fall back.
+    # Which forward and backward run (the sm_90 Gluon kernels or the portable ones), asked
+    # after a first call, which is where a failing fast path would fall back.
     if _kernels_kind(cfg) == "cuda":  # both passes (interpreted, only the forward: cheap)
         q0, k0, v0 = (t.detach().requires_grad_() for t in sets[0][:3])
         sparse_attention(q0, k0, v0, layout).sum().backward()

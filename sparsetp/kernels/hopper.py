@@ -1,5 +1,5 @@
-"""The sm_90 (Hopper) fast paths of the forward and of the backward's dQ pass, in Gluon, and
-the rule that picks them.
+"""The sm_90 (Hopper) fast paths of the forward and the backward, in Gluon, and the rules that
+pick them.
 
 :func:`_attn_fwd_kernel_sm90` computes what :func:`sparsetp.kernels.attention._attn_fwd_kernel`
 computes, on the same layout metadata (the ELL lists of ``BlockLayout.metadata``, partial tiles
@@ -14,11 +14,17 @@ first) with the same grid and work order, but with FlashAttention-3's schedule, 
   asynchronous warpgroup MMAs ``S_{j+1} = Q K_{j+1}^T`` and ``O += P_j V_j`` run on the
   tensor cores (P stays in registers as the MMA's A operand).
 
-:func:`_attn_bwd_dq_kernel_sm90` is the backward's query-major pass (dQ and Delta, as
-:func:`sparsetp.kernels.attention._attn_bwd_dq_kernel`) in the same schedule: the producer loads
-Q and dO once and the listed K/V tiles into a two-stage ring; each consumer walks a key tile in
-two 64-key halves (S, dP, dS of 64 x 64 and the dQ accumulator fit its registers). The key-major
-dK/dV pass stays portable: its sm_90 form (``benchmarks/gluon_bwd.py``) measured slower.
+The backward's two passes have sm_90 forms in the same schedule, deterministic as the portable
+ones (no atomics):
+
+* :func:`_attn_bwd_dq_kernel_sm90`, the query-major pass (dQ and Delta, as
+  :func:`sparsetp.kernels.attention._attn_bwd_dq_kernel`): the producer loads Q and dO once
+  and the listed K/V tiles into a two-stage ring; each consumer walks a key tile in two 64-key
+  halves (S, dP, dS of 64 x 64 and the dQ accumulator fit its registers);
+* :func:`_attn_bwd_dkdv_kernel_sm90`, the key-major pass (dK and dV, as
+  :func:`sparsetp.kernels.attention._attn_bwd_dkdv_kernel`, GQA summed over each kv head's
+  group in a fixed order): K and V loaded once, Q and dO in 64-row steps through a ring, each
+  consumer owning 64 keys in FA3's form (P and dS through shared memory).
 
 Scope (else the portable kernel runs; :func:`forward_choice` and :func:`backward_choice` say
 why; the same for both): a CUDA device of
@@ -83,6 +89,12 @@ PINGPONG = True  # FA3's inter-warpgroup ping-pong: 1-4% faster on 9 of 10 cases
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel runs 4 + 4 + 1 warps
 # dQ pass: Q and dO (64 KB) stay; 2 x 64 KB of K, V = 192 KB of shared memory
 DQ_STAGES = 2
+# dK/dV pass: K, V (64 KB) stay; 2 x 32 KB of Q, dO steps, 32 KB of P, dS = 160 KB. Two stages
+# measured faster than three (1.03-1.19x the portable dK/dV against 0.87-1.04x; KERNEL_NOTES
+# "Session 22"), likely the L1 left beside shared memory for the LSE, Delta and mask loads;
+# issuing dP with S (EARLY_DP) 1.06-1.21x, at least as fast on 7 of 8 cases.
+DKDV_STAGES = 2
+DKDV_EARLY_DP = True
 # "auto" takes the fast path where it measured faster than the portable kernels (H200, bf16,
 # D=128, H=16; KERNEL_NOTES "Session 21"): from 1024 programs (N=8192 and up: 1.05-1.37x on
 # window, BigBird, strided causal, causal and a per-head mix) or on long lists. At N=4096 (512
@@ -179,10 +191,10 @@ def backward_choice(*, framework: str, device_kind: str, capability, triton_vers
                     dtype: str, head_dim: int, seq_len: int, kv_len: int, batch_heads: int,
                     mean_tiles: float, layout_ok: bool, contiguous: bool,
                     scale: float) -> KernelChoice:
-    """The dQ kernel of a call's backward, under :attr:`LaunchOptions.bwd_kernel`, by the
-    forward's eligibility and rule (:func:`forward_choice`). ``"hopper"`` runs the sm_90 dQ
-    pass (:func:`_attn_bwd_dq_kernel_sm90`, which also writes Delta); the dK/dV pass is the
-    portable kernel either way (its sm_90 form measured slower, KERNEL_NOTES "Session 22").
+    """The backward kernels of a call, under :attr:`LaunchOptions.bwd_kernel`, by the
+    forward's eligibility and rule (:func:`forward_choice`): ``"hopper"`` runs both passes on
+    sm_90 (:func:`_attn_bwd_dq_kernel_sm90`, which also writes Delta, then
+    :func:`_attn_bwd_dkdv_kernel_sm90`), ``"portable"`` the portable kernels.
 
     >>> backward_choice(framework="torch", device_kind="cuda", capability=(9, 0),
     ...                 triton_version="3.6.0", dtype="float32", head_dim=128, seq_len=8192,
@@ -629,4 +641,234 @@ if GLUON:
             (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                           qd_bar, k_ready, v_ready, kv_empty, q_index, row, count, q_row0,
                           kv_row0, stride_ik)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    @gluon.jit
+    def _kv_program(order, stride_ch, stride_cm, H_KV, ranks, GROUP, ORDERED: gl.constexpr):
+        """(key tile, b * H_kv + kv head): the portable dK/dV kernel's ``_program`` (kv heads
+        take the work order of their group's first query head)."""
+        if gl.num_programs(1) == 1:
+            g = gl.program_id(0)
+            off_bh = g // ranks
+            rank = g % ranks
+        else:
+            off_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+            rank = gl.program_id(1)
+        if ORDERED:
+            tile = gl.load(order + (off_bh % H_KV) * GROUP * stride_ch + rank * stride_cm)
+        else:
+            tile = rank
+        return tile, off_bh
+
+
+    @gluon.jit
+    def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
+                     q_ready, q_empty, k_count, k_index, stride_ch, stride_cm, stride_ih, stride_im,
+                     stride_ik, N, H, GROUP, off_b, off_g, start_n, kv_row0):
+        """Producer warp: K and V once, then per query head of the group and listed query tile
+        the Q and dO rows of its two 64-row steps, into ring stage ``t % NSTAGE``."""
+        NSTAGE: gl.constexpr = q_smem.shape[0]
+        SUB_M: gl.constexpr = q_smem.shape[1]
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row0, 0], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row0, 0], kv_bar, v_smem)
+        t = 0
+        for j in range(GROUP):
+            h = off_g * GROUP + j
+            count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
+            row = h * stride_ih + start_n * stride_im
+            q_row0 = (off_b * H + h) * N
+            for e in range(count):
+                qb = gl.load(k_index + row + e * stride_ik)
+                for sub in gl.static_range(2):
+                    s = t % NSTAGE
+                    mbarrier.wait(q_empty.index(s), ((t // NSTAGE) & 1) ^ 1)
+                    r = q_row0 + qb * (2 * SUB_M) + sub * SUB_M
+                    mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes
+                                    + do_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(q_desc, [r, 0], q_ready.index(s),
+                                                    q_smem.index(s))
+                    tma.async_copy_global_to_shared(do_desc, [r, 0], q_ready.index(s),
+                                                    do_smem.index(s))
+                    t += 1
+
+
+    @gluon.jit
+    def _dkdv_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
+                         kv_bar, q_ready, q_empty, early, k_count, k_partial, k_index, k_mask_id,
+                         masks, stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
+                         stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n,
+                         kv_row0, LSE, Delta, DK, DV):
+        """Consumer warpgroup of the dK/dV pass: keys ``[HALF * 64, +64)`` of the key tile, in
+        FA3's form. Scores are not transposed (S = Q K^T is [64 queries, 64 keys], so a
+        per-query vector costs 2 registers a thread, where transposed scores cost 16 and spill
+        beside the 128 of the dK, dV accumulators); P and dS go through shared memory as the
+        transposed A operands of dV += P^T dO and dK += dS^T Q. A partial tile's mask is two
+        words a row (row vectors) expanded in registers, not a load per element.
+        ``EARLY_DP``: issue dP = dO V^T with S (else after the softmax)."""
+        EARLY_DP: gl.constexpr = early.shape[0] == 2
+        NSTAGE: gl.constexpr = q_smem.shape[0]
+        SUB_M: gl.constexpr = q_smem.shape[1]
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+        KEYS: gl.constexpr = k_smem.shape[0] // 2
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        key0: gl.constexpr = HALF * KEYS
+        k_h = k_smem.slice(key0, KEYS, dim=0)
+        v_h = v_smem.slice(key0, KEYS, dim=0)
+        p_buf = p_smem.index(HALF)
+        ds_buf = ds_smem.index(HALF)
+        c = key0 + gl.arange(0, KEYS, layout=col_s)  # key within the tile
+        s_zero = gl.zeros([SUB_M, KEYS], gl.float32, layout=s_layout)
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+        mbarrier.wait(kv_bar, 0)
+        t = 0
+        for j in range(GROUP):
+            h = off_g * GROUP + j
+            count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
+            n_partial = gl.load(k_partial + h * stride_ch + start_n * stride_cm)
+            row = h * stride_ih + start_n * stride_im
+            stats = (off_b * H + h).to(gl.int64) * N
+            for e in range(count):
+                qb = gl.load(k_index + row + e * stride_ik)
+                mid = gl.load(k_mask_id + row + e * stride_ik)
+                for sub in gl.static_range(2):
+                    st = t % NSTAGE
+                    r = sub * SUB_M + gl.arange(0, SUB_M, layout=row_s)  # query within the tile
+                    lse = gl.load(LSE + stats + qb * (2 * SUB_M) + r)
+                    delta = gl.load(Delta + stats + qb * (2 * SUB_M) + r)
+                    mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
+                    qs = q_smem.index(st)
+                    dos = do_smem.index(st)
+                    s_tok = warpgroup_mma(qs, k_h.permute((1, 0)), s_zero, use_acc=False,
+                                          is_async=True)
+                    if EARLY_DP:
+                        dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero, use_acc=False,
+                                               is_async=True)
+                        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                    else:
+                        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                    if e < n_partial:
+                        w_row = masks + mid * stride_mu + r * stride_mr + (key0 // 32) * stride_mw
+                        w0 = gl.load(w_row)
+                        w1 = gl.load(w_row + stride_mw)
+                        word = gl.where(c[None, :] < key0 + 32, w0[:, None], w1[:, None])
+                        s = gl.where(((word >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
+                    # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient.
+                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                    p = gl.exp2(s * qk_scale - lse2[:, None])
+                    if not EARLY_DP:
+                        dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero, use_acc=False,
+                                               is_async=True)
+                    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                    ds = p * (dp - delta[:, None])
+                    p_buf.store(p.to(dtype))
+                    ds_buf.store(ds.to(dtype))
+                    fence_async_shared()
+                    dv = warpgroup_mma(p_buf.permute((1, 0)), dos, dv, is_async=True)
+                    dk = warpgroup_mma(ds_buf.permute((1, 0)), qs, dk, is_async=True)
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    mbarrier.arrive(q_empty.index(st), count=1)
+                    t += 1
+        dk = dk * scale
+        rows = kv_row0 + key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+        cols_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        offs = rows.to(gl.int64)[:, None] * HEAD_DIM + cols_d[None, :]
+        gl.store(DK + offs, dk.to(dtype))
+        gl.store(DV + offs, dv.to(dtype))
+
+
+    @gluon.jit
+    def _dkdv_consumer0(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
+                          q_empty, early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
+                          stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
+                          stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
+                          LSE, Delta, DK, DV):
+        _dkdv_consumer(0, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
+                         q_empty, early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
+                         stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
+                         stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
+                         LSE, Delta, DK, DV)
+
+
+    @gluon.jit
+    def _dkdv_consumer1(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
+                          q_empty, early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
+                          stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
+                          stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
+                          LSE, Delta, DK, DV):
+        _dkdv_consumer(1, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
+                         q_empty, early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
+                         stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
+                         stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
+                         LSE, Delta, DK, DV)
+
+
+    @gluon.jit
+    def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
+                                   k_count, k_partial, k_index, k_mask_id, masks, k_order,
+                                   qk_scale, scale, N, N_KV, H, GROUP,
+                                   stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                                   stride_mu, stride_mr, stride_mw,
+                                   LSE, Delta, DK, DV,
+                                   ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                                   EARLY_DP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """dK, dV on sm_90, as :func:`sparsetp.kernels.attention._attn_bwd_dkdv_kernel`.
+
+        q_desc, do_desc: TMA descriptors of the ``[B * H * N, D]`` views, boxes of 64 rows;
+        k_desc, v_desc: of ``[B * H_kv * N_KV, D]``, boxes of 128 rows; LSE, Delta ``[B, H,
+        N]`` (float32; Delta from the dQ pass) and DK, DV ``[B, H_kv, N_KV, D]`` contiguous.
+        One program per (key tile, b, kv head), the portable kernel's grid and work order: a
+        producer warp loads K and V once and the Q and dO rows of each listed query tile (for
+        each query head of the group in turn: GQA sums in a fixed order, no atomics) in 64-row
+        steps into a ``STAGES`` ring; two consumer warpgroups (:func:`_dkdv_consumer`) own 64
+        keys each."""
+        SUB_M: gl.constexpr = q_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-key consumers, 64-query steps")
+        H_KV = H // GROUP
+        start_n, off_bh = _kv_program(k_order, stride_ch, stride_cm, H_KV,
+                                      gl.cdiv(N_KV, BLOCK_N), GROUP, ORDERED)
+        off_b = off_bh // H_KV
+        off_g = off_bh % H_KV
+        kv_row0 = off_bh * N_KV + start_n * BLOCK_N
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        pl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                rank=2)
+        p_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, BLOCK_N // 2], pl)  # per consumer
+        ds_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, BLOCK_N // 2], pl)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # The consumers read EARLY_DP off this array's length (as the forward's PINGPONG).
+        early = gl.allocate_shared_memory(gl.int64, [2 if EARLY_DP else 1, 1],
+                                          mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        fence_async_shared()
+        cargs = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty,
+                 early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm,
+                 stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale,
+                 scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV)
+        gl.warp_specialize([
+            (_dkdv_consumer0, cargs),
+            (_dkdv_consumer1, cargs),
+            (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                            kv_bar, q_ready, q_empty, k_count, k_index, stride_ch, stride_cm,
+                            stride_ih, stride_im, stride_ik, N, H, GROUP, off_b, off_g, start_n,
+                            kv_row0)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

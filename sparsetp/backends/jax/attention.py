@@ -333,7 +333,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     if _options.current().fwd_kernel == "hopper":
         forward_kernel(q, k, v, layout)  # raises: JAX has no launcher for the sm_90 forward
     if _options.current().bwd_kernel == "hopper":
-        backward_kernel(q, k, v, layout)  # raises alike for the sm_90 dQ pass
+        backward_kernel(q, k, v, layout)  # raises alike for the sm_90 backward
     shape = q.shape
     if lay.batch is not None:
         # A per-row layout: batch folded into heads; table head r * H + h is row r's head h
@@ -365,8 +365,8 @@ def forward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
 
 def backward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
                     layout: LayoutLike) -> _hopper.KernelChoice:
-    """Which kernel runs the dQ pass of :func:`sparse_attention`'s backward, and why: in JAX
-    always the portable one, as :func:`forward_kernel` says for the forward. Under
+    """Which kernels run :func:`sparse_attention`'s backward, and why: in JAX always the
+    portable ones, as :func:`forward_kernel` says for the forward. Under
     ``LaunchOptions.bwd_kernel="hopper"`` this, and ``sparse_attention``, raise ValueError.
 
     >>> import numpy as np

@@ -111,8 +111,8 @@ class _Plan:
         self.scale, self.kind = scale, _launch.device_kind(q)
         self.meta = None if self.kind == "cpu" else _launch.metadata(layout, q, self.kind)
         self.fwd = None
-        # The forward and dQ kernels (sparsetp.kernels.hopper.forward_choice, backward_choice)
-        # and, where either is the sm_90 one, its launch state; dK/dV is portable either way.
+        # The forward and backward kernels (sparsetp.kernels.hopper.forward_choice,
+        # backward_choice) and, where either is the sm_90 one, its launch state.
         self.fwd_choice, self.bwd_choice, lay128 = _hopper.choose(q, k, v, layout, self.kind,
                                                                   scale)
         self.sm90 = None if lay128 is None else _hopper.Sm90Kernels(q, k, lay128, scale)
@@ -193,21 +193,31 @@ class _Plan:
         dq_desc, dkdv_desc = descs
         # dQ also writes delta = rowsum(dO * O) - d_lse, which dK/dV reads.
         if sm90:
-            try:
-                self.sm90.dq(q, k, v, out, lse, d_out, d_lse, dq, delta)
-            except Exception as exc:  # noqa: BLE001 (any compile or launch failure falls back)
-                self.bwd_choice = _hopper.failed(exc, "dQ pass")
-                warnings.warn(f"sparsetp: the sm_90 dQ pass failed ({type(exc).__name__}: "
-                              f"{exc}); this call and its plan run the portable dQ pass",
-                              RuntimeWarning, stacklevel=2)
-                sm90 = False
+            sm90 = self._sm90_pass("dQ pass", self.sm90.dq, q, k, v, out, lse, d_out, d_lse,
+                                   dq, delta)
         if not sm90:
             _launch.run(dq_desc, (q, k, v, d_out, lse, out, lse if d_lse is None else d_lse),
                         (dq, delta), kind)
-        _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), (dk, dv), kind)
+        if not (sm90 and self._sm90_pass("dK/dV pass", self.sm90.dkdv, q, k, v, lse, delta,
+                                         d_out, dk, dv)):
+            _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), (dk, dv), kind)
         if self.native is None and kind == "cuda" and d_lse is None:
             self._make_native(q, k, v, out, lse, d_out, dq_desc, dkdv_desc)
         return dq, dk, dv
+
+    def _sm90_pass(self, what: str, launch, *tensors) -> bool:
+        """Launch an sm_90 backward pass; False (the plan's backward turned portable, with a
+        warning) if it fails to compile or launch. Each pass writes only its own outputs, so
+        the portable pass that follows recomputes them from the same inputs."""
+        try:
+            launch(*tensors)
+            return True
+        except Exception as exc:  # noqa: BLE001 (any compile or launch failure falls back)
+            self.bwd_choice = _hopper.failed(exc, what)
+            warnings.warn(f"sparsetp: the sm_90 {what} failed ({type(exc).__name__}: {exc}); "
+                          "this call and its plan run the portable backward", RuntimeWarning,
+                          stacklevel=3)
+            return False
 
     def _make_native(self, q, k, v, out, lse, d_out, dq_desc, dkdv_desc) -> None:
         """Hand this key's compiled kernels to the C++ extension, once it is built (a build
@@ -581,12 +591,11 @@ def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Bl
 
 def backward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
                     *, scale: float | None = None) -> _hopper.hopper.KernelChoice:
-    """Which kernel runs the dQ pass of :func:`sparse_attention`'s backward for these
-    arguments, and why.
+    """Which kernels run :func:`sparse_attention`'s backward for these arguments, and why.
 
-    ``"hopper"``: the sm_90 Gluon dQ pass (:func:`sparsetp.kernels.hopper.backward_choice`),
-    by the forward's eligibility and rule; ``"portable"``: the portable Triton kernel (or the
-    native CPU path). The dK/dV pass is portable either way. Change it with
+    ``"hopper"``: the sm_90 Gluon dQ and dK/dV passes
+    (:func:`sparsetp.kernels.hopper.backward_choice`), by the forward's eligibility and rule;
+    ``"portable"``: the portable Triton kernels (or the native CPU path). Change it with
     ``LaunchOptions.bwd_kernel``. Checks the arguments as :func:`sparse_attention` does.
 
     >>> import torch

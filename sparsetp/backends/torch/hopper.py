@@ -1,4 +1,4 @@
-"""Launch the sm_90 forward and dQ pass (:mod:`sparsetp.kernels.hopper`) on torch tensors.
+"""Launch the sm_90 forward and backward (:mod:`sparsetp.kernels.hopper`) on torch tensors.
 
 :func:`choose` decides per plan (the rules are :func:`sparsetp.kernels.hopper.forward_choice`
 and :func:`~sparsetp.kernels.hopper.backward_choice`); :class:`Sm90Kernels` holds what a launch
@@ -50,8 +50,8 @@ def layout_128(layout):
 
 def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, kind: str,
            scale: float) -> tuple[hopper.KernelChoice, hopper.KernelChoice, object]:
-    """(the forward kernel of this call, its dQ kernel, the block-128 layout when either is
-    the fast path, else None). Checks the device and dtype first, so a call that cannot take
+    """(the forward kernel of this call, its backward kernels, the block-128 layout when either
+    is the fast path, else None). Checks the device and dtype first, so a call that cannot take
     the fast path builds no layout."""
     if kind == "cuda":
         capability = tuple(torch.cuda.get_device_capability(q.device))
@@ -75,19 +75,20 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, kind: str,
 
 
 def failed(exc: BaseException, what: str = "forward") -> hopper.KernelChoice:
-    """The choice a plan reports after its sm_90 ``what`` ("forward", "dQ pass") failed and it
-    fell back."""
+    """The choice a plan reports after its sm_90 ``what`` ("forward", "dQ pass", "dK/dV pass")
+    failed and it fell back."""
     return hopper.KernelChoice("portable", f"the sm_90 {what} failed here and was dropped: "
                                f"{type(exc).__name__}: {exc}"[:500])
 
 
 class Sm90Kernels:
-    """One plan's sm_90 launches (forward, dQ pass): the block-128 metadata on q's device, the
-    grid and work order of the portable query-major kernels for that layout, and the TMA box
+    """One plan's sm_90 launches (forward, dQ and dK/dV passes): the block-128 metadata on q's
+    device, the grids and work orders of the portable kernels for that layout, and the TMA box
     layouts."""
 
-    __slots__ = ("meta", "args", "arg_values", "dq_args", "dq_values", "grid", "ordered",
-                 "box_layout", "qk_scale", "compiled", "compiled_dq")
+    __slots__ = ("meta", "args", "arg_values", "dq_args", "dq_values", "dkdv_args",
+                 "dkdv_values", "grid", "kv_grid", "ordered", "box_layout", "qk_scale",
+                 "compiled", "compiled_dq", "compiled_dkdv")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, lay, scale: float):
         from triton.experimental.gluon import language as gl  # noqa: PLC0415
@@ -95,25 +96,31 @@ class Sm90Kernels:
         per_device = _META_128.setdefault(lay, {})
         key = str(q.device)
         if key not in per_device:
-            q_group, _ = schedule.head_groups(lay)
+            q_group, k_group = schedule.head_groups(lay)
             per_device[key] = {**_launch._device_arrays(lay.metadata(), q.device),
-                               "q_head_group": q_group}
+                               "q_head_group": q_group, "k_head_group": k_group}
         meta = self.meta = per_device[key]
         b, h, n, d = q.shape
         h_kv, n_kv = k.shape[1], k.shape[2]
         arrays, strides = abi._check_meta(meta, "q", h, n // hopper.BLOCK, hopper.BLOCK)
+        k_arrays, k_strides = abi._check_meta(meta, "k", h, n_kv // hopper.BLOCK, hopper.BLOCK)
         self.qk_scale = float(scale) * 1.4426950408889634  # softmax in base 2 (exp2)
         self.args = (*arrays, self.qk_scale, n, n_kv, h, h // h_kv, h_kv, *strides)
         self.dq_args = (*arrays, self.qk_scale, float(scale), n, n_kv, h, h // h_kv, h_kv,
                         *strides)
+        self.dkdv_args = (*k_arrays, self.qk_scale, float(scale), n, n_kv, h, h // h_kv,
+                          *k_strides)
         # The direct launch's values: metadata as pointers (kept alive by ``meta``).
-        self.arg_values, self.dq_values = (
+        self.arg_values, self.dq_values, self.dkdv_values = (
             tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-            for args in (self.args, self.dq_args))
+            for args in (self.args, self.dq_args, self.dkdv_args))
         self.compiled = None  # Triton's compiled kernel, once the JIT entry has launched it
         self.compiled_dq = {}  # the same per HAS_DLSE
+        self.compiled_dkdv = None
         self.grid = schedule.list_grid(b, h, n // hopper.BLOCK,
                                        schedule.grid_group(meta, "q", b, h))
+        self.kv_grid = schedule.list_grid(b, h_kv, n_kv // hopper.BLOCK,
+                                          schedule.grid_group(meta, "k", b, h_kv))
         self.ordered = _options.current().work_order != "natural"
         gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
         self.box_layout = (gl.NVMMASharedLayout.get_default_for([hopper.BLOCK // 2, d], gdt),
@@ -160,6 +167,30 @@ class Sm90Kernels:
                 *descs, *self.dq_args, out, lse, dlse, dq, delta, ORDERED=self.ordered,
                 STAGES=hopper.DQ_STAGES, HAS_DLSE=has_dlse, CONSUMER_REGS=hopper.CONSUMER_REGS,
                 PRODUCER_REGS=hopper.PRODUCER_REGS, num_warps=hopper.NUM_WARPS)
+
+    def dkdv(self, q, k, v, lse, delta, d_out, dk, dv) -> None:
+        """Launch the dK/dV pass on this call's tensors (as :meth:`dq`; ``delta`` is the dQ
+        pass's)."""
+        d = q.shape[-1]
+        device = q.device.index
+        c = self.compiled_dkdv
+        if c is not None and self._direct(device):
+            boxes = (_Box(q, d), _Box(d_out, d), _Box(k, d), _Box(v, d))
+            c.run(*self.kv_grid, _launch._current_stream(device), c.function,
+                  c.packed_metadata, None, None, None, *boxes, *self.dkdv_values,
+                  lse.data_ptr(), delta.data_ptr(), dk.data_ptr(), dv.data_ptr(), self.ordered,
+                  hopper.DKDV_STAGES, hopper.DKDV_EARLY_DP, hopper.CONSUMER_REGS,
+                  hopper.PRODUCER_REGS, hopper.NUM_WARPS)
+            return
+        half, full = hopper.BLOCK // 2, hopper.BLOCK
+        descs = self._descs(((q, half), (d_out, half), (k, full), (v, full)))
+        _launch._restore_cache_dir()
+        with torch.cuda.device(q.device):
+            self.compiled_dkdv = hopper._attn_bwd_dkdv_kernel_sm90[self.kv_grid](
+                *descs, *self.dkdv_args, lse, delta, dk, dv, ORDERED=self.ordered,
+                STAGES=hopper.DKDV_STAGES, EARLY_DP=hopper.DKDV_EARLY_DP,
+                CONSUMER_REGS=hopper.CONSUMER_REGS, PRODUCER_REGS=hopper.PRODUCER_REGS,
+                num_warps=hopper.NUM_WARPS)
 
     def run(self, q, k, v, out, lse) -> None:
         """Launch on this call's tensors (contiguous, 16-byte aligned: :func:`aligned`).
