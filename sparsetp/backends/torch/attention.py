@@ -225,6 +225,8 @@ class _Plan:
         distinct elements: the native backward copies any other gradient to these strides."""
         if (self.native_failed  # the C++ node runs the portable kernels only
                 or "hopper" in (self.fwd_choice.name, self.bwd_choice.name)
+                or self.fwd is None  # a backward before this plan's first forward
+                # (``_backward`` called alone): no forward description to hand over
                 or not _options.current().native_autograd
                 or not _launch.direct_launch_enabled() or not _distinct_dense(d_out)):
             return
