@@ -36,12 +36,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from sparsetp.kernels import hopper
+from sparsetp.kernels.hopper import _dkdv_loader, _kv_program
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report registers/shared")
@@ -64,56 +64,6 @@ VARIANTS = {"s2": ("t", 2, False), "s3": ("t", 3, False), "s4": ("t", 4, False),
             "s3d": ("t", 3, True), "s4d": ("t", 4, True),
             "n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
             "n2e": ("n", 2, True)}
-
-
-@gluon.jit
-def _kv_program(order, stride_ch, stride_cm, H_KV, ranks, GROUP, ORDERED: gl.constexpr):
-    """(key tile, b * H_kv + kv head): the portable dK/dV's ``_program`` (kv heads take the
-    work order of their group's first query head)."""
-    if gl.num_programs(1) == 1:
-        g = gl.program_id(0)
-        off_bh = g // ranks
-        rank = g % ranks
-    else:
-        off_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
-        rank = gl.program_id(1)
-    if ORDERED:
-        tile = gl.load(order + (off_bh % H_KV) * GROUP * stride_ch + rank * stride_cm)
-    else:
-        tile = rank
-    return tile, off_bh
-
-
-@gluon.jit
-def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                 q_ready, q_empty, k_count, k_index, stride_ch, stride_cm, stride_ih, stride_im,
-                 stride_ik, N, H, GROUP, off_b, off_g, start_n, kv_row0):
-    """Producer warp: K and V once, then per query head of the group and listed query tile
-    the Q and dO rows of its two 64-row steps, into ring stage ``t % NSTAGE``."""
-    NSTAGE: gl.constexpr = q_smem.shape[0]
-    SUB_M: gl.constexpr = q_smem.shape[1]
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row0, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row0, 0], kv_bar, v_smem)
-    t = 0
-    for j in range(GROUP):
-        h = off_g * GROUP + j
-        count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
-        row = h * stride_ih + start_n * stride_im
-        q_row0 = (off_b * H + h) * N
-        for e in range(count):
-            qb = gl.load(k_index + row + e * stride_ik)
-            for sub in gl.static_range(2):
-                s = t % NSTAGE
-                mbarrier.wait(q_empty.index(s), ((t // NSTAGE) & 1) ^ 1)
-                r = q_row0 + qb * (2 * SUB_M) + sub * SUB_M
-                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes
-                                + do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [r, 0], q_ready.index(s),
-                                                q_smem.index(s))
-                tma.async_copy_global_to_shared(do_desc, [r, 0], q_ready.index(s),
-                                                do_smem.index(s))
-                t += 1
 
 
 @gluon.jit
