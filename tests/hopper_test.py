@@ -303,15 +303,20 @@ class Sm90ForwardTest(parameterized.TestCase):
 
     def _bwd_pair(self, layout, q, k, v, loss):
         """Gradients of ``loss(out, lse)`` with the forced sm_90 backward and with the portable
-        one (the forward portable in both, so only the backward differs)."""
+        one (the forward portable in both, so only the backward differs). The sm_90 backward
+        runs twice (through Triton's JIT entry, then launched directly), bitwise alike."""
         grads = []
         for mode in ("hopper", "portable"):
             with launch_options(fwd_kernel="portable", bwd_kernel=mode), \
                     warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)
-                out, lse = sparse_attention(q, k, v, layout, return_lse=True)
-                grads.append(torch.autograd.grad(loss(out, lse), (q, k, v)))
+                runs = [torch.autograd.grad(loss(*sparse_attention(q, k, v, layout,
+                                                                  return_lse=True)), (q, k, v))
+                        for _ in range(2 if mode == "hopper" else 1)]
                 self.assertEqual(backward_kernel(q, k, v, layout).name, mode)
+            for a, b in zip(runs[0], runs[-1], strict=True):
+                self.assertTrue(torch.equal(a, b), "not deterministic")
+            grads.append(runs[0])
         return grads
 
     def test_backward_with_an_lse_cotangent(self):
@@ -322,8 +327,9 @@ class Sm90ForwardTest(parameterized.TestCase):
         d_lse = torch.randn(1, h, n, device="cuda")
 
         def loss(out, lse):
-            # -inf LSE rows (no key) must not reach the gradient: zero their cotangent's use.
-            return (out * d_out).sum() + torch.where(lse.isinf(), 0.0, lse * d_lse).sum()
+            # The cotangent reaches the rows with no key (LSE -inf) too: the kernels must keep
+            # it out of their gradients (the loss value is not finite; its gradients are).
+            return (out * d_out).sum() + (lse * d_lse).sum()
 
         (got, ref) = self._bwd_pair(layout, q, k, v, loss)
         # float64 oracle by autograd of a dense masked attention (rows with a key only).
@@ -358,6 +364,48 @@ class Sm90ForwardTest(parameterized.TestCase):
         for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
             tu.assert_close(g.float().cpu(), r.float().cpu(), "bfloat16", grad=True,
                             what=f"{name} vs portable")
+
+    def test_backward_with_a_broadcast_lse_cotangent(self):
+        n, h = 256, 2
+        layout = make_layout(P.causal(), n, h, 128)
+        q, k, v, _ = (_cuda(x, "bfloat16", grad=True)
+                      for x in _inputs(14, 1, h, h, n, n, 128, "bfloat16"))
+        # lse.sum() sends a stride-0 cotangent, copied before the sm_90 dQ pass reads it.
+        got, ref = self._bwd_pair(layout, q, k, v, lambda out, lse: out.sum() + lse.sum())
+        for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+            tu.assert_close(g.float().cpu(), r.float().cpu(), "bfloat16", grad=True,
+                            what=f"{name} vs portable")
+
+    def test_backward_with_misaligned_tensors(self):
+        n, h = 256, 2
+        layout = make_layout(P.causal(), n, h, 128)
+        q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
+                          for x in _inputs(15, 1, h, h, n, n, 128, "bfloat16"))
+
+        def odd(t):  # contiguous, 2 bytes past a 16-byte boundary
+            buf = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")
+            return buf[1:].view(t.shape).copy_(t.detach())
+
+        with launch_options(bwd_kernel="portable"):
+            ref = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
+        # A misaligned output gradient is copied: the sm_90 backward still runs.
+        with launch_options(bwd_kernel="hopper"), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            got = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), odd(d_out))
+        for name, a, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+            tu.assert_close(a.float().cpu(), r.float().cpu(), "bfloat16", grad=True,
+                            what=f"{name}, misaligned output gradient")
+        # A misaligned q: the plan's sm_90 backward cannot run this call, which backward_kernel
+        # says, and forcing it raises.
+        q_odd = odd(q).requires_grad_()
+        with launch_options(bwd_kernel="hopper"):
+            choice = backward_kernel(q_odd, k, v, layout)
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("16-byte boundary", choice.reason)
+        with launch_options(fwd_kernel="portable", bwd_kernel="hopper"):
+            out = sparse_attention(q_odd, k, v, layout)
+            with self.assertRaisesRegex(ValueError, "bwd_kernel='hopper' cannot run"):
+                torch.autograd.grad(out, (q_odd, k, v), d_out)
 
     def test_later_backwards_launch_the_compiled_kernels_directly(self):
         n, h = 512, 2

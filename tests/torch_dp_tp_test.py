@@ -25,8 +25,10 @@ import multiprocessing
 import os
 import queue as queue_lib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -217,11 +219,11 @@ FAULT_PG_TIMEOUT_S = 45.0  # the backstop: under the 60 s bound even if gloo mis
 EXIT_BOUND_S = 60.0
 
 
-def _die_mid_step(rank, world, port, results):
+def _die_mid_step(rank, world, init_method, results):
     """Rank DEAD_RANK exits (no exception, no clean-up) just before the step's first
     collective; the others run the step and report how long they took to fail, and how."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank,
                             world_size=world,
                             timeout=datetime.timedelta(seconds=FAULT_PG_TIMEOUT_S))
     cfg = config()
@@ -248,9 +250,12 @@ class DeadRankTest(absltest.TestCase):
     def test_survivors_fail_fast_with_a_message(self):
         ctx = multiprocessing.get_context("spawn")
         results = ctx.Queue()
-        port = dist_utils.free_port()
+        # A file rendezvous, as dist_utils.run_distributed: a free port can be taken by another
+        # test process before rank 0 binds it.
+        store_dir = tempfile.mkdtemp(prefix="sparsetp-pg-")
+        init_method = "file://" + os.path.join(store_dir, "store")
         world = DP * TP
-        procs = [ctx.Process(target=_die_mid_step, args=(r, world, port, results),
+        procs = [ctx.Process(target=_die_mid_step, args=(r, world, init_method, results),
                              name=f"rank{r}", daemon=True) for r in range(world)]
         start = time.monotonic()
         try:
@@ -274,6 +279,7 @@ class DeadRankTest(absltest.TestCase):
                     p.join(5)
             results.close()
             results.join_thread()
+            shutil.rmtree(store_dir, ignore_errors=True)
         for rank, (kind, elapsed, message) in sorted(reports.items()):  # for the log
             print(f"rank {rank}: {kind} after {elapsed:.2f} s: {message.splitlines()[0][:160]}")
         self.assertEqual(sorted(reports), [r for r in range(world) if r != DEAD_RANK],

@@ -721,8 +721,8 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
     from sparsetp.kernels import schedule  # noqa: PLC0415
 
     # The tile the portable kernels run at (the layout's block, or the same pattern re-laid at
-    # another block by schedule.kernel_layout's cost model on CUDA); the sm_90 forward, where
-    # "fwd_kernel" says it ran, runs at 128.
+    # another block by schedule.kernel_layout's cost model on CUDA); the sm_90 kernels, where
+    # "fwd_kernel" / "bwd_kernel" say they ran, run at 128.
     rec["kernel_block"] = schedule.kernel_layout(
         layout, _kernels_kind(cfg), head_dim=case["D"], dtype=case["dtype"]).block_size
     if _kernels_kind(cfg) == "cuda":

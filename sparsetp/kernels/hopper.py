@@ -106,7 +106,8 @@ AUTO_MIN_MEAN_TILES = 32.0
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-    """Which forward kernel a call runs (``name`` in :data:`FWD_KERNELS`) and why."""
+    """Which kernel a call's forward (or backward) runs (``name`` in :data:`FWD_KERNELS`) and
+    why."""
 
     name: str
     reason: str

@@ -58,8 +58,8 @@ class LaunchOptions:
         Needs ``direct_launch``; off, the Python ``autograd.Function`` path runs.
       fwd_kernel: one of :data:`FWD_KERNEL_MODES`: which forward kernel runs
         (:func:`sparsetp.kernels.hopper.forward_choice`).
-      bwd_kernel: one of :data:`FWD_KERNEL_MODES`: which kernels run the backward's dQ and
-        dK/dV passes (:func:`sparsetp.kernels.hopper.backward_choice`).
+      bwd_kernel: one of :data:`FWD_KERNEL_MODES` (the same modes): which kernels run the
+        backward's dQ and dK/dV passes (:func:`sparsetp.kernels.hopper.backward_choice`).
     """
 
     work_order: str = "auto"

@@ -173,12 +173,12 @@ class _Plan:
                None if d_lse is None else d_lse.stride())
         sm90 = self.bwd_choice.name == "hopper"
         if sm90:
-            # The TMA boxes read [rows, D] views: copy what is not (a block's transposed output
-            # gradient usually is not; the copy is small beside the kernels).
-            out, d_out = out.contiguous(), d_out.contiguous()
-            d_lse = None if d_lse is None else d_lse.contiguous()
+            # The TMA boxes read 16-byte aligned [rows, D] views: copy what is not (a block's
+            # transposed output gradient usually is not; the copy is small beside the kernels).
+            out, d_out, lse = (_hopper.tma_ready(t) for t in (out, d_out, lse))
+            d_lse = None if d_lse is None else _hopper.tma_ready(d_lse)
             if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-                    and _hopper.aligned(q, k, v, out, lse, d_out)):
+                    and _hopper.aligned(q, k, v)):  # the plan's key fixes their strides only
                 if _options.current().bwd_kernel == "hopper":
                     raise ValueError("LaunchOptions.bwd_kernel='hopper' cannot run this call: "
                                      "q, k or v is not a contiguous tensor on a 16-byte "
@@ -186,23 +186,31 @@ class _Plan:
                 sm90 = False
             key = (q.stride(), k.stride(), v.stride(), d_out.stride(), out.stride(),
                    lse.stride(), None if d_lse is None else d_lse.stride())
-        descs = self.bwd.get(key)
-        if descs is None:
-            descs = self.bwd[key] = self._backward_descriptions(
-                q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv)
-        dq_desc, dkdv_desc = descs
+
+        def portable():
+            """The portable dQ and dK/dV descriptions (built, and their kernels compiled, on
+            their first use: a plan whose sm_90 passes run never needs them)."""
+            descs = self.bwd.get(key)
+            if descs is None:
+                descs = self.bwd[key] = self._backward_descriptions(
+                    q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv)
+            return descs
+
+        descs = None
         # dQ also writes delta = rowsum(dO * O) - d_lse, which dK/dV reads.
         if sm90:
             sm90 = self._sm90_pass("dQ pass", self.sm90.dq, q, k, v, out, lse, d_out, d_lse,
                                    dq, delta)
         if not sm90:
-            _launch.run(dq_desc, (q, k, v, d_out, lse, out, lse if d_lse is None else d_lse),
+            descs = portable()
+            _launch.run(descs[0], (q, k, v, d_out, lse, out, lse if d_lse is None else d_lse),
                         (dq, delta), kind)
         if not (sm90 and self._sm90_pass("dK/dV pass", self.sm90.dkdv, q, k, v, lse, delta,
                                          d_out, dk, dv)):
-            _launch.run(dkdv_desc, (q, k, v, d_out, lse, delta), (dk, dv), kind)
-        if self.native is None and kind == "cuda" and d_lse is None:
-            self._make_native(q, k, v, out, lse, d_out, dq_desc, dkdv_desc)
+            descs = portable()
+            _launch.run(descs[1], (q, k, v, d_out, lse, delta), (dk, dv), kind)
+        if descs is not None and self.native is None and kind == "cuda" and d_lse is None:
+            self._make_native(q, k, v, out, lse, d_out, *descs)
         return dq, dk, dv
 
     def _sm90_pass(self, what: str, launch, *tensors) -> bool:
@@ -603,8 +611,8 @@ def backward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: B
     >>> import torch
     >>> from sparsetp.core import patterns as P, make_layout
     >>> q = torch.randn(1, 2, 64, 32)
-    >>> backward_kernel(q, q, q, make_layout(P.causal(), 64, 2, 32)).reason
-    "the fast path is a CUDA kernel (device kind 'cpu')"
+    >>> backward_kernel(q, q, q, make_layout(P.causal(), 64, 2, 32)).name
+    'portable'
     """
     return _choice(q, k, v, layout, scale, "bwd_choice")
 

@@ -19,7 +19,7 @@ from sparsetp.backends.torch import launch as _launch
 from sparsetp.kernels import abi, hopper, schedule
 from sparsetp.kernels import options as _options
 
-__all__ = ["choose", "failed", "Sm90Kernels", "layout_128", "aligned"]
+__all__ = ["choose", "failed", "Sm90Kernels", "layout_128", "aligned", "tma_ready"]
 
 _LAYOUTS_128: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _META_128: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -229,6 +229,14 @@ class _Box:
 
     def __init__(self, t: torch.Tensor, d: int):
         self.base, self.shape, self.strides = t, [t.numel() // d, d], [d, 1]
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy of it where it is not contiguous or not on a 16-byte
+    boundary (what the sm_90 kernels' TMA boxes and vector loads need)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
 def aligned(*tensors: torch.Tensor) -> bool:
