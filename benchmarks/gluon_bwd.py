@@ -27,10 +27,11 @@ On a Hopper GPU: check dQ, dK, dV against the portable backward, then time::
 
 from __future__ import annotations
 
+import functools
 import json
 
 from absl import app, flags
-from gluon_tools import list_args, sm90_profile, stand_ins, tma_desc
+from gluon_tools import list_args, run_cases, sm90_profile, stand_ins, tma_desc
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -41,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from sparsetp.kernels import hopper
-from sparsetp.kernels.hopper import _dkdv_loader, _kv_program
+from sparsetp.kernels.hopper import _dkdv_loader, _program
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report registers/shared")
@@ -211,8 +212,8 @@ def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     H_KV = H // GROUP
-    start_n, off_bh = _kv_program(k_order, stride_ch, stride_cm, H_KV, gl.cdiv(N_KV, BLOCK_N),
-                                  GROUP, ORDERED)
+    start_n, off_bh = _program(k_order, stride_ch, stride_cm, H_KV, gl.cdiv(N_KV, BLOCK_N),
+                               GROUP, ORDERED)
     off_b = off_bh // H_KV
     off_g = off_bh % H_KV
     kv_row0 = off_bh * N_KV + start_n * BLOCK_N
@@ -400,23 +401,18 @@ def main(argv):
     import torch  # noqa: PLC0415
 
     torch.manual_seed(0)
-    records = []
     h_kv = FLAGS.kv_heads or FLAGS.heads
-    for n in map(int, FLAGS.seq_lens):
+
+    @functools.cache
+    def inputs(n):  # q, k, v, d_out of one length, shared by its patterns
         q, d_out = (torch.randn(1, FLAGS.heads, n, 128, device="cuda", dtype=torch.bfloat16)
                     for _ in range(2))
         k, v = (torch.randn(1, h_kv, n, 128, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
-        for spec in FLAGS.patterns:
-            try:
-                rec = _measure(spec, q, k, v, d_out)
-            except Exception as exc:  # noqa: BLE001 (a failed case is recorded, not fatal)
-                rec = {"pattern": spec, "N": n, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-            print(json.dumps(rec), flush=True)
-            records.append(rec)
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "records": records}, f, indent=1)
+        return q, k, v, d_out
+
+    run_cases(lambda spec, n: _measure(spec, *inputs(n)), FLAGS.seq_lens, FLAGS.patterns,
+              FLAGS.out, {"device": torch.cuda.get_device_name()})
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import json
 import time
 
 from absl import app, flags
-from gluon_tools import list_args, sm90_profile, stand_ins, tma_desc
+from gluon_tools import list_args, run_cases, sm90_profile, stand_ins, tma_desc
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -95,7 +95,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc,
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, BLOCK_M), ORDERED)
+    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, BLOCK_M), 1, ORDERED)
     off_b = off_bh // H
     off_h = off_bh % H
     q_row0 = off_bh * N + start_m * BLOCK_M
@@ -137,7 +137,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc,
                               is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         s = _masked_scores(s, 0, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                           stride_mu, stride_mr, stride_mw, N_KV, 0, s_layout, BLOCK_M, BLOCK_N)
+                           stride_mu, stride_mr, stride_mw, N_KV, 0, 0, s_layout, BLOCK_M,
+                           BLOCK_N, BLOCK_N)
         pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
         p = gl.convert_layout(pf.to(dtype), p_layout)
 
@@ -153,7 +154,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc,
         o_tok = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                           stride_mu, stride_mr, stride_mw, N_KV, 0, s_layout, BLOCK_M, BLOCK_N)
+                           stride_mu, stride_mr, stride_mw, N_KV, 0, 0, s_layout, BLOCK_M,
+                           BLOCK_N, BLOCK_N)
         pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         # Stage pst is free now (its K fed the previous S, its V the MMA just waited on).
@@ -314,22 +316,17 @@ def main(argv):
     torch.manual_seed(0)
     h, d = FLAGS.heads, FLAGS.head_dim
     h_kv = FLAGS.kv_heads or h
-    records = []
-    for n in map(int, FLAGS.seq_lens):
+
+    @functools.cache
+    def inputs(n):  # q, k, v of one length, shared by its patterns
         q = torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(1, h_kv, n, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(1, h_kv, n, d, device="cuda", dtype=torch.bfloat16)
-        for spec in FLAGS.patterns:
-            try:
-                rec = _measure(spec, q, k, v)
-            except Exception as exc:  # noqa: BLE001 (a failed case is recorded, not fatal)
-                rec = {"pattern": spec, "N": n, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-            print(json.dumps(rec), flush=True)
-            records.append(rec)
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "records": records}, f, indent=1)
+        return q, k, v
+
+    run_cases(lambda spec, n: _measure(spec, *inputs(n)), FLAGS.seq_lens, FLAGS.patterns,
+              FLAGS.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                          "triton": triton.__version__})
 
 
 if __name__ == "__main__":

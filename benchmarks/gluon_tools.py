@@ -1,16 +1,38 @@
-"""What the Gluon (sm_90) lab kernels share: TMA descriptors, the layout-list arguments, CPU
-stand-in inputs and a compile-for-sm_90 profile without a GPU.
+"""What the Gluon (sm_90) lab scripts share: TMA descriptors, the layout-list arguments, CPU
+stand-in inputs, a compile-for-sm_90 profile without a GPU, and the per-case record loop.
 
-Used by ``gluon_fwd.py`` and ``gluon_bwd.py``. Flag-free (like ``cubin_tools.py``), so every
-script can import it. The library's own launcher is ``sparsetp/backends/torch/hopper.py``.
+Used by ``gluon_fwd.py``, ``gluon_bwd.py`` and ``jax_gluon_probe.py``. Flag-free (like
+``cubin_tools.py``), so every script can import it. The library's own launcher is
+``sparsetp/backends/torch/hopper.py``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 
 from cubin_tools import sass_profile
+
+
+def run_cases(measure, seq_lens, patterns, out: str | None = None,
+              header: dict | None = None) -> list:
+    """``measure(spec, n)`` for every N, then pattern; a case that raises is recorded with its
+    error, not fatal. Each record is printed as a JSON line; all are written to ``out`` as
+    ``{**header, "records": [...]}``."""
+    records = []
+    for n in map(int, seq_lens):
+        for spec in patterns:
+            try:
+                rec = measure(spec, n)
+            except Exception as exc:  # noqa: BLE001 (a failed case is recorded, not fatal)
+                rec = {"pattern": spec, "N": n, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+    if out:
+        with open(out, "w") as f:
+            json.dump({**(header or {}), "records": records}, f, indent=1)
+    return records
 
 
 def tma_desc(t, rows: int):

@@ -27,7 +27,6 @@ stays behind at short kernels.
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app, flags
@@ -95,7 +94,7 @@ def _case(spec: str, n: int) -> dict:
         ref_out, ref_lse = sparse_attention(qt, kt, vt, layout, return_lse=True)
         plan = tattn._plan(qt, kt, vt, layout, scale)
     sm = plan.sm90
-    c = sm.compiled
+    c = sm.compiled["fwd"]
     q, k, v = (jax.dlpack.from_dlpack(t) for t in (qt, kt, vt))  # the same device memory
 
     def launch(ctx, outs, q, k, v):
@@ -133,18 +132,9 @@ def _case(spec: str, n: int) -> dict:
 
 def main(argv):
     del argv
-    records = []
-    for n in map(int, FLAGS.seq_lens):
-        for spec in FLAGS.patterns:
-            try:
-                rec = _case(spec, n)
-            except Exception as exc:  # noqa: BLE001 (a failed case is recorded, not fatal)
-                rec = {"pattern": spec, "N": n, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-            print(json.dumps(rec), flush=True)
-            records.append(rec)
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump({"records": records}, f, indent=1)
+    from gluon_tools import run_cases  # noqa: PLC0415
+
+    run_cases(_case, FLAGS.seq_lens, FLAGS.patterns, FLAGS.out)
 
 
 if __name__ == "__main__":

@@ -154,6 +154,13 @@ def _cuda(x, dtype, grad=False):
     return torch.tensor(x, dtype=TORCH_DTYPE[dtype], device="cuda", requires_grad=grad)
 
 
+def _causal_case(seed, n=512, h=2, grad=False):
+    """(causal layout at block 128, q, k, v, d_out): bf16 CUDA tensors, B=1, D=128."""
+    return (make_layout(P.causal(), n, h, 128),
+            *(_cuda(x, "bfloat16", grad=grad)
+              for x in _inputs(seed, 1, h, h, n, n, 128, "bfloat16")))
+
+
 @unittest.skipUnless(SM90, NEEDS_SM90)
 class Sm90ForwardTest(parameterized.TestCase):
 
@@ -261,9 +268,7 @@ class Sm90ForwardTest(parameterized.TestCase):
         self.assertIn("dtype", forward_kernel(f32, f32, f32, long).reason)
 
     def test_later_calls_launch_the_compiled_kernel_directly(self):
-        n, h = 512, 2
-        layout = make_layout(P.causal(), n, h, 128)
-        q, k, v, _ = (_cuda(x, "bfloat16") for x in _inputs(9, 1, h, h, n, n, 128, "bfloat16"))
+        layout, q, k, v, _ = _causal_case(9)
         with launch_options(fwd_kernel="hopper"):
             first = sparse_attention(q, k, v, layout)  # through Triton's JIT entry
             entry = mock.MagicMock()
@@ -351,9 +356,7 @@ class Sm90ForwardTest(parameterized.TestCase):
 
     def test_backward_with_a_transposed_output_gradient(self):
         n, h = 512, 2
-        layout = make_layout(P.causal(), n, h, 128)
-        q, k, v, _ = (_cuda(x, "bfloat16", grad=True)
-                      for x in _inputs(11, 1, h, h, n, n, 128, "bfloat16"))
+        layout, q, k, v, _ = _causal_case(11, n, h, grad=True)
         w = torch.randn(1, n, h * 128, device="cuda", dtype=torch.bfloat16)
 
         def loss(out, lse):
@@ -366,10 +369,7 @@ class Sm90ForwardTest(parameterized.TestCase):
                             what=f"{name} vs portable")
 
     def test_backward_with_a_broadcast_lse_cotangent(self):
-        n, h = 256, 2
-        layout = make_layout(P.causal(), n, h, 128)
-        q, k, v, _ = (_cuda(x, "bfloat16", grad=True)
-                      for x in _inputs(14, 1, h, h, n, n, 128, "bfloat16"))
+        layout, q, k, v, _ = _causal_case(14, n=256, grad=True)
         # lse.sum() sends a stride-0 cotangent, copied before the sm_90 dQ pass reads it.
         got, ref = self._bwd_pair(layout, q, k, v, lambda out, lse: out.sum() + lse.sum())
         for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
@@ -377,10 +377,7 @@ class Sm90ForwardTest(parameterized.TestCase):
                             what=f"{name} vs portable")
 
     def test_backward_with_misaligned_tensors(self):
-        n, h = 256, 2
-        layout = make_layout(P.causal(), n, h, 128)
-        q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
-                          for x in _inputs(15, 1, h, h, n, n, 128, "bfloat16"))
+        layout, q, k, v, d_out = _causal_case(15, n=256, grad=True)
 
         def odd(t):  # contiguous, 2 bytes past a 16-byte boundary
             buf = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")
@@ -408,10 +405,7 @@ class Sm90ForwardTest(parameterized.TestCase):
                 torch.autograd.grad(out, (q_odd, k, v), d_out)
 
     def test_later_backwards_launch_the_compiled_kernels_directly(self):
-        n, h = 512, 2
-        layout = make_layout(P.causal(), n, h, 128)
-        q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
-                          for x in _inputs(12, 1, h, h, n, n, 128, "bfloat16"))
+        layout, q, k, v, d_out = _causal_case(12, grad=True)
         with launch_options(bwd_kernel="hopper"):
             first = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
             entries = mock.MagicMock(), mock.MagicMock()
@@ -433,10 +427,7 @@ class Sm90ForwardTest(parameterized.TestCase):
     @parameterized.named_parameters(("dq", "_attn_bwd_dq_kernel_sm90", "dQ pass"),
                                     ("dkdv", "_attn_bwd_dkdv_kernel_sm90", "dK/dV pass"))
     def test_a_failing_backward_pass_warns_and_falls_back(self, kernel, what):
-        n, h = 512, 2
-        layout = make_layout(P.causal(), n, h, 128)
-        q, k, v, d_out = (_cuda(x, "bfloat16", grad=True)
-                          for x in _inputs(13, 1, h, h, n, n, 128, "bfloat16"))
+        layout, q, k, v, d_out = _causal_case(13, grad=True)
         with launch_options(bwd_kernel="portable"):
             ref = torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
         broken = mock.MagicMock()
@@ -457,9 +448,7 @@ class Sm90ForwardTest(parameterized.TestCase):
         self.assertIn("compile failed (simulated)", choice.reason)
 
     def test_a_failing_fast_path_warns_and_falls_back(self):
-        n, h = 512, 2
-        layout = make_layout(P.causal(), n, h, 128)
-        q, k, v, _ = (_cuda(x, "bfloat16") for x in _inputs(8, 1, h, h, n, n, 128, "bfloat16"))
+        layout, q, k, v, _ = _causal_case(8)
         with launch_options(fwd_kernel="portable"):
             ref = sparse_attention(q, k, v, layout)
         broken = mock.MagicMock()

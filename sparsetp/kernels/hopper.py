@@ -215,9 +215,11 @@ if GLUON:
     LOG2E = gl.constexpr(1.4426950408889634)
 
     @gluon.jit
-    def _program(order, stride_ch, stride_cm, H, ranks, ORDERED: gl.constexpr):
-        """(tile, b * H + h) of this program: :func:`sparsetp.kernels.attention._program`
-        for the forward (the same two grid forms and per-head work order)."""
+    def _program(order, stride_ch, stride_cm, H, ranks, head_stride, ORDERED: gl.constexpr):
+        """(tile, b * H + h) of this program: :func:`sparsetp.kernels.attention._program` (the
+        same two grid forms and per-head work order; the work-order row of head ``h`` is ``h *
+        head_stride``: the dK/dV pass's kv heads take their group's first query head's, 1
+        elsewhere)."""
         if gl.num_programs(1) == 1:
             g = gl.program_id(0)
             off_bh = g // ranks
@@ -226,7 +228,7 @@ if GLUON:
             off_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
             rank = gl.program_id(1)
         if ORDERED:
-            tile = gl.load(order + (off_bh % H) * stride_ch + rank * stride_cm)
+            tile = gl.load(order + (off_bh % H) * head_stride * stride_ch + rank * stride_cm)
         else:
             tile = rank
         return tile, off_bh
@@ -276,16 +278,12 @@ if GLUON:
         return acc / gl.convert_layout(l_safe, row_layout)[:, None], lse
 
     @gluon.jit
-    def _fwd_loader(k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                    kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik):
-        """Producer warp: both halves of the Q tile once, then each listed K/V tile into ring
-        stage ``e % STAGES`` as soon as both consumers have freed it."""
+    def _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index, row,
+                 count, kv_row0, stride_ik):
+        """The producer's ring (forward and dQ pass): each listed K/V tile into stage ``e %
+        STAGES`` as soon as both consumers have freed it."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES_: gl.constexpr = k_smem.shape[0]
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + q_desc.block_type.shape[0], 0],
-                                        q_bar, q_smem.index(1))
         for e in range(count):
             s = e % STAGES_
             # A fresh mbarrier counts as completed for parity 1: the first STAGES waits pass.
@@ -295,6 +293,17 @@ if GLUON:
             tma.async_copy_global_to_shared(k_desc, [r, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [r, 0], v_ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _fwd_loader(k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                    kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik):
+        """Producer warp: both halves of the Q tile once, then the K/V ring (:func:`_kv_ring`)."""
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + q_desc.block_type.shape[0], 0],
+                                        q_bar, q_smem.index(1))
+        _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index, row, count,
+                 kv_row0, stride_ik)
 
     @gluon.jit
     def _fwd_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
@@ -427,7 +436,7 @@ if GLUON:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-row consumers per 128-row query tile")
-        start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M),
+        start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M), 1,
                                    ORDERED)
         off_b = off_bh // H
         off_h = off_bh % H
@@ -469,10 +478,8 @@ if GLUON:
     @gluon.jit
     def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qd_bar,
                    k_ready, v_ready, kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik):
-        """Producer warp of the dQ pass: both halves of Q and dO once, then the listed K/V
-        tiles into the ring, as :func:`_fwd_loader`."""
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        STAGES_: gl.constexpr = k_smem.shape[0]
+        """Producer warp of the dQ pass: both halves of Q and dO once, then the K/V ring
+        (:func:`_kv_ring`)."""
         SUB_M: gl.constexpr = q_desc.block_type.shape[0]
         mbarrier.expect(qd_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
         for i in gl.static_range(2):
@@ -480,14 +487,8 @@ if GLUON:
                                             q_smem.index(i))
             tma.async_copy_global_to_shared(do_desc, [q_row0 + i * SUB_M, 0], qd_bar,
                                             do_smem.index(i))
-        for e in range(count):
-            s = e % STAGES_
-            mbarrier.wait(kv_empty.index(s), ((e // STAGES_) & 1) ^ 1)
-            r = kv_row0 + gl.load(q_index + row + e * stride_ik) * BLOCK_N
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [r, 0], k_ready.index(s), k_smem.index(s))
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [r, 0], v_ready.index(s), v_smem.index(s))
+        _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index, row, count,
+                 kv_row0, stride_ik)
 
     @gluon.jit
     def _dq_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready,
@@ -606,7 +607,7 @@ if GLUON:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-row consumers per 128-row query tile")
-        start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M),
+        start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M), 1,
                                    ORDERED)
         off_b = off_bh // H
         off_h = off_bh % H
@@ -643,24 +644,6 @@ if GLUON:
                           qd_bar, k_ready, v_ready, kv_empty, q_index, row, count, q_row0,
                           kv_row0, stride_ik)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-    @gluon.jit
-    def _kv_program(order, stride_ch, stride_cm, H_KV, ranks, GROUP, ORDERED: gl.constexpr):
-        """(key tile, b * H_kv + kv head): the portable dK/dV kernel's ``_program`` (kv heads
-        take the work order of their group's first query head)."""
-        if gl.num_programs(1) == 1:
-            g = gl.program_id(0)
-            off_bh = g // ranks
-            rank = g % ranks
-        else:
-            off_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
-            rank = gl.program_id(1)
-        if ORDERED:
-            tile = gl.load(order + (off_bh % H_KV) * GROUP * stride_ch + rank * stride_cm)
-        else:
-            tile = rank
-        return tile, off_bh
-
 
     @gluon.jit
     def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
@@ -837,8 +820,8 @@ if GLUON:
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-key consumers, 64-query steps")
         H_KV = H // GROUP
-        start_n, off_bh = _kv_program(k_order, stride_ch, stride_cm, H_KV,
-                                      gl.cdiv(N_KV, BLOCK_N), GROUP, ORDERED)
+        start_n, off_bh = _program(k_order, stride_ch, stride_cm, H_KV, gl.cdiv(N_KV, BLOCK_N),
+                                   GROUP, ORDERED)
         off_b = off_bh // H_KV
         off_g = off_bh % H_KV
         kv_row0 = off_bh * N_KV + start_n * BLOCK_N

@@ -22,7 +22,6 @@ from sparsetp.kernels import options as _options
 __all__ = ["choose", "failed", "Sm90Kernels", "layout_128", "aligned", "tma_ready"]
 
 _LAYOUTS_128: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_META_128: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def layout_128(layout):
@@ -62,15 +61,16 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, kind: str,
                   head_dim=q.shape[-1], seq_len=q.shape[2], kv_len=k.shape[2],
                   contiguous=all(t.is_contiguous() for t in (q, k, v)), scale=scale)
     lay = None
-    probe = hopper._ineligible(**common, layout_ok=True)
+    why = hopper._ineligible(**common, layout_ok=True)
     opts = _options.current()
-    if probe is None and (opts.fwd_kernel, opts.bwd_kernel) != ("portable", "portable"):
+    if why is None and (opts.fwd_kernel, opts.bwd_kernel) != ("portable", "portable"):
         lay = layout_128(layout)
-    mean = 0.0 if lay is None else float(lay.q_count.mean())
-    # Where the probe failed, its reason (not the unbuilt layout) is the one to report.
-    kw = dict(common, batch_heads=q.shape[0] * q.shape[1], mean_tiles=mean,
-              layout_ok=lay is not None or probe is not None)
-    fwd, bwd = hopper.forward_choice(**kw), hopper.backward_choice(**kw)
+        if lay is None:
+            why = hopper._ineligible(**common, layout_ok=False)
+    # One reason for both passes (forward_choice and backward_choice would each re-derive it).
+    kw = dict(why=why, batch_heads=q.shape[0] * q.shape[1], seq_len=q.shape[2],
+              mean_tiles=0.0 if lay is None else float(lay.q_count.mean()))
+    fwd, bwd = hopper._choice("fwd_kernel", **kw), hopper._choice("bwd_kernel", **kw)
     return fwd, bwd, (lay if "hopper" in (fwd.name, bwd.name) else None)
 
 
@@ -88,18 +88,12 @@ class Sm90Kernels:
 
     __slots__ = ("meta", "args", "arg_values", "dq_args", "dq_values", "dkdv_args",
                  "dkdv_values", "grid", "kv_grid", "ordered", "box_layout", "qk_scale",
-                 "compiled", "compiled_dq", "compiled_dkdv")
+                 "compiled")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, lay, scale: float):
         from triton.experimental.gluon import language as gl  # noqa: PLC0415
 
-        per_device = _META_128.setdefault(lay, {})
-        key = str(q.device)
-        if key not in per_device:
-            q_group, k_group = schedule.head_groups(lay)
-            per_device[key] = {**_launch._device_arrays(lay.metadata(), q.device),
-                               "q_head_group": q_group, "k_head_group": k_group}
-        meta = self.meta = per_device[key]
+        meta = self.meta = _launch.device_metadata(lay, q.device)
         b, h, n, d = q.shape
         h_kv, n_kv = k.shape[1], k.shape[2]
         arrays, strides = abi._check_meta(meta, "q", h, n // hopper.BLOCK, hopper.BLOCK)
@@ -114,110 +108,89 @@ class Sm90Kernels:
         self.arg_values, self.dq_values, self.dkdv_values = (
             tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
             for args in (self.args, self.dq_args, self.dkdv_args))
-        self.compiled = None  # Triton's compiled kernel, once the JIT entry has launched it
-        self.compiled_dq = {}  # the same per HAS_DLSE
-        self.compiled_dkdv = None
+        # Triton's compiled kernels, once the JIT entry has launched them: "fwd", "dkdv" and
+        # ("dq", has an LSE cotangent).
+        self.compiled: dict = {}
         self.grid = schedule.list_grid(b, h, n // hopper.BLOCK,
                                        schedule.grid_group(meta, "q", b, h))
         self.kv_grid = schedule.list_grid(b, h_kv, n_kv // hopper.BLOCK,
                                           schedule.grid_group(meta, "k", b, h_kv))
         self.ordered = _options.current().work_order != "natural"
         gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-        self.box_layout = (gl.NVMMASharedLayout.get_default_for([hopper.BLOCK // 2, d], gdt),
-                           gl.NVMMASharedLayout.get_default_for([hopper.BLOCK, d], gdt))
+        self.box_layout = {hopper.BLOCK // 2: gl.NVMMASharedLayout.get_default_for(
+                               [hopper.BLOCK // 2, d], gdt),
+                           hopper.BLOCK: gl.NVMMASharedLayout.get_default_for(
+                               [hopper.BLOCK, d], gdt)}
 
-    def _direct(self, device: int) -> bool:
-        return (_launch.direct_launch_enabled() and torch.cuda.current_device() == device
-                and _launch._launch_hooks() is None)
+    def _launch(self, slot, kernel: str, grid, boxed, args, values, pointers,
+                constexprs: dict) -> None:
+        """Launch ``hopper.<kernel>`` on ``boxed`` (``(tensor, box rows)`` pairs, its TMA
+        descriptor arguments, contiguous and 16-byte aligned: :func:`tma_ready`), then
+        ``args`` (``values`` as the direct launch passes them), then the ``pointers`` tensors,
+        then ``constexprs`` (in the kernel's order).
 
-    def _descs(self, pairs):
-        """Host TMA descriptors of ``(tensor, box rows)`` pairs, as ``[rows, d]`` views."""
+        The first launch goes through Triton's JIT entry (which compiles; the compiled kernel
+        is kept under ``slot``); later ones call the compiled kernel directly, as
+        ``launch.run`` does for the portable kernels: everything Triton specialised on is fixed
+        by the plan (shapes, strides, dtypes, 16-byte alignment) and ``slot``, and the launcher
+        reads of a descriptor argument only its base pointer, shape, strides and padding
+        (:class:`_Box`), so the descriptors' checks and the JIT entry's binding are not paid
+        per call."""
+        device = boxed[0][0].device
+        c = self.compiled.get(slot)
+        if (c is not None and _launch.direct_launch_enabled()
+                and torch.cuda.current_device() == device.index
+                and _launch._launch_hooks() is None):
+            c.run(*grid, _launch._current_stream(device.index), c.function, c.packed_metadata,
+                  None, None, None, *(_Box(t, t.shape[-1]) for t, _ in boxed), *values,
+                  *(t.data_ptr() for t in pointers), *constexprs.values(), hopper.NUM_WARPS)
+            return
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
 
-        out = []
-        for t, rows in pairs:
+        descs = []
+        for t, rows in boxed:
             d = t.shape[-1]
             t2 = t.view(-1, d)
-            box = self.box_layout[0 if rows == hopper.BLOCK // 2 else 1]
-            out.append(TensorDescriptor(t2, list(t2.shape), [d, 1], [rows, d], box))
-        return out
+            descs.append(TensorDescriptor(t2, list(t2.shape), [d, 1], [rows, d],
+                                          self.box_layout[rows]))
+        _launch._restore_cache_dir()
+        with torch.cuda.device(device):
+            self.compiled[slot] = getattr(hopper, kernel)[grid](
+                *descs, *args, *pointers, **constexprs, num_warps=hopper.NUM_WARPS)
+
+    def run(self, q, k, v, out, lse) -> None:
+        """Launch the forward on this call's tensors (contiguous, 16-byte aligned)."""
+        self._launch("fwd", "_attn_fwd_kernel_sm90", self.grid,
+                     ((q, hopper.BLOCK // 2), (k, hopper.BLOCK), (v, hopper.BLOCK)),
+                     self.args, self.arg_values, (out, lse),
+                     {"ORDERED": self.ordered, "STAGES": hopper.STAGES,
+                      "CONSUMER_REGS": hopper.CONSUMER_REGS,
+                      "PRODUCER_REGS": hopper.PRODUCER_REGS, "PINGPONG": hopper.PINGPONG})
 
     def dq(self, q, k, v, out, lse, d_out, d_lse, dq, delta) -> None:
         """Launch the dQ pass (dQ and Delta) on this call's tensors: q, k, v, out, d_out, lse
-        and d_lse (None: no LSE cotangent) contiguous and 16-byte aligned (:func:`aligned`).
-        Compiled once per ``d_lse is None``; later calls launch directly, as :meth:`run`."""
-        d = q.shape[-1]
-        device = q.device.index
+        and d_lse (None: no LSE cotangent) contiguous and 16-byte aligned. Compiled once per
+        ``d_lse is None``."""
         has_dlse = d_lse is not None
-        c = self.compiled_dq.get(has_dlse)
-        dlse = d_lse if has_dlse else lse  # never read without a cotangent
-        if c is not None and self._direct(device):
-            boxes = (_Box(q, d), _Box(d_out, d), _Box(k, d), _Box(v, d))
-            c.run(*self.grid, _launch._current_stream(device), c.function, c.packed_metadata,
-                  None, None, None, *boxes, *self.dq_values, out.data_ptr(), lse.data_ptr(),
-                  dlse.data_ptr(), dq.data_ptr(), delta.data_ptr(), self.ordered,
-                  hopper.DQ_STAGES, has_dlse, hopper.CONSUMER_REGS, hopper.PRODUCER_REGS,
-                  hopper.NUM_WARPS)
-            return
-        half, full = hopper.BLOCK // 2, hopper.BLOCK
-        descs = self._descs(((q, half), (d_out, half), (k, full), (v, full)))
-        _launch._restore_cache_dir()
-        with torch.cuda.device(q.device):
-            self.compiled_dq[has_dlse] = hopper._attn_bwd_dq_kernel_sm90[self.grid](
-                *descs, *self.dq_args, out, lse, dlse, dq, delta, ORDERED=self.ordered,
-                STAGES=hopper.DQ_STAGES, HAS_DLSE=has_dlse, CONSUMER_REGS=hopper.CONSUMER_REGS,
-                PRODUCER_REGS=hopper.PRODUCER_REGS, num_warps=hopper.NUM_WARPS)
+        self._launch(("dq", has_dlse), "_attn_bwd_dq_kernel_sm90", self.grid,
+                     ((q, hopper.BLOCK // 2), (d_out, hopper.BLOCK // 2), (k, hopper.BLOCK),
+                      (v, hopper.BLOCK)), self.dq_args, self.dq_values,
+                     # without a cotangent, lse fills its slot, never read
+                     (out, lse, d_lse if has_dlse else lse, dq, delta),
+                     {"ORDERED": self.ordered, "STAGES": hopper.DQ_STAGES, "HAS_DLSE": has_dlse,
+                      "CONSUMER_REGS": hopper.CONSUMER_REGS,
+                      "PRODUCER_REGS": hopper.PRODUCER_REGS})
 
     def dkdv(self, q, k, v, lse, delta, d_out, dk, dv) -> None:
         """Launch the dK/dV pass on this call's tensors (as :meth:`dq`; ``delta`` is the dQ
         pass's)."""
-        d = q.shape[-1]
-        device = q.device.index
-        c = self.compiled_dkdv
-        if c is not None and self._direct(device):
-            boxes = (_Box(q, d), _Box(d_out, d), _Box(k, d), _Box(v, d))
-            c.run(*self.kv_grid, _launch._current_stream(device), c.function,
-                  c.packed_metadata, None, None, None, *boxes, *self.dkdv_values,
-                  lse.data_ptr(), delta.data_ptr(), dk.data_ptr(), dv.data_ptr(), self.ordered,
-                  hopper.DKDV_STAGES, hopper.DKDV_EARLY_DP, hopper.CONSUMER_REGS,
-                  hopper.PRODUCER_REGS, hopper.NUM_WARPS)
-            return
-        half, full = hopper.BLOCK // 2, hopper.BLOCK
-        descs = self._descs(((q, half), (d_out, half), (k, full), (v, full)))
-        _launch._restore_cache_dir()
-        with torch.cuda.device(q.device):
-            self.compiled_dkdv = hopper._attn_bwd_dkdv_kernel_sm90[self.kv_grid](
-                *descs, *self.dkdv_args, lse, delta, dk, dv, ORDERED=self.ordered,
-                STAGES=hopper.DKDV_STAGES, EARLY_DP=hopper.DKDV_EARLY_DP,
-                CONSUMER_REGS=hopper.CONSUMER_REGS, PRODUCER_REGS=hopper.PRODUCER_REGS,
-                num_warps=hopper.NUM_WARPS)
-
-    def run(self, q, k, v, out, lse) -> None:
-        """Launch on this call's tensors (contiguous, 16-byte aligned: :func:`aligned`).
-
-        The first launch goes through Triton's JIT entry (which compiles); later ones call the
-        compiled kernel directly, as ``launch.run`` does for the portable kernels: everything
-        Triton specialised on is fixed by the plan (shapes, strides, dtypes, 16-byte
-        alignment), and the launcher reads of a descriptor argument only its base pointer,
-        shape, strides and padding (:class:`_Box`), so the descriptors' checks and the JIT
-        entry's binding are not paid per call."""
-        d = q.shape[-1]
-        device = q.device.index
-        if self.compiled is not None and self._direct(device):
-            c = self.compiled
-            boxes = (_Box(q, d), _Box(k, d), _Box(v, d))
-            c.run(*self.grid, _launch._current_stream(device), c.function, c.packed_metadata,
-                  None, None, None, *boxes, *self.arg_values, out.data_ptr(), lse.data_ptr(),
-                  self.ordered, hopper.STAGES, hopper.CONSUMER_REGS, hopper.PRODUCER_REGS,
-                  hopper.PINGPONG, hopper.NUM_WARPS)
-            return
-        descs = self._descs(((q, hopper.BLOCK // 2), (k, hopper.BLOCK), (v, hopper.BLOCK)))
-        _launch._restore_cache_dir()
-        with torch.cuda.device(q.device):
-            self.compiled = hopper._attn_fwd_kernel_sm90[self.grid](
-                *descs, *self.args, out, lse, ORDERED=self.ordered, STAGES=hopper.STAGES,
-                CONSUMER_REGS=hopper.CONSUMER_REGS, PRODUCER_REGS=hopper.PRODUCER_REGS,
-                PINGPONG=hopper.PINGPONG, num_warps=hopper.NUM_WARPS)
+        self._launch("dkdv", "_attn_bwd_dkdv_kernel_sm90", self.kv_grid,
+                     ((q, hopper.BLOCK // 2), (d_out, hopper.BLOCK // 2), (k, hopper.BLOCK),
+                      (v, hopper.BLOCK)), self.dkdv_args, self.dkdv_values,
+                     (lse, delta, dk, dv),
+                     {"ORDERED": self.ordered, "STAGES": hopper.DKDV_STAGES,
+                      "EARLY_DP": hopper.DKDV_EARLY_DP, "CONSUMER_REGS": hopper.CONSUMER_REGS,
+                      "PRODUCER_REGS": hopper.PRODUCER_REGS})
 
 
 class _Box:

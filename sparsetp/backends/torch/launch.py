@@ -30,7 +30,8 @@ from sparsetp.core.layout import BlockLayout
 from sparsetp.kernels import abi, interpreter, schedule
 from sparsetp.kernels import options as _options
 
-__all__ = ["device_kind", "metadata", "new_output", "describe", "run", "compile_together",
+__all__ = ["device_kind", "metadata", "device_metadata", "new_output", "describe", "run",
+           "compile_together",
            "direct_launch_enabled", "DIRECT_LAUNCH_TRITON"]
 
 # Per-layout device tensors; weak keys so a dropped layout frees its tensors.
@@ -54,13 +55,18 @@ def metadata(layout: BlockLayout, q: torch.Tensor, kind: str) -> dict:
     """Device tensors of the layout the kernels run for ``q`` (``schedule.kernel_layout``: the
     layout, or the same pattern at another kernel tile) plus its head groups, cached per
     (kernel layout, device)."""
-    layout = schedule.kernel_layout(layout, kind, head_dim=q.shape[-1],
-                                    dtype=abi.check_dtype(q.dtype))
+    return device_metadata(schedule.kernel_layout(layout, kind, head_dim=q.shape[-1],
+                                                  dtype=abi.check_dtype(q.dtype)), q.device)
+
+
+def device_metadata(layout: BlockLayout, device: torch.device) -> dict:
+    """Device tensors of ``layout`` as a kernel runs it (no re-laying: the sm_90 kernels run
+    their block-128 form) plus its head groups, cached per (layout, device)."""
     per_layout = _META_CACHE.setdefault(layout, {})
-    key = str(q.device)
+    key = str(device)
     if key not in per_layout:
         q_group, k_group = schedule.head_groups(layout)
-        per_layout[key] = {**_device_arrays(layout.metadata(), q.device),
+        per_layout[key] = {**_device_arrays(layout.metadata(), device),
                            "q_head_group": q_group, "k_head_group": k_group}
     return per_layout[key]
 
