@@ -3,8 +3,8 @@ to them.
 
 * On every machine: :func:`forward_choice` and :func:`backward_choice` take the fast path only
   where it is eligible (and, under ``"auto"``, measured faster), name the reason otherwise, and
-  refuse a forced fast path they cannot run; the torch frontend reports the portable kernels on
-  CPU, the JAX frontend everywhere.
+  refuse a forced fast path they cannot run; both frontends report the portable kernels on
+  CPU.
 * On an sm_90 GPU: both fast paths, forced, against the float64 oracle and the portable kernels
   for every example pattern (fully masked rows included), bf16 and fp16, GQA, more keys than
   queries, a block-64 layout (re-laid at 128), a tensor-parallel head slice; bitwise
@@ -12,6 +12,10 @@ to them.
   in the backward; ``auto`` picks them where the rule says; later calls launch the compiled
   kernels directly with the same results; a failing fast path warns and falls back to the
   portable kernel with the same answer.
+* On an sm_90 GPU seen by JAX: JAX launches the same kernels (the same binaries as torch),
+  bitwise equal to torch's outputs and gradients for every example pattern, GQA and more keys
+  than queries, under ``jit`` and ``vmap``; its rule and fall-backs as torch's. Head dim 256
+  takes the sm_90 forward in torch (the portable backward after it), not in JAX.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ class ForwardChoiceTest(parameterized.TestCase):
         self.assertEqual(_rule().name, "hopper")
 
     @parameterized.named_parameters(
-        ("jax", {"framework": "jax"}, "jax_triton"),
+        ("launcher", {"launcher": "no launcher here (test)"}, "no launcher here"),
+        ("framework", {"framework": "mlx"}, "no sm_90 launcher"),
         ("cpu", {"device_kind": "cpu"}, "CUDA kernel"),
         ("ampere", {"capability": (8, 0)}, "9.0"),
         ("blackwell", {"capability": (10, 0)}, "9.0"),
@@ -77,6 +82,15 @@ class ForwardChoiceTest(parameterized.TestCase):
             with launch_options(**{option: "hopper"}):
                 with self.assertRaisesRegex(ValueError, f"{option}='hopper' cannot run"):
                     _rule(rule, **changes)
+
+    def test_head_dim_256_takes_the_fast_forward_only(self):
+        self.assertEqual(_rule(head_dim=256).name, "hopper")
+        choice = _rule(hopper.backward_choice, head_dim=256)
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("sm_90 backward runs (128,)", choice.reason)
+        with launch_options(bwd_kernel="hopper"):
+            with self.assertRaisesRegex(ValueError, "bwd_kernel='hopper' cannot run"):
+                _rule(hopper.backward_choice, head_dim=256)
 
     def test_the_options_choose_each_pass_apart(self):
         with launch_options(fwd_kernel="portable"):
@@ -116,20 +130,21 @@ class ForwardChoiceTest(parameterized.TestCase):
             self.assertEqual(choice.name, "portable")
             self.assertIn("'cpu'", choice.reason)
 
-    def test_jax_frontend_reports_portable_and_refuses_a_forced_fast_path(self):
+    def test_jax_frontend_on_cpu_reports_portable_and_refuses_a_forced_fast_path(self):
+        import jax  # noqa: PLC0415
         import jax.numpy as jnp  # noqa: PLC0415
 
         from sparsetp import jax as sjax  # noqa: PLC0415
 
-        q = jnp.zeros((1, 2, 256, 128), jnp.bfloat16)
+        q = jax.device_put(jnp.zeros((1, 2, 256, 128), jnp.bfloat16), jax.devices("cpu")[0])
         layout = make_layout(P.causal(), 256, 2, 128)
         for ask, option in ((sjax.forward_kernel, "fwd_kernel"),
                             (sjax.backward_kernel, "bwd_kernel")):
             choice = ask(q, q, q, layout)
             self.assertEqual(choice.name, "portable")
-            self.assertIn("jax_triton", choice.reason)
+            self.assertIn("'cpu'", choice.reason)
             with launch_options(**{option: "hopper"}):
-                with self.assertRaisesRegex(ValueError, f"{option}='hopper'.*jax_triton"):
+                with self.assertRaisesRegex(ValueError, f"{option}='hopper'.*CUDA kernel"):
                     sjax.sparse_attention(q, q, q, layout)
 
     def test_layout_128(self):
@@ -230,6 +245,37 @@ class Sm90ForwardTest(parameterized.TestCase):
         n, h, h_kv = 512, 4, 2
         layout = make_layout(example_pattern("per_head_mix", n, 128), n, h, 128)
         self._check(layout, *_inputs(4, 2, h, h_kv, n, n, 128, "bfloat16"), "bfloat16")
+
+    @parameterized.named_parameters(("causal_bf16", "causal", "bfloat16"),
+                                    ("masked_rows_bf16", "masked_rows", "bfloat16"),
+                                    ("local_fp16", "local", "float16"))
+    def test_head_dim_256_forward(self, name, dtype):
+        n, h, d = 512, 2, 256
+        layout = make_layout(example_pattern(name, n, 128), n, h, 128)
+        q, k, v, d_out = _inputs(30, 1, h, h, n, n, d, dtype)
+        tq, tk, tv = (_cuda(x, dtype, grad=True) for x in (q, k, v))
+        with launch_options(fwd_kernel="hopper"), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            self.assertEqual(forward_kernel(tq, tk, tv, layout).name, "hopper")
+            bwd = backward_kernel(tq, tk, tv, layout)
+            out, lse = sparse_attention(tq, tk, tv, layout, return_lse=True)
+            again = sparse_attention(tq, tk, tv, layout)
+            got = torch.autograd.grad(out, (tq, tk, tv), _cuda(d_out, dtype))
+            self.assertEqual(forward_kernel(tq, tk, tv, layout).name, "hopper")
+        self.assertEqual(bwd.name, "portable")
+        self.assertIn("sm_90 backward", bwd.reason)
+        self.assertTrue(torch.equal(out, again), "not deterministic")
+        with launch_options(fwd_kernel="portable"):
+            ref_out = sparse_attention(tq, tk, tv, layout)
+        ora_out, ora_lse = reference.attention(q, k, v, layout)
+        tu.assert_close(out.detach().float().cpu(), ora_out, dtype, what="out vs oracle")
+        tu.assert_close(lse.detach().cpu(), ora_lse, dtype, what="lse vs oracle")
+        tu.assert_close(out.detach().float().cpu(), ref_out.detach().float().cpu(), dtype,
+                        what="out vs portable")
+        # The portable backward on the sm_90 forward's out and LSE.
+        for nm, g, e in zip(("dq", "dk", "dv"), got,
+                            reference.attention_grad(q, k, v, layout, d_out), strict=True):
+            tu.assert_close(g.float().cpu(), e, dtype, grad=True, what=f"{nm} vs oracle")
 
     def test_more_keys_than_queries(self):
         n, n_kv, h = 256, 640, 2
@@ -460,6 +506,208 @@ class Sm90ForwardTest(parameterized.TestCase):
             out = sparse_attention(q, k, v, layout)
             choice = forward_kernel(q, k, v, layout)
         self.assertTrue(torch.equal(out, ref))
+        self.assertTrue(any("sm_90 forward failed" in str(w.message) for w in caught))
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("compile failed (simulated)", choice.reason)
+
+
+
+def _jax_gpu():
+    """(jax, JAX's first GPU) or a skip: the JAX fast path needs a GPU seen by JAX and a
+    launcher (:func:`sparsetp.backends.jax.hopper.unavailable`)."""
+    import jax  # noqa: PLC0415
+
+    from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError as exc:
+        raise unittest.SkipTest(f"JAX sees no GPU: {exc}") from None
+    why = jhopper.unavailable()
+    if why is not None:
+        raise unittest.SkipTest(why)
+    return jax, device
+
+
+@unittest.skipUnless(SM90, NEEDS_SM90)
+class JaxSm90Test(parameterized.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.jax, self.device = _jax_gpu()
+
+    def _jax(self, layout, q, k, v, d_out, mode="hopper", dtype="bfloat16", d_lse=None):
+        """out, lse, dq, dk, dv (float32 NumPy) of the JAX frontend under ``mode``, and its
+        (forward, backward) choices; RuntimeWarnings (a fast path that fell back) fail."""
+        jax = self.jax
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from sparsetp import jax as sjax  # noqa: PLC0415
+
+        jq, jk, jv, jdo = (jax.device_put(jnp.asarray(x, dtype), self.device)
+                           for x in (q, k, v, d_out))
+        with launch_options(fwd_kernel=mode, bwd_kernel=mode), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            choices = (sjax.forward_kernel(jq, jk, jv, layout).name,
+                       sjax.backward_kernel(jq, jk, jv, layout).name)
+            (out, lse), vjp = jax.vjp(lambda q, k, v: sjax.sparse_attention(
+                q, k, v, layout, return_lse=True), jq, jk, jv)
+            cot = jnp.zeros(lse.shape, lse.dtype) if d_lse is None else jnp.asarray(d_lse)
+            grads = vjp((jdo, cot))
+        return [np.asarray(a.astype(jnp.float32)) for a in (out, lse, *grads)], choices
+
+    def _torch(self, layout, q, k, v, d_out, dtype="bfloat16", d_lse=None):
+        tq, tk, tv = (_cuda(x, dtype, grad=True) for x in (q, k, v))
+        with launch_options(fwd_kernel="hopper", bwd_kernel="hopper"):
+            out, lse = sparse_attention(tq, tk, tv, layout, return_lse=True)
+            loss = (out * _cuda(d_out, dtype)).sum()
+            if d_lse is not None:
+                loss = loss + (lse * torch.tensor(d_lse, device="cuda")).sum()
+            grads = torch.autograd.grad(loss, (tq, tk, tv))
+        return [t.detach().float().cpu().numpy() for t in (out, lse, *grads)]
+
+    def _check(self, layout, q, k, v, d_out, dtype="bfloat16"):
+        got, choices = self._jax(layout, q, k, v, d_out, dtype=dtype)
+        self.assertEqual(choices, ("hopper", "hopper"))
+        want = self._torch(layout, q, k, v, d_out, dtype=dtype)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}: JAX vs torch, same kernel")
+        ora_out, ora_lse = reference.attention(q, k, v, layout)
+        tu.assert_close(got[0], ora_out, dtype, what="out vs oracle")
+        tu.assert_close(got[1], ora_lse, dtype, what="lse vs oracle")
+        ora = reference.attention_grad(q, k, v, layout, d_out)
+        for name, g, e in zip(("dq", "dk", "dv"), got[2:], ora, strict=True):
+            tu.assert_close(g, e, dtype, grad=True, what=f"{name} vs oracle")
+
+    @parameterized.named_parameters((name, name) for name in sorted(EXAMPLE_PATTERNS))
+    def test_example_patterns_match_torch_bitwise(self, name):
+        n, h = 512, 2
+        layout = make_layout(example_pattern(name, n, 128), n, h, 128)
+        self._check(layout, *_inputs(20, 1, h, h, n, n, 128, "bfloat16"))
+
+    def test_float16_gqa_and_more_keys_than_queries(self):
+        h, h_kv, n, n_kv = 4, 2, 256, 512
+        layout = make_layout(P.causal(), n, h, 128, kv_len=n_kv)
+        self._check(layout, *_inputs(21, 2, h, h_kv, n, n_kv, 128, "float16"), dtype="float16")
+
+    def test_lse_cotangent(self):
+        n, h = 256, 2
+        layout = make_layout(example_pattern("masked_rows", n, 128), n, h, 128)
+        q, k, v, d_out = _inputs(22, 1, h, h, n, n, 128, "bfloat16")
+        d_lse = np.random.default_rng(5).standard_normal((1, h, n)).astype(np.float32)
+        got, _ = self._jax(layout, q, k, v, d_out, d_lse=d_lse)
+        want = self._torch(layout, q, k, v, d_out, d_lse=d_lse)
+        for name, a, b in zip(("dq", "dk", "dv"), got[2:], want[2:], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}: JAX vs torch")
+
+    def test_same_binaries_as_torch(self):
+        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+        from sparsetp.backends.torch import attention as tattn  # noqa: PLC0415
+        from sparsetp.kernels import schedule  # noqa: PLC0415
+
+        layout, q, k, v, d_out = _causal_case(23, grad=True)
+        with launch_options(fwd_kernel="hopper", bwd_kernel="hopper"):
+            torch.autograd.grad(sparse_attention(q, k, v, layout), (q, k, v), d_out)
+            plan = tattn._plan(q, k, v, layout, None)  # the call's plan (scale as passed)
+            meta = {**layout.metadata()}
+            meta["q_head_group"], meta["k_head_group"] = schedule.head_groups(layout)
+            launches = hopper.launches(meta, *q.shape[:2], k.shape[1], q.shape[2],
+                                       k.shape[2], 128 ** -0.5, plan.sm90.ordered)
+        for name in ("fwd", "dq", "dkdv"):
+            self.assertEqual(jhopper.compile_launch(launches[name], "bfloat16", 128).hash,
+                             plan.sm90.compiled[name].hash, name)
+
+    def test_jit_vmap_and_layout_arrays(self):
+        jax = self.jax
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from sparsetp import jax as sjax  # noqa: PLC0415
+
+        n, h = 256, 2
+        layout = make_layout(P.causal(), n, h, 128)
+        arrays = sjax.layout_arrays(layout)
+        self.assertEqual(arrays.block_size, 128)
+        xs = [jax.device_put(jnp.asarray(x, jnp.bfloat16), self.device)
+              for x in _inputs(24, 3, h, h, n, n, 128, "bfloat16")[:3]]
+
+        def loss(q, k, v, lay):
+            return sjax.sparse_attention(q, k, v, lay).astype(jnp.float32).sum()
+
+        with launch_options(fwd_kernel="hopper", bwd_kernel="hopper"), \
+                warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            eager = jax.grad(loss, argnums=(0, 1, 2))(*xs, layout)
+            jitted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*xs, arrays)
+            out = sjax.sparse_attention(*xs, layout)
+            mapped = jax.vmap(lambda q, k, v: sjax.sparse_attention(
+                q[None], k[None], v[None], layout)[0])(*xs)
+        for a, b in zip(eager, jitted, strict=True):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                          np.asarray(b.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                      np.asarray(mapped.astype(jnp.float32)))
+
+    def test_rule_and_reasons(self):
+        jax = self.jax
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from sparsetp import jax as sjax  # noqa: PLC0415
+
+        q = jax.device_put(jnp.zeros((1, 2, 256, 128), jnp.bfloat16), self.device)
+        small = make_layout(P.causal(), 256, 2, 128)
+        choice = sjax.forward_kernel(q, q, q, small)
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("short lists", choice.reason)
+        at64 = sjax.layout_arrays(make_layout(P.causal(), 256, 2, 64))
+        with launch_options(fwd_kernel="hopper"):
+            self.assertEqual(sjax.forward_kernel(q, q, q, small).name, "hopper")
+            with self.assertRaisesRegex(ValueError, "at block 64"):
+                sjax.sparse_attention(q, q, q, at64)
+        # Head dim 256: the sm_90 forward needs the block-128 arrays, the portable backward
+        # block 64, and one LayoutArrays serves both, so JAX keeps the portable kernels.
+        q256 = jax.device_put(jnp.zeros((1, 16, 8192, 256), jnp.bfloat16), self.device)
+        wide = make_layout(P.causal(), 8192, 16, 128)
+        choice = sjax.forward_kernel(q256, q256, q256, wide)
+        self.assertEqual(choice.name, "portable")
+        self.assertIn("head dim 256: JAX runs the sm_90 forward only", choice.reason)
+        # Where the rule takes the fast path, layout_arrays lays a block-64 layout out at 128.
+        big = make_layout(P.causal(), 8192, 16, 64)
+        self.assertEqual(sjax.layout_arrays(big, head_dim=128, dtype="bfloat16").block_size,
+                         128)
+        from sparsetp.kernels import schedule  # noqa: PLC0415
+
+        for d, opts in ((64, {}), (128, dict(fwd_kernel="portable", bwd_kernel="portable"))):
+            with launch_options(**opts):  # elsewhere the portable kernels' tile, as before
+                self.assertEqual(
+                    sjax.layout_arrays(big, head_dim=d, dtype="bfloat16").block_size,
+                    schedule.kernel_layout(big, "cuda", head_dim=d,
+                                           dtype="bfloat16").block_size)
+
+    def test_a_failing_compile_warns_and_falls_back(self):
+        from sparsetp import jax as sjax  # noqa: PLC0415
+        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+
+        n, h = 384, 3  # shapes no other test traces: the fast path compiles at trace time
+        # The arrays at block 128 (the fall-back runs them; a BlockLayout the portable kernels
+        # alone would run might be laid out at another tile).
+        layout = sjax.layout_arrays(make_layout(P.causal(), n, h, 128))
+        q, k, v, d_out = _inputs(25, 1, h, h, n, n, 128, "bfloat16")
+        ref, _ = self._jax(layout, q, k, v, d_out, mode="portable")
+        with mock.patch.dict(jhopper._COMPILED, clear=True), \
+                mock.patch.dict(jhopper._FAILED, clear=True), \
+                mock.patch.object(jhopper, "_compile",
+                                  side_effect=RuntimeError("compile failed (simulated)")), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax = self.jax
+            import jax.numpy as jnp  # noqa: PLC0415
+
+            jq, jk, jv = (jax.device_put(jnp.asarray(x, jnp.bfloat16), self.device)
+                          for x in (q, k, v))
+            with launch_options(fwd_kernel="hopper", bwd_kernel="hopper"):
+                out = sjax.sparse_attention(jq, jk, jv, layout)
+                choice = sjax.forward_kernel(jq, jk, jv, layout)
+        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), ref[0])
         self.assertTrue(any("sm_90 forward failed" in str(w.message) for w in caught))
         self.assertEqual(choice.name, "portable")
         self.assertIn("compile failed (simulated)", choice.reason)

@@ -27,16 +27,16 @@ ones (no atomics):
   consumer owning 64 keys in FA3's form (P and dS through shared memory).
 
 Scope (else the portable kernel runs; :func:`forward_choice` and :func:`backward_choice` say
-why; the same for both): a CUDA device of
-compute capability 9.0, the Triton versions in :data:`TESTED_TRITON`, bfloat16/float16, head
-dim 128, kernel tile 128 (the layout at block 128), sequence lengths that are multiples of 128
-(the TMA boxes are 128 rows of a ``[B * H * N, D]`` view), C-contiguous q, k, v starting on
-16-byte boundaries, a positive softmax scale. The JAX
-frontend keeps the portable kernel: jax_triton launches neither TMA descriptors nor the extra
-warps of a warp-specialised kernel (:func:`forward_choice` reports it).
+why; the same for both but the head dims): a CUDA device of compute capability 9.0, the
+Triton versions in :data:`TESTED_TRITON`, bfloat16/float16, head dim 128 (the forward also
+256, in 64-key steps), kernel tile 128 (the layout at block 128), sequence lengths that are
+multiples of 128 (the TMA boxes are 128 rows of a ``[B * H * N, D]`` view), C-contiguous q,
+k, v starting on 16-byte boundaries, a positive softmax scale. Both frontends launch the same
+kernels from :func:`launches`' descriptions (jax_triton cannot: it passes no TMA descriptors
+and launches ``num_warps`` warps, not the producer and consumer partitions).
 
-This module imports neither torch nor jax; the torch launcher is
-:mod:`sparsetp.backends.torch.hopper`.
+This module imports neither torch nor jax; the launchers are
+:mod:`sparsetp.backends.torch.hopper` and :mod:`sparsetp.backends.jax.hopper`.
 
 Example (the rule, without a GPU)::
 
@@ -48,13 +48,14 @@ Example (the rule, without a GPU)::
     >>> forward_choice(framework="jax", device_kind="cuda", capability=(9, 0),
     ...                triton_version="3.6.0", dtype="bfloat16", head_dim=128, seq_len=32768,
     ...                kv_len=32768, batch_heads=16, mean_tiles=9.0, layout_ok=True,
-    ...                contiguous=True, scale=0.088).reason[:30]
-    'jax_triton cannot launch Gluon'
+    ...                contiguous=True, scale=0.088, launcher="no GPU torch").reason
+    'no GPU torch'
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 from sparsetp.kernels import options as _options
 
@@ -80,9 +81,15 @@ FWD_KERNELS = ("portable", "hopper")
 # kernel was compiled and checked with on an H100/H200; the API moves between releases.
 TESTED_TRITON = ((3, 6),)
 BLOCK = 128  # query rows per program (two warpgroups x 64) and keys per K/V tile
-HEAD_DIMS = (128,)
+HEAD_DIMS = (128, 256)  # the forward's; the backward's are BWD_HEAD_DIMS
+BWD_HEAD_DIMS = (128,)
 DTYPES = ("bfloat16", "float16")
 STAGES = 3  # K/V ring: 32 KB of Q + 3 x 64 KB of K, V = 224 KB of the 227 KB of shared memory
+# Head dim 256: a 128-key tile's K and V (128 KB) and its 64 x 128 fp32 scores beside the
+# 64 x 256 accumulator do not fit, so the forward walks each tile in two 64-key steps through a
+# 2-stage ring of 64-key boxes (64 KB of Q + 2 x 64 KB = 192 KB; 168 registers, no spills).
+KV_BOX = {128: BLOCK, 256: BLOCK // 2}
+FWD_STAGES = {128: STAGES, 256: 2}
 CONSUMER_REGS = 232  # per thread, two consumer warpgroups; the producer warp keeps 24
 PRODUCER_REGS = 24
 PINGPONG = True  # FA3's inter-warpgroup ping-pong: 1-4% faster on 9 of 10 cases (KERNEL_NOTES)
@@ -119,11 +126,12 @@ def _version(v: str) -> tuple[int, int]:
 
 
 def _ineligible(*, framework, device_kind, capability, triton_version, dtype, head_dim,
-                seq_len, kv_len, layout_ok, contiguous, scale) -> str | None:
-    """Why the fast path cannot run this call, or None."""
-    if framework != "torch":
-        return ("jax_triton cannot launch Gluon kernels: it passes no TMA descriptors and "
-                "launches num_warps warps, not the producer and consumer partitions")
+                seq_len, kv_len, layout_ok, contiguous, scale,
+                launcher: str | None = None) -> str | None:
+    """Why the fast path cannot run this call, or None. ``launcher``: why the frontend
+    cannot launch it here (None: it can)."""
+    if framework not in ("torch", "jax"):
+        return f"no sm_90 launcher for framework {framework!r}"
     if device_kind != "cuda":
         return f"the fast path is a CUDA kernel (device kind {device_kind!r})"
     if capability != (9, 0):
@@ -145,7 +153,7 @@ def _ineligible(*, framework, device_kind, capability, triton_version, dtype, he
         # Masked scores are -inf before the scale multiplies them (one FMA into exp2): exact
         # for a positive scale only (0 * -inf is NaN, a negative scale flips the running max).
         return f"softmax scale {scale} is not positive"
-    return None
+    return launcher
 
 
 def _choice(option: str, why: str | None, batch_heads: int, seq_len: int,
@@ -172,26 +180,28 @@ def _choice(option: str, why: str | None, batch_heads: int, seq_len: int,
 def forward_choice(*, framework: str, device_kind: str, capability, triton_version: str,
                    dtype: str, head_dim: int, seq_len: int, kv_len: int, batch_heads: int,
                    mean_tiles: float, layout_ok: bool, contiguous: bool,
-                   scale: float) -> KernelChoice:
+                   scale: float, launcher: str | None = None) -> KernelChoice:
     """The forward kernel of a call, under :attr:`LaunchOptions.fwd_kernel`.
 
     ``"auto"`` runs the fast path where it is eligible and measured faster (see
     :data:`AUTO_MIN_PROGRAMS`); ``"portable"`` always runs the portable kernel; ``"hopper"``
     runs the fast path wherever it is eligible and raises ``ValueError`` with the reason
     elsewhere. ``batch_heads`` is B * H of the launch, ``mean_tiles`` the mean number of listed
-    key tiles per query tile of the block-128 layout.
+    key tiles per query tile of the block-128 layout; ``launcher`` why the frontend cannot
+    launch the fast path here (None: it can; the JAX frontend's reasons are
+    :func:`sparsetp.backends.jax.hopper.unavailable`).
     """
     why = _ineligible(framework=framework, device_kind=device_kind, capability=capability,
                       triton_version=triton_version, dtype=dtype, head_dim=head_dim,
                       seq_len=seq_len, kv_len=kv_len, layout_ok=layout_ok,
-                      contiguous=contiguous, scale=scale)
+                      contiguous=contiguous, scale=scale, launcher=launcher)
     return _choice("fwd_kernel", why, batch_heads, seq_len, mean_tiles)
 
 
 def backward_choice(*, framework: str, device_kind: str, capability, triton_version: str,
                     dtype: str, head_dim: int, seq_len: int, kv_len: int, batch_heads: int,
                     mean_tiles: float, layout_ok: bool, contiguous: bool,
-                    scale: float) -> KernelChoice:
+                    scale: float, launcher: str | None = None) -> KernelChoice:
     """The backward kernels of a call, under :attr:`LaunchOptions.bwd_kernel`, by the
     forward's eligibility and rule (:func:`forward_choice`): ``"hopper"`` runs both passes on
     sm_90 (:func:`_attn_bwd_dq_kernel_sm90`, which also writes Delta, then
@@ -206,8 +216,100 @@ def backward_choice(*, framework: str, device_kind: str, capability, triton_vers
     why = _ineligible(framework=framework, device_kind=device_kind, capability=capability,
                       triton_version=triton_version, dtype=dtype, head_dim=head_dim,
                       seq_len=seq_len, kv_len=kv_len, layout_ok=layout_ok,
-                      contiguous=contiguous, scale=scale)
-    return _choice("bwd_kernel", why, batch_heads, seq_len, mean_tiles)
+                      contiguous=contiguous, scale=scale, launcher=launcher)
+    return _choice("bwd_kernel", _backward_why(why, head_dim), batch_heads, seq_len,
+                   mean_tiles)
+
+
+def _backward_why(why: str | None, head_dim: int) -> str | None:
+    """Why the backward's fast path cannot run a call the forward's rule gives ``why`` for."""
+    if why is None and head_dim not in BWD_HEAD_DIMS:
+        return f"head dim {head_dim} (the sm_90 backward runs {BWD_HEAD_DIMS})"
+    return why
+
+
+_LAYOUTS_128: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def layout_128(layout):
+    """``layout`` at block 128 (the same token mask in 128-tiles), or None when it has no
+    pattern to lay out again. A head slice (tensor parallelism) is the same slice of its whole
+    layout's block-128 form. Cached while ``layout`` lives."""
+    if layout.block_size == BLOCK:
+        return layout
+    if layout in _LAYOUTS_128:
+        return _LAYOUTS_128[layout]
+    if getattr(layout, "source", None) is not None:
+        whole = layout_128(layout.source)
+        out = None if whole is None else whole.heads(layout.head_offset,
+                                                     layout.head_offset + layout.num_heads)
+    elif getattr(layout, "pattern", None) is None:
+        out = None
+    else:
+        from sparsetp.core.layout import make_layout  # noqa: PLC0415 (numpy-only spec)
+
+        out = make_layout(layout.pattern, layout.seq_len, layout.num_heads, BLOCK,
+                          kv_len=layout.kv_len)
+    _LAYOUTS_128[layout] = out
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Launch:
+    """What one sm_90 kernel launch takes, framework-neutral (both frontends launch from it):
+    ``kernel`` (its name in this module), ``grid``, ``boxes`` (the TMA descriptor operands:
+    names among q, k, v, d_out and their box rows), ``args`` (layout arrays and scalars, in the
+    kernel's order), ``pointers`` (names of the pointer operands after them: inputs, then
+    outputs) and ``constexprs`` (in the kernel's order; ``num_warps`` is :data:`NUM_WARPS`)."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    boxes: tuple[tuple[str, int], ...]
+    args: tuple
+    pointers: tuple[str, ...]
+    constexprs: dict
+
+
+def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: int,
+             scale: float, ordered: bool, head_dim: int = 128) -> dict[str, Sm90Launch]:
+    """The forward's (``"fwd"``), dQ pass's (``"dq"``, without an LSE cotangent; with one:
+    ``"dq_dlse"``) and dK/dV pass's (``"dkdv"``) launches on block-128 layout metadata
+    ``meta`` (``BlockLayout.metadata()`` form, arrays of either framework, plus the head
+    groups of :func:`sparsetp.kernels.schedule.head_groups`), for q ``[batch, heads, seq_len,
+    head_dim]`` and k, v ``[batch, kv_heads, kv_len, head_dim]``; ``ordered``: the work order
+    is not ``"natural"``. In the dQ pass's pointers ``d_lse`` is ``lse`` when there is no
+    cotangent (never read). The backward's launches are for :data:`BWD_HEAD_DIMS` only."""
+    from sparsetp.kernels import abi, schedule  # noqa: PLC0415
+
+    arrays, strides = abi._check_meta(meta, "q", heads, seq_len // BLOCK, BLOCK)
+    k_arrays, k_strides = abi._check_meta(meta, "k", heads, kv_len // BLOCK, BLOCK)
+    qk_scale = float(scale) * 1.4426950408889634  # softmax in base 2 (exp2)
+    group = heads // kv_heads
+    grid = schedule.list_grid(batch, heads, seq_len // BLOCK,
+                              schedule.grid_group(meta, "q", batch, heads))
+    kv_grid = schedule.list_grid(batch, kv_heads, kv_len // BLOCK,
+                                 schedule.grid_group(meta, "k", batch, kv_heads))
+    half, full = BLOCK // 2, BLOCK
+    q_boxes = (("q", half), ("d_out", half), ("k", full), ("v", full))
+    regs = {"CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
+    dq_args = (*arrays, qk_scale, float(scale), seq_len, kv_len, heads, group, kv_heads,
+               *strides)
+    kv_box = KV_BOX[head_dim]
+    out = {"fwd": Sm90Launch(
+        "_attn_fwd_kernel_sm90", grid, (("q", half), ("k", kv_box), ("v", kv_box)),
+        (*arrays, qk_scale, seq_len, kv_len, heads, group, kv_heads, *strides), ("out", "lse"),
+        {"ORDERED": ordered, "STAGES": FWD_STAGES[head_dim], **regs, "PINGPONG": PINGPONG})}
+    for name, has_dlse in (("dq", False), ("dq_dlse", True)):
+        out[name] = Sm90Launch(
+            "_attn_bwd_dq_kernel_sm90", grid, q_boxes, dq_args,
+            ("out", "lse", "d_lse" if has_dlse else "lse", "dq", "delta"),
+            {"ORDERED": ordered, "STAGES": DQ_STAGES, "HAS_DLSE": has_dlse, **regs})
+    out["dkdv"] = Sm90Launch(
+        "_attn_bwd_dkdv_kernel_sm90", kv_grid, q_boxes,
+        (*k_arrays, qk_scale, float(scale), seq_len, kv_len, heads, group, *k_strides),
+        ("lse", "delta", "dk", "dv"),
+        {"ORDERED": ordered, "STAGES": DKDV_STAGES, "EARLY_DP": DKDV_EARLY_DP, **regs})
+    return out
 
 
 if GLUON:
@@ -235,7 +337,7 @@ if GLUON:
 
     @gluon.jit
     def _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                       stride_mr, stride_mw, N_KV, row0, col0: gl.constexpr,
+                       stride_mr, stride_mw, N_KV, row0, col0,
                        s_layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
                        BLOCK_N: gl.constexpr):
         """Scores [ROWS, COLS] (rows ``row0 + [0, ROWS)``, keys ``col0 + [0, COLS)`` of the
@@ -279,16 +381,19 @@ if GLUON:
 
     @gluon.jit
     def _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index, row,
-                 count, kv_row0, stride_ik):
-        """The producer's ring (forward and dQ pass): each listed K/V tile into stage ``e %
-        STAGES`` as soon as both consumers have freed it."""
+                 count, kv_row0, stride_ik, TILE: gl.constexpr):
+        """The producer's ring (forward and dQ pass): each listed ``TILE``-key tile, in steps
+        of the boxes' rows (``TILE`` / rows steps a tile), into stage ``step % STAGES`` as
+        soon as both consumers have freed it."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        SPLIT: gl.constexpr = TILE // BLOCK_N
         STAGES_: gl.constexpr = k_smem.shape[0]
-        for e in range(count):
+        for e in range(count * SPLIT):
             s = e % STAGES_
             # A fresh mbarrier counts as completed for parity 1: the first STAGES waits pass.
             mbarrier.wait(kv_empty.index(s), ((e // STAGES_) & 1) ^ 1)
-            r = kv_row0 + gl.load(q_index + row + e * stride_ik) * BLOCK_N
+            r = (kv_row0 + gl.load(q_index + row + (e // SPLIT) * stride_ik) * TILE
+                 + (e % SPLIT) * BLOCK_N)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [r, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
@@ -303,7 +408,7 @@ if GLUON:
         tma.async_copy_global_to_shared(q_desc, [q_row0 + q_desc.block_type.shape[0], 0],
                                         q_bar, q_smem.index(1))
         _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index, row, count,
-                 kv_row0, stride_ik)
+                 kv_row0, stride_ik, 2 * q_desc.block_type.shape[0])
 
     @gluon.jit
     def _fwd_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
@@ -312,6 +417,8 @@ if GLUON:
                       LSE):
         """Consumer warpgroup: rows ``[HALF * 64, +64)`` of the query tile. Tile sizes come
         from the buffers' shapes (constexpr arguments do not cross the partition boundary).
+        A step is one ring stage: a whole 128-key tile, or (boxes of 64 keys, head dim 256,
+        where a whole tile's K, V and scores do not fit) half of one.
 
         Per step e >= 1: issue S_e = Q K_e^T and O += P_{e-1} V_{e-1} (async), wait for S_e
         only, mask it and compute its softmax while the P V MMA runs, then wait for that MMA,
@@ -323,8 +430,10 @@ if GLUON:
         PINGPONG: gl.constexpr = turn.shape[0] == 2
         SUB_M: gl.constexpr = q_smem.shape[1]
         STAGES_: gl.constexpr = k_smem.shape[0]
-        BLOCK_N: gl.constexpr = k_smem.shape[1]
+        BLOCK_N: gl.constexpr = k_smem.shape[1]  # keys a step
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        TILE: gl.constexpr = 2 * SUB_M  # keys a listed tile
+        SPLIT: gl.constexpr = TILE // BLOCK_N
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -345,7 +454,8 @@ if GLUON:
         mbarrier.wait(q_bar, 0)
         if PINGPONG and HALF == 1:
             mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
-        if count > 0:
+        steps = count * SPLIT
+        if steps > 0:
             mbarrier.wait(k_ready.index(0), 0)
             if PINGPONG:
                 mbarrier.wait(turn.index(HALF), 0)
@@ -356,10 +466,10 @@ if GLUON:
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
             s = _masked_scores(s, 0, n_partial, q_index, q_mask_id, row, stride_ik, masks,
                                stride_mu, stride_mr, stride_mw, N_KV, row0, 0, s_layout, SUB_M,
-                               BLOCK_N, BLOCK_N)
+                               BLOCK_N, TILE)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             p = gl.convert_layout(pf.to(dtype), p_layout)
-        for e in range(1, count):
+        for e in range(1, steps):
             st = e % STAGES_
             pst = (e - 1) % STAGES_
             mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
@@ -372,19 +482,19 @@ if GLUON:
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_e done; P V may still run
-            s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                               stride_mu, stride_mr, stride_mw, N_KV, row0, 0, s_layout, SUB_M,
-                               BLOCK_N, BLOCK_N)
+            s = _masked_scores(s, e // SPLIT, n_partial, q_index, q_mask_id, row, stride_ik,
+                               masks, stride_mu, stride_mr, stride_mw, N_KV, row0,
+                               (e % SPLIT) * BLOCK_N, s_layout, SUB_M, BLOCK_N, TILE)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(kv_empty.index(pst), count=1)  # K_{e-1} and V_{e-1} are read
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p = gl.convert_layout(pf.to(dtype), p_layout)
-        if count > 0:
-            last = count - 1
+        if steps > 0:
+            last = steps - 1
             mbarrier.wait(v_ready.index(last % STAGES_), (last // STAGES_) & 1)
             if PINGPONG:
-                mbarrier.wait(turn.index(HALF), count & 1)
+                mbarrier.wait(turn.index(HALF), steps & 1)
             o_tok = warpgroup_mma(p, v_smem.index(last % STAGES_), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
@@ -427,7 +537,8 @@ if GLUON:
         """Forward on sm_90: Out, LSE as :func:`sparsetp.kernels.attention._attn_fwd_kernel`.
 
         q_desc, k_desc, v_desc: TMA descriptors of the ``[B * H * N, D]`` and
-        ``[B * H_kv * N_KV, D]`` views, boxes of 64 query rows / 128 key rows; Out
+        ``[B * H_kv * N_KV, D]`` views, boxes of 64 query rows / 128 key rows (64 at head
+        dim 256: :data:`KV_BOX`); Out
         ``[B, H, N, D]`` and LSE ``[B, H, N]`` (float32) contiguous; ``qk_scale`` = scale *
         log2(e) (softmax in base 2). N and N_KV are multiples of 128. One program per (query
         tile, b, h) as the portable forward."""
@@ -435,7 +546,8 @@ if GLUON:
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
-        gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-row consumers per 128-row query tile")
+        gl.static_assert((2 * SUB_M) % BLOCK_N == 0,
+                         "two 64-row consumers per 128-row query tile; whole or half key tiles")
         start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M), 1,
                                    ORDERED)
         off_b = off_bh // H
@@ -488,7 +600,7 @@ if GLUON:
             tma.async_copy_global_to_shared(do_desc, [q_row0 + i * SUB_M, 0], qd_bar,
                                             do_smem.index(i))
         _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index, row, count,
-                 kv_row0, stride_ik)
+                 kv_row0, stride_ik, 2 * SUB_M)
 
     @gluon.jit
     def _dq_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready,
@@ -606,7 +718,8 @@ if GLUON:
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
-        gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-row consumers per 128-row query tile")
+        gl.static_assert((2 * SUB_M) % BLOCK_N == 0,
+                         "two 64-row consumers per 128-row query tile; whole or half key tiles")
         start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M), 1,
                                    ORDERED)
         off_b = off_bh // H

@@ -200,8 +200,10 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
     A ``BlockLayout`` becomes the arrays of the layout the kernels run for q of ``head_dim``
     and ``dtype`` (:func:`sparsetp.kernels.schedule.kernel_layout` for the default backend: on
     a GPU possibly the same pattern at another kernel tile, exactly as the torch frontend
-    launches it; without ``head_dim``/``dtype`` only larger tiles are considered); a
-    ``LayoutArrays`` is launched as it is.
+    launches it; without ``head_dim``/``dtype`` only larger tiles are considered); where the
+    sm_90 kernels will run it (:func:`forward_kernel`'s rule for one batch row: an sm_90 GPU,
+    bfloat16/float16, head dim 128), its block-128 form. A ``LayoutArrays`` is launched as it
+    is.
     """
     if isinstance(layout, LayoutArrays):
         return layout
@@ -209,9 +211,11 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
         raise ValueError(f"layout must be a sparsetp BlockLayout or LayoutArrays, got "
                          f"{type(layout).__name__}")
     rows = layout.batch
-    layout = _schedule.kernel_layout(layout.flat(), _launch.layout_device_kind(),
-                                     head_dim=head_dim,
-                                     dtype=None if dtype is None else jnp.dtype(dtype).name)
+    dtype = None if dtype is None else jnp.dtype(dtype).name
+    flat = layout.flat()
+    lay128 = _sm90_layout(flat, head_dim, dtype)
+    layout = lay128 if lay128 is not None else _schedule.kernel_layout(
+        flat, _launch.layout_device_kind(), head_dim=head_dim, dtype=dtype)
     q_group, k_group = _schedule.head_groups(layout)
 
     def arr(name, a):  # a per-row layout's per-head tables as [batch, H, ...]
@@ -224,6 +228,104 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
                         **({"partial_row": int(layout.q_partial.max(initial=0)),
                             "row_widths": tuple(int(x) for x in layout.q_count.max(axis=0))}
                            if static_widths else {}))
+
+
+def _sm90_layout(layout: BlockLayout, head_dim: int | None, dtype: str | None):
+    """``layout`` at block 128 when the sm_90 kernels would run it (one batch row, the
+    default GPU; :func:`forward_kernel`'s rule, either pass), else None."""
+    opts = _options.current()
+    # One layout's arrays serve both passes: where the sm_90 backward cannot run (head dim
+    # 256), the portable one needs the portable tile (block 64 there), so JAX keeps it.
+    if (head_dim not in _hopper.BWD_HEAD_DIMS or dtype is None
+            or _launch.layout_device_kind() != "cuda"
+            or (opts.fwd_kernel, opts.bwd_kernel) == ("portable", "portable")):
+        return None
+    common = _device_rule(None, dtype, head_dim, layout.seq_len, layout.kv_len, 1.0)
+    if _hopper._ineligible(**common, layout_ok=True) is not None:
+        return None
+    lay = _hopper.layout_128(layout)
+    if lay is None:
+        return None
+    kw = dict(why=None, batch_heads=layout.num_heads, seq_len=layout.seq_len,
+              mean_tiles=float(lay.q_count.mean()))
+    if "hopper" in (_hopper._choice("fwd_kernel", **kw).name,
+                    _hopper._choice("bwd_kernel", **kw).name):
+        return lay
+    return None
+
+
+def _device_rule(q, dtype: str, head_dim: int, seq_len: int, kv_len: int,
+                 scale: float) -> dict:
+    """The kernel rules' device arguments for a JAX call on ``q`` (a tracer or None: the
+    default device)."""
+    platform = (next(iter(q.devices())).platform if isinstance(q, jax.Array)
+                and not isinstance(q, jax.core.Tracer) else None)
+    if platform is None:
+        kind = _launch.layout_device_kind()
+        device = None
+    else:
+        kind = "cuda" if platform == "gpu" and _launch.gpu_path() else "cpu"
+        device = next(iter(q.devices()))
+    capability = triton_version = None
+    launcher = None
+    if kind == "cuda":
+        from sparsetp.backends.jax import hopper as _jhopper  # noqa: PLC0415 (GPU only)
+
+        capability = _jhopper.capability(device)
+        launcher = _jhopper.unavailable()
+        import triton  # noqa: PLC0415
+
+        triton_version = triton.__version__
+    return dict(framework="jax", device_kind=kind, capability=capability,
+                triton_version=triton_version or "0.0", dtype=dtype, head_dim=head_dim,
+                seq_len=seq_len, kv_len=kv_len, contiguous=True, scale=scale,
+                launcher=launcher)
+
+
+def _choose(q, k, lay: LayoutArrays, scale: float) -> tuple[_hopper.KernelChoice, ...]:
+    """(forward kernel, backward kernels) of a call on ``lay`` (checked inputs)."""
+    common = _device_rule(q, jnp.dtype(q.dtype).name, int(q.shape[-1]), int(q.shape[2]),
+                          int(k.shape[2]), scale)
+    counts = lay.q_count
+    mean = (0.0 if isinstance(counts, jax.core.Tracer)  # unknown under jit: programs decide
+            else float(np.asarray(counts).mean()) * lay.block_size / _hopper.BLOCK)
+    kw = dict(**common, batch_heads=int(q.shape[0] * q.shape[1]), mean_tiles=mean,
+              layout_ok=True)
+    fwd, bwd = _hopper.forward_choice(**kw), _hopper.backward_choice(**kw)
+    if lay.block_size != _hopper.BLOCK:  # what the rule would run, it cannot run at this block
+        why = (f"the layout arrays are at block {lay.block_size}; the sm_90 kernels run the "
+               f"block-{_hopper.BLOCK} form (pass the BlockLayout, or layout_arrays of it with "
+               "head_dim and dtype)")
+        if int(q.shape[-1]) not in _hopper.BWD_HEAD_DIMS:
+            why = (f"head dim {int(q.shape[-1])}: JAX runs the sm_90 forward only where the "
+                   "sm_90 backward runs too (one layout's arrays serve both passes, and the "
+                   "portable backward needs block 64 here)")
+        for option in ("fwd_kernel", "bwd_kernel"):
+            if getattr(_options.current(), option) == "hopper":
+                raise ValueError(f"LaunchOptions.{option}='hopper' cannot run this call: {why}")
+        fwd, bwd = (c if c.name != "hopper" else _hopper.KernelChoice("portable", why)
+                    for c in (fwd, bwd))
+    if common["launcher"] is None and common["device_kind"] == "cuda":
+        from sparsetp.backends.jax import hopper as _jhopper  # noqa: PLC0415
+
+        fwd, bwd = (_compiled_or_failed(choice, _jhopper, kernels) for choice, kernels in (
+            (fwd, ("_attn_fwd_kernel_sm90",)),
+            (bwd, ("_attn_bwd_dq_kernel_sm90", "_attn_bwd_dkdv_kernel_sm90"))))
+    return fwd, bwd
+
+
+def _compiled_or_failed(choice, jhopper, kernels) -> _hopper.KernelChoice:
+    """``choice``, or the portable kernel with the reason where a kernel it needs failed to
+    compile in this process (the call then falls back)."""
+    if choice.name != "hopper":
+        return choice
+    for name in kernels:
+        exc = jhopper.failure(name)
+        if exc is not None:
+            return _hopper.KernelChoice(
+                "portable", f"the sm_90 {name} failed to compile here: "
+                f"{type(exc).__name__}: {exc}"[:500])
+    return choice
 
 
 def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
@@ -277,7 +379,26 @@ def _batch_folded(fn, *arrays):
     return fn_vmappable(*arrays)
 
 
-def _fwd(q, k, v, meta, scale, widest, opts):
+def _sm90_launches(q, k, meta, scale, names):
+    """The sm_90 launches ``names`` of this call, compiled (trace time), or None where one
+    failed to compile (warned; the call then runs the portable kernels)."""
+    from sparsetp.backends.jax import hopper as _jhopper  # noqa: PLC0415 (GPU only)
+
+    b, h, n, d = q.shape
+    launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
+                                _options.current().work_order != "natural", d)
+    dtype = jnp.dtype(q.dtype).name
+    for name in names:
+        try:
+            _jhopper.compile_launch(launches[name], dtype, d)
+        except Exception as exc:  # noqa: BLE001 (any compile failure: the portable kernels)
+            _jhopper.warn_fallback({"fwd": "forward", "dq_dlse": "dQ pass",
+                                    "dkdv": "dK/dV pass"}[name], exc)
+            return None
+    return _jhopper, launches, dtype, d
+
+
+def _fwd(q, k, v, meta, scale, widest, opts, sm90=False):
     dtype = jnp.dtype(q.dtype).name
 
     def run(kind):
@@ -286,8 +407,15 @@ def _fwd(q, k, v, meta, scale, widest, opts):
 
         def kernel(q, k, v, meta_arrays):
             with _options.using(opts):  # also when a vmap traces this later
-                call = _abi.fwd_call(q, k, v, {**meta, **meta_arrays}, scale=scale, dtype=dtype,
-                                     device_kind=kind)
+                full = {**meta, **meta_arrays}
+                fast = sm90 and _sm90_launches(q, k, full, scale, ("fwd",))
+                if fast:
+                    jh, launches, dt, d = fast
+                    outs = jh.call(launches["fwd"], dt, d, dict(q=q, k=k, v=v), dict(
+                        out=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                        lse=jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)))
+                    return outs["out"], outs["lse"]
+                call = _abi.fwd_call(q, k, v, full, scale=scale, dtype=dtype, device_kind=kind)
             return tuple(_launch.run_call(call, kind))
 
         return _batch_folded(kernel, q, k, v, _arrays_only(meta))
@@ -330,10 +458,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     >>> out = sparse_attention(q2, k2, v2, lay)     # q2 [2, 8, 128, D]        # doctest: +SKIP
     """
     lay, scale = _check_inputs(q, k, v, layout, scale)
-    if _options.current().fwd_kernel == "hopper":
-        forward_kernel(q, k, v, layout)  # raises: JAX has no launcher for the sm_90 forward
-    if _options.current().bwd_kernel == "hopper":
-        backward_kernel(q, k, v, layout)  # raises alike for the sm_90 backward
+    fwd, bwd = _choose(q, k, lay, scale)  # raises for a forced fast path that cannot run
     shape = q.shape
     if lay.batch is not None:
         # A per-row layout: batch folded into heads; table head r * H + h is row r's head h
@@ -342,51 +467,48 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
     out, lse = _attention_jit(q, k, v, lay.metadata(), scale=scale,
                               head_groups=(lay.q_head_group, lay.k_head_group),
                               widest=(lay.widest_row, lay.partial_row, lay.row_widths),
-                              opts=_options.current())
+                              opts=_options.current(),
+                              sm90=(fwd.name == "hopper", bwd.name == "hopper"))
     out, lse = out.reshape(shape), lse.reshape(shape[:3])
     return (out, lse) if return_lse else out
 
 
 def forward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
                    layout: LayoutLike) -> _hopper.KernelChoice:
-    """Which forward kernel :func:`sparse_attention` runs for these arguments, and why: in JAX
-    always the portable Triton kernel (or the native CPU path), since jax_triton cannot launch
-    the torch frontend's sm_90 Gluon forward (``sparsetp.torch.forward_kernel``). Under
-    ``LaunchOptions.fwd_kernel="hopper"`` this, and ``sparse_attention``, raise ValueError.
+    """Which forward kernel :func:`sparse_attention` runs for these arguments, and why:
+    ``"hopper"``, the sm_90 Gluon forward (:mod:`sparsetp.kernels.hopper`, launched by
+    :mod:`sparsetp.backends.jax.hopper`), where :func:`sparsetp.kernels.hopper.forward_choice`
+    takes it (an sm_90 GPU, bfloat16/float16, head dim 128, the layout at block 128, under
+    ``LaunchOptions.fwd_kernel``), else ``"portable"`` (the portable Triton kernel or the
+    native CPU path). The same rule as ``sparsetp.torch.forward_kernel``; under ``jit`` the
+    layout's mean list length is unknown, so the rule's size threshold counts programs only.
+    Under ``LaunchOptions.fwd_kernel="hopper"`` a call the fast path cannot run raises
+    ValueError here and in ``sparse_attention``.
 
     >>> import numpy as np
     >>> from sparsetp.core import make_layout, patterns as P
     >>> q = np.zeros((1, 2, 128, 32), np.float32)
-    >>> forward_kernel(q, q, q, make_layout(P.causal(), 128, 2, 64)).reason[:10]
-    'jax_triton'
+    >>> forward_kernel(q, q, q, make_layout(P.causal(), 128, 2, 64)).name
+    'portable'
     """
-    return _hopper.forward_choice(**_rule_args(q, k, v, layout))
+    lay, scale = _check_inputs(q, k, v, layout, None)
+    return _choose(q, k, lay, scale)[0]
 
 
 def backward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
                     layout: LayoutLike) -> _hopper.KernelChoice:
-    """Which kernels run :func:`sparse_attention`'s backward, and why: in JAX always the
-    portable ones, as :func:`forward_kernel` says for the forward. Under
-    ``LaunchOptions.bwd_kernel="hopper"`` this, and ``sparse_attention``, raise ValueError.
+    """Which kernels run :func:`sparse_attention`'s backward, and why: the sm_90 dQ and dK/dV
+    passes (``"hopper"``) by :func:`forward_kernel`'s eligibility and rule under
+    ``LaunchOptions.bwd_kernel``, else the portable ones.
 
     >>> import numpy as np
     >>> from sparsetp.core import make_layout, patterns as P
     >>> q = np.zeros((1, 2, 128, 32), np.float32)
-    >>> backward_kernel(q, q, q, make_layout(P.causal(), 128, 2, 64)).reason[:10]
-    'jax_triton'
+    >>> backward_kernel(q, q, q, make_layout(P.causal(), 128, 2, 64)).name
+    'portable'
     """
-    return _hopper.backward_choice(**_rule_args(q, k, v, layout))
-
-
-def _rule_args(q, k, v, layout) -> dict:
-    """The kernel rules' arguments for a JAX call (checked as :func:`sparse_attention`)."""
-    _, scale = _check_inputs(q, k, v, layout, None)
-    platform = next(iter(q.devices())).platform if isinstance(q, jax.Array) else "cpu"
-    return dict(
-        framework="jax", device_kind="cuda" if platform == "gpu" else "cpu", capability=None,
-        triton_version="", dtype=jnp.dtype(q.dtype).name, head_dim=int(q.shape[-1]),
-        seq_len=int(q.shape[2]), kv_len=int(k.shape[2]), batch_heads=int(q.shape[0] * q.shape[1]),
-        mean_tiles=0.0, layout_ok=True, contiguous=True, scale=scale)
+    lay, scale = _check_inputs(q, k, v, layout, None)
+    return _choose(q, k, lay, scale)[1]
 
 
 def _arrays_only(meta):
@@ -403,9 +525,10 @@ def _with_order(meta, head_groups):
 # object), static so that they key the trace (without them a jitted call would keep the
 # options of its first trace) and reach the backward rule, which launches as the forward did
 # (the torch frontend's rule too).
-@functools.partial(jax.custom_vjp, nondiff_argnames=("scale", "head_groups", "widest", "opts"))
-def _attention(q, k, v, meta, scale, head_groups, widest, opts):  # by name (static)
-    return _fwd(q, k, v, _with_order(meta, head_groups), scale, widest, opts)
+@functools.partial(jax.custom_vjp,
+                   nondiff_argnames=("scale", "head_groups", "widest", "opts", "sm90"))
+def _attention(q, k, v, meta, scale, head_groups, widest, opts, sm90):  # by name (static)
+    return _fwd(q, k, v, _with_order(meta, head_groups), scale, widest, opts, sm90[0])
 
 
 # Always staged: launch.per_platform's platform_dependent then lowers for the devices the call
@@ -425,12 +548,12 @@ def _attention_jit(*args, **kwargs):
             return _attention(*args, **kwargs)
 
         staged = _STAGED[rule] = jax.jit(
-            attention, static_argnames=("scale", "head_groups", "widest", "opts"))
+            attention, static_argnames=("scale", "head_groups", "widest", "opts", "sm90"))
     return staged(*args, **kwargs)
 
 
-def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest, opts):
-    out, lse = _fwd(q, k, v, _with_order(meta, head_groups), scale, widest, opts)
+def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest, opts, sm90):
+    out, lse = _fwd(q, k, v, _with_order(meta, head_groups), scale, widest, opts, sm90[0])
     return (out, lse), (q, k, v, out, lse, meta)
 
 
@@ -446,7 +569,23 @@ def _kernel_backward(q, k, v, out, lse, d_out, d_lse, meta, scale, kind):
     return dq, dk, dv
 
 
-def _attention_bwd_rule(scale, head_groups, widest, opts, residuals, cotangents):
+def _sm90_backward(fast, q, k, v, out, lse, d_out, d_lse):
+    """The sm_90 dQ pass (with the LSE cotangent: JAX hands zeros where the LSE is unused,
+    and Delta - 0 is Delta) and dK/dV pass."""
+    jh, launches, dt, d = fast
+    f32 = jnp.float32
+    first = jh.call(launches["dq_dlse"], dt, d,
+                    dict(q=q, k=k, v=v, out=out, lse=lse, d_out=d_out, d_lse=d_lse.astype(f32)),
+                    dict(dq=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                         delta=jax.ShapeDtypeStruct(q.shape[:3], f32)))
+    second = jh.call(launches["dkdv"], dt, d,
+                     dict(q=q, k=k, v=v, lse=lse, delta=first["delta"], d_out=d_out),
+                     dict(dk=jax.ShapeDtypeStruct(k.shape, k.dtype),
+                          dv=jax.ShapeDtypeStruct(v.shape, v.dtype)))
+    return first["dq"], second["dk"], second["dv"]
+
+
+def _attention_bwd_rule(scale, head_groups, widest, opts, sm90, residuals, cotangents):
     q, k, v, out, lse, meta_arrays = residuals
     meta = _with_order(meta_arrays, head_groups)
     d_out, d_lse = cotangents
@@ -458,8 +597,11 @@ def _attention_bwd_rule(scale, head_groups, widest, opts, residuals, cotangents)
 
         def kernels(q, k, v, out, lse, d_out, d_lse, meta_arrays):
             with _options.using(opts):  # the forward's options, also when a vmap traces this
-                return _kernel_backward(q, k, v, out, lse, d_out, d_lse,
-                                        {**meta, **meta_arrays}, scale, kind)
+                full = {**meta, **meta_arrays}
+                fast = sm90[1] and _sm90_launches(q, k, full, scale, ("dq_dlse", "dkdv"))
+                if fast:
+                    return _sm90_backward(fast, q, k, v, out, lse, d_out, d_lse)
+                return _kernel_backward(q, k, v, out, lse, d_out, d_lse, full, scale, kind)
 
         return _batch_folded(kernels, q, k, v, out, lse, d_out, d_lse, _arrays_only(meta))
 
