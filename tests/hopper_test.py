@@ -147,6 +147,14 @@ class ForwardChoiceTest(parameterized.TestCase):
                 with self.assertRaisesRegex(ValueError, f"{option}='hopper'.*CUDA kernel"):
                     sjax.sparse_attention(q, q, q, layout)
 
+    def test_jax_layout_arrays_carry_the_list_length_rule(self):
+        from sparsetp import jax as sjax  # noqa: PLC0415
+
+        # Static, so jitted and eager calls take the same kernel.
+        self.assertTrue(sjax.layout_arrays(make_layout(P.dense(), 4096, 2, 128)).long_lists)
+        self.assertFalse(sjax.layout_arrays(make_layout(P.causal(), 4096, 2, 128)).long_lists)
+        self.assertFalse(sjax.layout_arrays(make_layout(P.dense(), 4096, 2, 64)).long_lists)
+
     def test_layout_128(self):
         lay64 = make_layout(P.causal(), 512, 4, 64)
         lay = thopper.layout_128(lay64)
@@ -647,6 +655,42 @@ class JaxSm90Test(parameterized.TestCase):
         np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
                                       np.asarray(mapped.astype(jnp.float32)))
 
+    def test_two_gpus_in_shard_map(self):
+        jax = self.jax
+        import jax.numpy as jnp  # noqa: PLC0415
+        from jax.sharding import PartitionSpec as Spec  # noqa: PLC0415
+
+        from sparsetp import jax as sjax  # noqa: PLC0415
+        from sparsetp.backends.jax import compat  # noqa: PLC0415
+
+        gpus = jax.devices("gpu")
+        if len(gpus) < 2:
+            self.skipTest(f"needs 2 GPUs seen by JAX, got {len(gpus)}")
+        n, h = 512, 4
+        layout = make_layout(P.causal(), n, h, 128)
+        arrays = sjax.layout_arrays(layout)
+        xs = [jnp.asarray(x, jnp.bfloat16) for x in _inputs(26, 1, h, h, n, n, 128, "bfloat16")]
+
+        heads = Spec(None, "tp")
+        mesh = compat.auto_mesh((2,), ("tp",), devices=gpus[:2])
+        sharded = jax.jit(jax.shard_map(
+            lambda q, k, v, lay, do: jax.vjp(lambda q, k, v: sjax.sparse_attention(
+                q, k, v, lay), q, k, v)[1](do), mesh=mesh,
+            in_specs=(heads,) * 3 + (arrays.partition_specs("tp"), heads),
+            out_specs=(heads,) * 3))
+        whole = jax.jit(lambda q, k, v, lay, do: jax.vjp(lambda q, k, v: sjax.sparse_attention(
+            q, k, v, lay), q, k, v)[1](do))
+        with launch_options(fwd_kernel="hopper", bwd_kernel="hopper"), \
+                warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            got = sharded(*xs[:3], arrays, xs[3])
+            want = whole(*(jax.device_put(x, gpus[0]) for x in xs[:3]), arrays,
+                         jax.device_put(xs[3], gpus[0]))
+        for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+            self.assertEqual({d.id for d in a.devices()}, {gpus[0].id, gpus[1].id})
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                          np.asarray(b.astype(jnp.float32)), err_msg=name)
+
     def test_rule_and_reasons(self):
         jax = self.jax
         import jax.numpy as jnp  # noqa: PLC0415
@@ -663,6 +707,13 @@ class JaxSm90Test(parameterized.TestCase):
             self.assertEqual(sjax.forward_kernel(q, q, q, small).name, "hopper")
             with self.assertRaisesRegex(ValueError, "at block 64"):
                 sjax.sparse_attention(q, q, q, at64)
+        # The rule counts B * H programs, as torch's: 2 x 16 heads x 32 tiles = 1024.
+        q2 = jax.device_put(jnp.zeros((2, 16, 4096, 128), jnp.bfloat16), self.device)
+        lay64 = make_layout(P.causal(), 4096, 16, 64)
+        self.assertEqual(sjax.forward_kernel(q2, q2, q2, lay64).name, "hopper")
+        self.assertEqual(sjax.forward_kernel(q2[:1], q2[:1], q2[:1], lay64).name, "portable")
+        tq = torch.zeros(2, 16, 4096, 128, device="cuda", dtype=torch.bfloat16)
+        self.assertEqual(forward_kernel(tq, tq, tq, lay64).name, "hopper")
         # Head dim 256: the sm_90 forward needs the block-128 arrays, the portable backward
         # block 64, and one LayoutArrays serves both, so JAX keeps the portable kernels.
         q256 = jax.device_put(jnp.zeros((1, 16, 8192, 256), jnp.bfloat16), self.device)
@@ -683,6 +734,28 @@ class JaxSm90Test(parameterized.TestCase):
                     schedule.kernel_layout(big, "cuda", head_dim=d,
                                            dtype="bfloat16").block_size)
 
+    def test_jit_runs_the_kernel_the_eager_rule_reports(self):
+        jax = self.jax
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from sparsetp import jax as sjax  # noqa: PLC0415
+        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+
+        # Few programs (4 heads x 32 tiles), long lists (32 tiles a row): the list-length
+        # threshold decides, and traced arrays must read it as the eager call does.
+        n, h = 4096, 4
+        layout = make_layout(P.dense(), n, h, 128)
+        arrays = sjax.layout_arrays(layout, head_dim=128, dtype="bfloat16")
+        q = jax.device_put(jnp.zeros((1, h, n, 128), jnp.bfloat16), self.device)
+        self.assertEqual(sjax.forward_kernel(q, q, q, layout).name, "hopper")
+        launched = []
+        real = jhopper.call
+        with mock.patch.object(jhopper, "call",
+                               lambda launch, *a: launched.append(launch.kernel) or real(
+                                   launch, *a)):
+            jax.jit(lambda q, lay: sjax.sparse_attention(q, q, q, lay))(q, arrays)
+        self.assertEqual(launched, ["_attn_fwd_kernel_sm90"])
+
     def test_a_failing_compile_warns_and_falls_back(self):
         from sparsetp import jax as sjax  # noqa: PLC0415
         from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
@@ -694,7 +767,6 @@ class JaxSm90Test(parameterized.TestCase):
         q, k, v, d_out = _inputs(25, 1, h, h, n, n, 128, "bfloat16")
         ref, _ = self._jax(layout, q, k, v, d_out, mode="portable")
         with mock.patch.dict(jhopper._COMPILED, clear=True), \
-                mock.patch.dict(jhopper._FAILED, clear=True), \
                 mock.patch.object(jhopper, "_compile",
                                   side_effect=RuntimeError("compile failed (simulated)")), \
                 warnings.catch_warnings(record=True) as caught:

@@ -1031,6 +1031,11 @@ def _prep_sparsetp_jax(cfg, case, layout, bp, rec):
         want = torch_attention(to_torch(q), to_torch(k), to_torch(v), layout)
     got = np.asarray(fwd_j(q, k, v, lay), np.float32)
     rec["max_abs_diff_vs_sparsetp"] = float(np.abs(got - want.float().cpu().numpy()).max())
+    from sparsetp.jax import backward_kernel, forward_kernel  # noqa: PLC0415
+
+    # The kernels the jitted calls run (the rule reads only static fields of ``lay``).
+    rec["fwd_kernel"] = forward_kernel(q, k, v, lay).name
+    rec["bwd_kernel"] = backward_kernel(q, k, v, lay).name
     return Prepared(fwd, fwd_bwd, timer="jax")
 
 

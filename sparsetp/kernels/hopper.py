@@ -718,8 +718,7 @@ if GLUON:
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
-        gl.static_assert((2 * SUB_M) % BLOCK_N == 0,
-                         "two 64-row consumers per 128-row query tile; whole or half key tiles")
+        gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-row consumers per 128-row query tile")
         start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M), 1,
                                    ORDERED)
         off_b = off_bh // H

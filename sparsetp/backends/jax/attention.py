@@ -6,7 +6,8 @@
 attention output ``[B, H, N, D]``. The forward launches ``_attn_fwd_kernel``; the backward (a
 ``custom_vjp`` rule, since jax-triton does not differentiate) launches the dQ and dK/dV
 kernels. Launches go through :func:`sparsetp.backends.jax.launch.per_platform`: on GPU
-``jax_triton``; on CPU the native path :mod:`sparsetp.backends.jax.cpu` (plain ``jax.numpy``, so
+``jax_triton``, or on sm_90 GPUs where :func:`forward_kernel` / :func:`backward_kernel` say so
+the Gluon kernels through :mod:`sparsetp.backends.jax.hopper`; on CPU the native path :mod:`sparsetp.backends.jax.cpu` (plain ``jax.numpy``, so
 ``jit``, ``grad`` and ``vmap`` work as for any XLA code), or with ``SPARSETP_INTERPRET=1`` the
 kernels in Triton's interpreter through ``buffer_callback``.
 
@@ -105,6 +106,10 @@ class LayoutArrays:
     # every row). None: every row is as wide as widest_row.
     row_widths: tuple[int, ...] | None = dataclasses.field(metadata=dict(static=True),
                                                            default=None)
+    # Whether the query lists are long enough for the sm_90 rule's list-length threshold
+    # (kernels.hopper.AUTO_MIN_MEAN_TILES at block 128; static, set by layout_arrays): the
+    # rule reads it eagerly and under jit alike. False: the rule counts programs only.
+    long_lists: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     def __post_init__(self):
         if not self.kv_len:
@@ -181,13 +186,13 @@ class LayoutArrays:
 jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
                                  meta_fields=["seq_len", "q_head_group", "k_head_group",
                                               "kv_len", "widest_row", "partial_row",
-                                              "row_widths"])
+                                              "row_widths", "long_lists"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
 
 def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None,
-                  static_widths: bool = False) -> LayoutArrays:
+                  static_widths: bool = False, batch: int = 1) -> LayoutArrays:
     """A :class:`LayoutArrays` for ``layout`` (a ``BlockLayout``, or a ``LayoutArrays`` as is).
 
     ``static_widths`` also records the pattern's per-row list widths and partial-tile counts
@@ -201,7 +206,7 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
     and ``dtype`` (:func:`sparsetp.kernels.schedule.kernel_layout` for the default backend: on
     a GPU possibly the same pattern at another kernel tile, exactly as the torch frontend
     launches it; without ``head_dim``/``dtype`` only larger tiles are considered); where the
-    sm_90 kernels will run it (:func:`forward_kernel`'s rule for one batch row: an sm_90 GPU,
+    sm_90 kernels will run it (:func:`forward_kernel`'s rule for ``batch`` rows: an sm_90 GPU,
     bfloat16/float16, head dim 128), its block-128 form. A ``LayoutArrays`` is launched as it
     is.
     """
@@ -213,9 +218,11 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
     rows = layout.batch
     dtype = None if dtype is None else jnp.dtype(dtype).name
     flat = layout.flat()
-    lay128 = _sm90_layout(flat, head_dim, dtype)
+    lay128 = _sm90_layout(flat, head_dim, dtype, 1 if rows is not None else batch)
     layout = lay128 if lay128 is not None else _schedule.kernel_layout(
         flat, _launch.layout_device_kind(), head_dim=head_dim, dtype=dtype)
+    long_lists = (layout.block_size == _hopper.BLOCK
+                  and float(layout.q_count.mean()) >= _hopper.AUTO_MIN_MEAN_TILES)
     q_group, k_group = _schedule.head_groups(layout)
 
     def arr(name, a):  # a per-row layout's per-head tables as [batch, H, ...]
@@ -225,13 +232,14 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
     return LayoutArrays(**{n: arr(n, a) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
                         kv_len=layout.kv_len, widest_row=layout.widest_row,
+                        long_lists=long_lists,
                         **({"partial_row": int(layout.q_partial.max(initial=0)),
                             "row_widths": tuple(int(x) for x in layout.q_count.max(axis=0))}
                            if static_widths else {}))
 
 
-def _sm90_layout(layout: BlockLayout, head_dim: int | None, dtype: str | None):
-    """``layout`` at block 128 when the sm_90 kernels would run it (one batch row, the
+def _sm90_layout(layout: BlockLayout, head_dim: int | None, dtype: str | None, batch: int):
+    """``layout`` at block 128 when the sm_90 kernels would run it (``batch`` rows, the
     default GPU; :func:`forward_kernel`'s rule, either pass), else None."""
     opts = _options.current()
     # One layout's arrays serve both passes: where the sm_90 backward cannot run (head dim
@@ -246,7 +254,7 @@ def _sm90_layout(layout: BlockLayout, head_dim: int | None, dtype: str | None):
     lay = _hopper.layout_128(layout)
     if lay is None:
         return None
-    kw = dict(why=None, batch_heads=layout.num_heads, seq_len=layout.seq_len,
+    kw = dict(why=None, batch_heads=batch * layout.num_heads, seq_len=layout.seq_len,
               mean_tiles=float(lay.q_count.mean()))
     if "hopper" in (_hopper._choice("fwd_kernel", **kw).name,
                     _hopper._choice("bwd_kernel", **kw).name):
@@ -272,58 +280,71 @@ def _device_rule(q, dtype: str, head_dim: int, seq_len: int, kv_len: int,
         from sparsetp.backends.jax import hopper as _jhopper  # noqa: PLC0415 (GPU only)
 
         capability = _jhopper.capability(device)
-        launcher = _jhopper.unavailable()
         import triton  # noqa: PLC0415
 
         triton_version = triton.__version__
+        opts = _options.current()
+        # The launcher's check imports torch: only for calls the fast path could run.
+        if (capability == (9, 0) and dtype in _hopper.DTYPES and head_dim in _hopper.HEAD_DIMS
+                and (opts.fwd_kernel, opts.bwd_kernel) != ("portable", "portable")):
+            launcher = _jhopper.unavailable()
     return dict(framework="jax", device_kind=kind, capability=capability,
                 triton_version=triton_version or "0.0", dtype=dtype, head_dim=head_dim,
                 seq_len=seq_len, kv_len=kv_len, contiguous=True, scale=scale,
                 launcher=launcher)
 
 
-def _choose(q, k, lay: LayoutArrays, scale: float) -> tuple[_hopper.KernelChoice, ...]:
-    """(forward kernel, backward kernels) of a call on ``lay`` (checked inputs)."""
-    common = _device_rule(q, jnp.dtype(q.dtype).name, int(q.shape[-1]), int(q.shape[2]),
-                          int(k.shape[2]), scale)
-    counts = lay.q_count
-    mean = (0.0 if isinstance(counts, jax.core.Tracer)  # unknown under jit: programs decide
-            else float(np.asarray(counts).mean()) * lay.block_size / _hopper.BLOCK)
-    kw = dict(**common, batch_heads=int(q.shape[0] * q.shape[1]), mean_tiles=mean,
+def _choose(q, k, lay: LayoutArrays, scale: float,
+            report: bool = False) -> tuple[_hopper.KernelChoice, ...]:
+    """(forward kernel, backward kernels) of a call on ``lay`` (checked inputs). The rule's
+    list length is ``lay.long_lists`` (static: the same eagerly and under jit). ``report``:
+    also say where this call's sm_90 kernels failed to compile in this process (the call then
+    runs the portable ones; needs concrete layout arrays)."""
+    d = int(q.shape[-1])
+    common = _device_rule(q, jnp.dtype(q.dtype).name, d, int(q.shape[2]), int(k.shape[2]),
+                          scale)
+    kw = dict(**common, batch_heads=int(q.shape[0] * q.shape[1]),
+              mean_tiles=_hopper.AUTO_MIN_MEAN_TILES if lay.long_lists else 0.0,
               layout_ok=True)
     fwd, bwd = _hopper.forward_choice(**kw), _hopper.backward_choice(**kw)
-    if lay.block_size != _hopper.BLOCK:  # what the rule would run, it cannot run at this block
+    why = None
+    if d not in _hopper.BWD_HEAD_DIMS:
+        why = (f"head dim {d}: JAX runs the sm_90 forward only where the sm_90 backward runs "
+               "too (one layout's arrays serve both passes, and the portable backward needs "
+               "block 64 here)")
+    elif lay.block_size != _hopper.BLOCK:
         why = (f"the layout arrays are at block {lay.block_size}; the sm_90 kernels run the "
                f"block-{_hopper.BLOCK} form (pass the BlockLayout, or layout_arrays of it with "
                "head_dim and dtype)")
-        if int(q.shape[-1]) not in _hopper.BWD_HEAD_DIMS:
-            why = (f"head dim {int(q.shape[-1])}: JAX runs the sm_90 forward only where the "
-                   "sm_90 backward runs too (one layout's arrays serve both passes, and the "
-                   "portable backward needs block 64 here)")
+    if why is not None:  # what the rule would run, JAX cannot run here
         for option in ("fwd_kernel", "bwd_kernel"):
             if getattr(_options.current(), option) == "hopper":
                 raise ValueError(f"LaunchOptions.{option}='hopper' cannot run this call: {why}")
         fwd, bwd = (c if c.name != "hopper" else _hopper.KernelChoice("portable", why)
                     for c in (fwd, bwd))
-    if common["launcher"] is None and common["device_kind"] == "cuda":
+    if report and "hopper" in (fwd.name, bwd.name):
         from sparsetp.backends.jax import hopper as _jhopper  # noqa: PLC0415
 
-        fwd, bwd = (_compiled_or_failed(choice, _jhopper, kernels) for choice, kernels in (
-            (fwd, ("_attn_fwd_kernel_sm90",)),
-            (bwd, ("_attn_bwd_dq_kernel_sm90", "_attn_bwd_dkdv_kernel_sm90"))))
+        meta = _with_order(lay.metadata(), (lay.q_head_group, lay.k_head_group))
+        b, h, n, _ = q.shape
+        launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
+                                    _options.current().work_order != "natural", d)
+        dtype = jnp.dtype(q.dtype).name
+        fwd, bwd = (_failed_report(choice, _jhopper, [launches[n] for n in names], dtype, d)
+                    for choice, names in ((fwd, ("fwd",)), (bwd, ("dq_dlse", "dkdv"))))
     return fwd, bwd
 
 
-def _compiled_or_failed(choice, jhopper, kernels) -> _hopper.KernelChoice:
-    """``choice``, or the portable kernel with the reason where a kernel it needs failed to
+def _failed_report(choice, jhopper, launches, dtype, d) -> _hopper.KernelChoice:
+    """``choice``, or the portable kernel with the reason where one of ``launches`` failed to
     compile in this process (the call then falls back)."""
     if choice.name != "hopper":
         return choice
-    for name in kernels:
-        exc = jhopper.failure(name)
+    for launch in launches:
+        exc = jhopper.failed(launch, dtype, d)
         if exc is not None:
             return _hopper.KernelChoice(
-                "portable", f"the sm_90 {name} failed to compile here: "
+                "portable", f"the sm_90 {launch.kernel} failed to compile here: "
                 f"{type(exc).__name__}: {exc}"[:500])
     return choice
 
@@ -344,7 +365,9 @@ def _check_inputs(q, k, v, layout, scale) -> tuple[LayoutArrays, float]:
     for name, t in (("k", k), ("v", v)):
         if jnp.dtype(t.dtype) != dtype:
             raise ValueError(f"{name} has dtype {jnp.dtype(t.dtype)} but q has {dtype}")
-    lay = layout_arrays(layout, head_dim=int(q.shape[-1]), dtype=dtype, static_widths=True)
+    batch = 1 if isinstance(layout, BlockLayout) and layout.batch is not None else q.shape[0]
+    lay = layout_arrays(layout, head_dim=int(q.shape[-1]), dtype=dtype, static_widths=True,
+                        batch=int(batch))
     for name, a in lay.metadata().items():
         if jnp.dtype(a.dtype) != jnp.int32:
             raise ValueError(f"layout metadata {name!r} must be int32, got {a.dtype}")
@@ -408,7 +431,7 @@ def _fwd(q, k, v, meta, scale, widest, opts, sm90=False):
         def kernel(q, k, v, meta_arrays):
             with _options.using(opts):  # also when a vmap traces this later
                 full = {**meta, **meta_arrays}
-                fast = sm90 and _sm90_launches(q, k, full, scale, ("fwd",))
+                fast = sm90 and kind == "cuda" and _sm90_launches(q, k, full, scale, ("fwd",))
                 if fast:
                     jh, launches, dt, d = fast
                     outs = jh.call(launches["fwd"], dt, d, dict(q=q, k=k, v=v), dict(
@@ -492,7 +515,7 @@ def forward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
     'portable'
     """
     lay, scale = _check_inputs(q, k, v, layout, None)
-    return _choose(q, k, lay, scale)[0]
+    return _choose(q, k, lay, scale, report=True)[0]
 
 
 def backward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -508,7 +531,7 @@ def backward_kernel(q: jax.Array, k: jax.Array, v: jax.Array,
     'portable'
     """
     lay, scale = _check_inputs(q, k, v, layout, None)
-    return _choose(q, k, lay, scale)[1]
+    return _choose(q, k, lay, scale, report=True)[1]
 
 
 def _arrays_only(meta):
@@ -598,7 +621,8 @@ def _attention_bwd_rule(scale, head_groups, widest, opts, sm90, residuals, cotan
         def kernels(q, k, v, out, lse, d_out, d_lse, meta_arrays):
             with _options.using(opts):  # the forward's options, also when a vmap traces this
                 full = {**meta, **meta_arrays}
-                fast = sm90[1] and _sm90_launches(q, k, full, scale, ("dq_dlse", "dkdv"))
+                fast = (sm90[1] and kind == "cuda"
+                        and _sm90_launches(q, k, full, scale, ("dq_dlse", "dkdv")))
                 if fast:
                     return _sm90_backward(fast, q, k, v, out, lse, d_out, d_lse)
                 return _kernel_backward(q, k, v, out, lse, d_out, d_lse, full, scale, kind)

@@ -7,7 +7,7 @@ torch one does after its first call, inside XLA's computation:
 * **compile ahead**, at trace time: :func:`compile_launch` binds and specialises the kernel's
   arguments exactly as Triton's JIT entry does (so torch and JAX run the same binary for the
   same call) and compiles it for sm_90; a failure warns and the call runs the portable kernels
-  (:func:`failure` keeps the reason, which ``sparsetp.jax.forward_kernel`` reports);
+  (:func:`failed` keeps the reason, which ``sparsetp.jax.forward_kernel`` reports);
 * **launch** from ``jax.experimental.buffer_callback`` on XLA's stream: the callback receives
   the operands' device buffers and calls the compiled kernel with their pointers (Triton's
   launcher builds the TMA descriptors from a base pointer, shape and strides).
@@ -31,13 +31,13 @@ import jax.numpy as jnp
 from sparsetp.backends.jax import compat
 from sparsetp.kernels import hopper
 
-__all__ = ["unavailable", "capability", "compile_launch", "failure", "call"]
+__all__ = ["unavailable", "capability", "compile_launch", "failed", "call"]
 
 _LOCK = threading.Lock()
+# Keyed as Triton's JIT cache is, by the kernel and its arguments' specialisation (types,
+# "equals 1", "divisible by 16") and options, so new lengths or scales reuse a binary.
 _COMPILED: dict = {}  # compile key -> CompiledKernel (or the exception it raised)
-_FAILED: dict = {}  # kernel name -> the last exception compiling it raised
 _LOADED: dict = {}  # (compile key, device ordinal) -> CompiledKernel loaded there
-_STREAM_DEVICE: dict = {}  # XLA stream handle -> device ordinal
 # Let XLA record the launch into its command buffers (CUDA graphs) instead of running the
 # callback per call (benchmarks/jax_gluon_probe.py measures both).
 COMMAND_BUFFER = False
@@ -67,11 +67,11 @@ def capability(device=None) -> tuple[int, int] | None:
             device = jax.devices("gpu")[0]
         except RuntimeError:
             return None
-    cc = getattr(device, "compute_capability", None)
-    if cc is None:
+    try:
+        major, minor = str(device.compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):  # not a CUDA device (e.g. a ROCm "gfx90a")
         return None
-    major, minor = str(cc).split(".")[:2]
-    return int(major), int(minor)
 
 
 class _Stand:
@@ -86,12 +86,6 @@ class _Stand:
         return 256
 
 
-def _key(launch: hopper.Sm90Launch, dtype: str, head_dim: int) -> tuple:
-    scalars = tuple(a if isinstance(a, (int, float)) else ("array", tuple(a.shape))
-                    for a in launch.args)
-    return (launch.kernel, dtype, head_dim, scalars, tuple(launch.constexprs.items()))
-
-
 _POINTER_DTYPES = {"out": None, "dq": None, "dk": None, "dv": None, "lse": "float32",
                    "d_lse": "float32", "delta": "float32"}
 
@@ -99,34 +93,40 @@ _POINTER_DTYPES = {"out": None, "dq": None, "dk": None, "dv": None, "lse": "floa
 def compile_launch(launch: hopper.Sm90Launch, dtype: str, head_dim: int):
     """Triton's compiled kernel for ``launch`` on q of ``dtype`` and ``head_dim`` (sm_90),
     bound and specialised as ``JITFunction.run`` does for the same arguments (the torch
-    launcher's first call), compiled once per process. Raises what the compiler raises."""
-    key = _key(launch, dtype, head_dim)
+    launcher's first call), compiled once per process and specialisation. Raises what the
+    compiler raised (kept: a failed specialisation is not compiled again)."""
+    return _compiled(_bind(launch, dtype, head_dim))
+
+
+def failed(launch: hopper.Sm90Launch, dtype: str, head_dim: int) -> Exception | None:
+    """The exception compiling ``launch`` raised in this process, or None (not tried, or
+    compiled)."""
+    got = _COMPILED.get(_bind(launch, dtype, head_dim)[0])
+    return got if isinstance(got, Exception) else None
+
+
+def _compiled(bound):
+    key = bound[0]
     with _LOCK:
         got = _COMPILED.get(key)
         if got is None:
             try:
-                got = _compile(launch, dtype, head_dim)
+                got = _compile(*bound[1:])
             except Exception as exc:  # noqa: BLE001 (kept, reported, re-raised per call)
-                got = _FAILED[launch.kernel] = exc
+                got = exc
             _COMPILED[key] = got
     if isinstance(got, Exception):
         raise got
     return got
 
 
-def failure(kernel: str) -> Exception | None:
-    """The exception compiling ``kernel`` (a name in :mod:`sparsetp.kernels.hopper`) raised
-    in this process, or None."""
-    return _FAILED.get(kernel)
-
-
-def _compile(launch, dtype, head_dim):
-    import triton  # noqa: PLC0415
+def _bind(launch, dtype, head_dim):
+    """(cache key, then what :func:`_compile` takes): ``launch``'s arguments bound and
+    specialised as Triton's JIT entry does, on stand-ins typed like the real operands."""
     from triton import knobs  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler.compiler import make_backend  # noqa: PLC0415
     from triton.experimental.gluon import language as gl  # noqa: PLC0415
-    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
     from triton.runtime.jit import create_function_from_signature  # noqa: PLC0415
 
@@ -145,6 +145,14 @@ def _compile(launch, dtype, head_dim):
                   instrumentation_mode=knobs.compilation.instrumentation_mode)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*descs, *args, *pointers, **kwargs)
+    key = (launch.kernel, repr(specialization), repr(sorted(options.items())))
+    return key, kernel, backend, target, kwargs, bound, specialization, options
+
+
+def _compile(kernel, backend, target, kwargs, bound, specialization, options):
+    import triton  # noqa: PLC0415
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
                                                               specialization, options)
     return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
@@ -181,17 +189,14 @@ def _libcuda():
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _device_of(stream: int, ptr: int) -> int:
-    """The device ordinal of XLA's ``stream`` (that of a buffer it computes on; cached)."""
-    ordinal = _STREAM_DEVICE.get(stream)
-    if ordinal is None:
-        value = ctypes.c_int()
-        # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-        err = _libcuda().cuPointerGetAttribute(ctypes.byref(value), 9, ctypes.c_uint64(ptr))
-        if err:
-            raise RuntimeError(f"cuPointerGetAttribute failed with CUDA error {err}")
-        ordinal = _STREAM_DEVICE[stream] = value.value
-    return ordinal
+def _device_of(ptr: int) -> int:
+    """The device ordinal of the device buffer at ``ptr``."""
+    value = ctypes.c_int()
+    # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+    err = _libcuda().cuPointerGetAttribute(ctypes.byref(value), 9, ctypes.c_uint64(ptr))
+    if err:
+        raise RuntimeError(f"cuPointerGetAttribute failed with CUDA error {err}")
+    return value.value
 
 
 def _loaded(compiled, key, ordinal: int):
@@ -218,8 +223,8 @@ def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
     ``operands`` (JAX arrays by operand name: its boxes and input pointers) inside XLA's
     computation; ``outputs`` the shapes and dtypes of the pointers it writes, by name. Returns
     the outputs by name, typed varying over the mesh axes any operand varies over."""
-    compiled = compile_launch(launch, dtype, head_dim)
-    key = _key(launch, dtype, head_dim)
+    bound = _bind(launch, dtype, head_dim)
+    compiled, key = _compiled(bound), bound[0]
     in_names = [n for n, _ in launch.boxes] + [n for n in launch.pointers
                                                if n not in outputs and n not in
                                                dict(launch.boxes)]
@@ -228,7 +233,8 @@ def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
     out_names = list(outputs)
     rows = {n: operands[n].size // head_dim for n, _ in launch.boxes}
     grid, constexprs = launch.grid, (*launch.constexprs.values(), hopper.NUM_WARPS)
-    static = list(launch.args)
+    # The scalars; the layout arrays' slots filled per launch (no tracer kept here).
+    static = [a if isinstance(a, (int, float)) else None for a in launch.args]
 
     def host(ctx, out_buffers, *in_buffers):
         ptrs = {n: _ptr(b) for n, b in zip(in_names, in_buffers, strict=False)}
@@ -236,9 +242,12 @@ def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
         values = static[:]
         for i, b in zip(array_pos, in_buffers[len(in_names):], strict=True):
             values[i] = _ptr(b)
-        stream = ctx.stream
-        c = _loaded(compiled, key, _device_of(stream, ptrs[in_names[0]]))
-        c.run(*grid, stream, c.function, c.packed_metadata, None, None, None,
+        # The kernel was compiled for 16-byte-aligned operands (as XLA allocates them).
+        if any(p % 16 for p in ptrs.values()):
+            raise ValueError(f"sm_90 {launch.kernel}: an operand is not 16-byte aligned "
+                             f"({ {n: p % 16 for n, p in ptrs.items()} })")
+        c = _loaded(compiled, key, _device_of(ptrs[in_names[0]]))
+        c.run(*grid, ctx.stream, c.function, c.packed_metadata, None, None, None,
               *(_Box(ptrs[n], rows[n], head_dim) for n, _ in launch.boxes), *values,
               *(ptrs[n] for n in launch.pointers), *constexprs)
 
