@@ -7,9 +7,10 @@ attention output ``[B, H, N, D]``. The forward launches ``_attn_fwd_kernel``; th
 ``custom_vjp`` rule, since jax-triton does not differentiate) launches the dQ and dK/dV
 kernels. Launches go through :func:`sparsetp.backends.jax.launch.per_platform`: on GPU
 ``jax_triton``, or on sm_90 GPUs where :func:`forward_kernel` / :func:`backward_kernel` say so
-the Gluon kernels through :mod:`sparsetp.backends.jax.hopper`; on CPU the native path :mod:`sparsetp.backends.jax.cpu` (plain ``jax.numpy``, so
-``jit``, ``grad`` and ``vmap`` work as for any XLA code), or with ``SPARSETP_INTERPRET=1`` the
-kernels in Triton's interpreter through ``buffer_callback``.
+the Gluon kernels through :mod:`sparsetp.backends.jax.hopper`; on CPU the native path
+:mod:`sparsetp.backends.jax.cpu` (plain ``jax.numpy``, so ``jit``, ``grad`` and ``vmap`` work
+as for any XLA code), or with ``SPARSETP_INTERPRET=1`` the kernels in Triton's interpreter
+through ``buffer_callback``.
 
 Layouts reach the kernels as array *operands*, never as trace constants: :class:`LayoutArrays`
 is a pytree whose leaves are the int32 metadata arrays of a
