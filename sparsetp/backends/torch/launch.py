@@ -262,15 +262,18 @@ def compile_together(launches, kind: str) -> None:
     def warm(launch):
         call, outputs = launch
         with torch.cuda.device(device):  # Triton keys its kernel cache by the current device
-            compiled = call.kernel.warmup(*call.args, *outputs, grid=call.grid,
-                                          **call.constexprs, num_warps=call.num_warps,
-                                          num_stages=call.num_stages)
-            # Load the module now too (Triton does it lazily at the first launch). Private, so
-            # only for the tested Triton versions: without it the kernels are still compiled.
-            init = getattr(compiled, "_init_handles", None) if _DIRECT_OK else None
-            if init is not None:
-                init()
+            return call.kernel.warmup(*call.args, *outputs, grid=call.grid, **call.constexprs,
+                                      num_warps=call.num_warps, num_stages=call.num_stages)
 
     with ThreadPoolExecutor(len(launches)) as pool:
-        list(pool.map(warm, launches))  # list(): re-raise a compile error here
+        compiled = list(pool.map(warm, launches))  # list(): re-raise a compile error here
+    # Load the modules now too (Triton does it lazily at the first launch), one after another:
+    # Triton builds and imports every kernel's launcher under one module name, which is not
+    # safe from two threads at once (and loading is cheap). Private, so only for the tested
+    # Triton versions: without it the kernels are still compiled.
+    with torch.cuda.device(device):
+        for c in compiled:
+            init = getattr(c, "_init_handles", None) if _DIRECT_OK else None
+            if init is not None:
+                init()
     _COMPILED_TOGETHER.add(key)
