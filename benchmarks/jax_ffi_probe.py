@@ -131,9 +131,7 @@ def ffi_call(launch, dtype: str, head_dim: int, operands: dict, outputs: dict) -
     from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
 
     compiled = jhopper.compile_launch(launch, dtype, head_dim)
-    in_names = list(dict.fromkeys([n for n, _ in launch.boxes] + [
-        n for n in launch.pointers if n not in outputs and n not in dict(launch.boxes)]))
-    array_pos = [i for i, a in enumerate(launch.args) if not isinstance(a, (int, float))]
+    in_names, array_pos = jhopper.operand_order(launch, outputs)
     rows = {n: operands[n].size // head_dim for n, _ in launch.boxes}
     plan = _plan(launch, compiled, in_names, list(outputs), array_pos, rows, head_dim)
     outs = jax.ffi.ffi_call("sparsetp_sm90", list(outputs.values()))(

@@ -7,7 +7,8 @@ a Python callback per launch inside XLA's computation. Per case (bf16, B=1, H=16
 * ms per call in the bench's wall-clock loops (``attention_common.wall_loop_ms``, one sync per
   loop) and host microseconds per call to enqueue 200 calls (``enqueue_us``): torch (its C++
   node), JAX with the callback run per call, JAX with the callback recorded into XLA's command
-  buffers (``hopper.COMMAND_BUFFER``), and JAX's portable kernel;
+  buffers (``buffer_callback(command_buffer_compatible=True)``, patched in while tracing), and
+  JAX's portable kernel;
 * whether the command-buffer variant gives the per-call variant's bits on two input sets used
   in turn (the recorded launch must follow the buffers).
 
@@ -19,7 +20,9 @@ If a JAX loop's ms per call is its enqueue time, the loop is host-bound.
 
 from __future__ import annotations
 
+import functools
 import os
+from unittest import mock
 
 from absl import app, flags
 
@@ -40,9 +43,9 @@ def _case(spec: str, n: int) -> dict:
     import numpy as np  # noqa: PLC0415
     import torch  # noqa: PLC0415
     from attention_common import enqueue_us, wall_loop_ms  # noqa: PLC0415
+    from jax.experimental import buffer_callback  # noqa: PLC0415
 
     from sparsetp import jax as sjax  # noqa: PLC0415
-    from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
     from sparsetp.bench.attention import bench_pattern  # noqa: PLC0415
     from sparsetp.core import make_layout  # noqa: PLC0415
     from sparsetp.kernels.options import launch_options  # noqa: PLC0415
@@ -55,12 +58,14 @@ def _case(spec: str, n: int) -> dict:
     lay = sjax.layout_arrays(layout, head_dim=d, dtype="bfloat16")
 
     def jitted(command_buffer: bool, portable: bool = False):
-        jhopper.COMMAND_BUFFER = command_buffer
         mode = "portable" if portable else "auto"
-        with launch_options(fwd_kernel=mode, bwd_kernel=mode):
+        # The library's launcher imports buffer_callback at trace time.
+        wrap = functools.partial(buffer_callback.buffer_callback,
+                                 command_buffer_compatible=command_buffer)
+        with launch_options(fwd_kernel=mode, bwd_kernel=mode), \
+                mock.patch.object(buffer_callback, "buffer_callback", wrap):
             f = jax.jit(lambda q, k, v, lay: sjax.sparse_attention(q, k, v, lay))
             f(*js[:3], lay).block_until_ready()  # traced (and compiled) under these settings
-        jhopper.COMMAND_BUFFER = False
         return f
 
     per_call, recorded, portable = jitted(False), jitted(True), jitted(False, portable=True)

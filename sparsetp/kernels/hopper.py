@@ -57,6 +57,8 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
+from sparsetp.core.layout import make_layout
+from sparsetp.kernels import abi, schedule
 from sparsetp.kernels import options as _options
 
 try:  # Gluon ships with Triton >= 3.5; without it only the portable kernels exist
@@ -246,8 +248,6 @@ def layout_128(layout):
     elif getattr(layout, "pattern", None) is None:
         out = None
     else:
-        from sparsetp.core.layout import make_layout  # noqa: PLC0415 (numpy-only spec)
-
         out = make_layout(layout.pattern, layout.seq_len, layout.num_heads, BLOCK,
                           kv_len=layout.kv_len)
     _LAYOUTS_128[layout] = out
@@ -279,8 +279,6 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     head_dim]`` and k, v ``[batch, kv_heads, kv_len, head_dim]``; ``ordered``: the work order
     is not ``"natural"``. In the dQ pass's pointers ``d_lse`` is ``lse`` when there is no
     cotangent (never read). The backward's launches are for :data:`BWD_HEAD_DIMS` only."""
-    from sparsetp.kernels import abi, schedule  # noqa: PLC0415
-
     arrays, strides = abi._check_meta(meta, "q", heads, seq_len // BLOCK, BLOCK)
     k_arrays, k_strides = abi._check_meta(meta, "k", heads, kv_len // BLOCK, BLOCK)
     qk_scale = float(scale) * 1.4426950408889634  # softmax in base 2 (exp2)
@@ -310,6 +308,28 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
         ("lse", "delta", "dk", "dv"),
         {"ORDERED": ordered, "STAGES": DKDV_STAGES, "EARLY_DP": DKDV_EARLY_DP, **regs})
     return out
+
+
+class LaunchBox:
+    """What Triton's launcher reads of a host TMA descriptor argument (``make_tensordesc_arg``:
+    base pointer, shape, strides, padding): the ``[rows, d]`` view of the contiguous buffer at
+    ``ptr``. Both launchers pass these to a compiled kernel instead of a checked descriptor."""
+
+    __slots__ = ("base", "shape", "strides")
+    padding = "zero"
+
+    def __init__(self, ptr: int, rows: int, d: int):
+        self.base, self.shape, self.strides = _Pointer(ptr), [rows, d], [d, 1]
+
+
+class _Pointer:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
 
 
 if GLUON:

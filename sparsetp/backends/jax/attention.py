@@ -267,14 +267,12 @@ def _device_rule(q, dtype: str, head_dim: int, seq_len: int, kv_len: int,
                  scale: float) -> dict:
     """The kernel rules' device arguments for a JAX call on ``q`` (a tracer or None: the
     default device)."""
-    platform = (next(iter(q.devices())).platform if isinstance(q, jax.Array)
-                and not isinstance(q, jax.core.Tracer) else None)
-    if platform is None:
+    concrete = isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer)
+    device = next(iter(q.devices())) if concrete else None
+    if device is None:
         kind = _launch.layout_device_kind()
-        device = None
     else:
-        kind = "cuda" if platform == "gpu" and _launch.gpu_path() else "cpu"
-        device = next(iter(q.devices()))
+        kind = "cuda" if device.platform == "gpu" and _launch.gpu_path() else "cpu"
     capability = triton_version = None
     launcher = None
     if kind == "cuda":

@@ -31,16 +31,13 @@ import jax.numpy as jnp
 from sparsetp.backends.jax import compat
 from sparsetp.kernels import hopper
 
-__all__ = ["unavailable", "capability", "compile_launch", "failed", "call"]
+__all__ = ["unavailable", "capability", "compile_launch", "failed", "operand_order", "call"]
 
 _LOCK = threading.Lock()
 # Keyed as Triton's JIT cache is, by the kernel and its arguments' specialisation (types,
 # "equals 1", "divisible by 16") and options, so new lengths or scales reuse a binary.
 _COMPILED: dict = {}  # compile key -> CompiledKernel (or the exception it raised)
 _LOADED: dict = {}  # (compile key, device ordinal) -> CompiledKernel loaded there
-# Let XLA record the launch into its command buffers (CUDA graphs) instead of running the
-# callback per call (benchmarks/jax_gluon_probe.py measures both).
-COMMAND_BUFFER = False
 
 
 @functools.cache
@@ -159,27 +156,6 @@ def _compile(kernel, backend, target, kwargs, bound, specialization, options):
                           options=options.__dict__)
 
 
-class _Box:
-    """What Triton's launcher reads of a host tensor descriptor: the ``[rows, d]`` view of a
-    contiguous buffer at ``ptr`` (``backends/torch/hopper._Box``, on a raw pointer)."""
-
-    __slots__ = ("base", "shape", "strides")
-    padding = "zero"
-
-    def __init__(self, ptr: int, rows: int, d: int):
-        self.base, self.shape, self.strides = _Ptr(ptr), [rows, d], [d, 1]
-
-
-class _Ptr:
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
 def _ptr(buf) -> int:
     return int(buf.__cuda_array_interface__["data"][0])
 
@@ -217,6 +193,15 @@ def _loaded(compiled, key, ordinal: int):
     return c
 
 
+def operand_order(launch: hopper.Sm90Launch, outputs) -> tuple[list[str], list[int]]:
+    """(names of ``launch``'s input operands: its boxes, then the input pointers, each once;
+    positions in ``launch.args`` of its layout arrays). A launch's operands are those inputs,
+    then the layout arrays, then ``outputs``."""
+    boxed = [n for n, _ in launch.boxes]
+    names = list(dict.fromkeys(boxed + [n for n in launch.pointers if n not in outputs]))
+    return names, [i for i, a in enumerate(launch.args) if not isinstance(a, (int, float))]
+
+
 def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
          outputs: dict) -> dict:
     """Launch ``launch`` (compiled by :func:`compile_launch`, which must have succeeded) on
@@ -225,11 +210,7 @@ def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
     the outputs by name, typed varying over the mesh axes any operand varies over."""
     bound = _bind(launch, dtype, head_dim)
     compiled, key = _compiled(bound), bound[0]
-    in_names = [n for n, _ in launch.boxes] + [n for n in launch.pointers
-                                               if n not in outputs and n not in
-                                               dict(launch.boxes)]
-    in_names = list(dict.fromkeys(in_names))
-    array_pos = [i for i, a in enumerate(launch.args) if not isinstance(a, (int, float))]
+    in_names, array_pos = operand_order(launch, outputs)
     out_names = list(outputs)
     rows = {n: operands[n].size // head_dim for n, _ in launch.boxes}
     grid, constexprs = launch.grid, (*launch.constexprs.values(), hopper.NUM_WARPS)
@@ -248,7 +229,8 @@ def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
                              f"({ {n: p % 16 for n, p in ptrs.items()} })")
         c = _loaded(compiled, key, _device_of(ptrs[in_names[0]]))
         c.run(*grid, ctx.stream, c.function, c.packed_metadata, None, None, None,
-              *(_Box(ptrs[n], rows[n], head_dim) for n, _ in launch.boxes), *values,
+              *(hopper.LaunchBox(ptrs[n], rows[n], head_dim) for n, _ in launch.boxes),
+              *values,
               *(ptrs[n] for n in launch.pointers), *constexprs)
 
     ins = [operands[n] for n in in_names] + [launch.args[i] for i in array_pos]
@@ -256,8 +238,7 @@ def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
     from jax.experimental.buffer_callback import buffer_callback  # noqa: PLC0415
 
     outs = buffer_callback(host, [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype))
-                                  for s in outputs.values()],
-                           command_buffer_compatible=COMMAND_BUFFER)(*ins)
+                                  for s in outputs.values()])(*ins)
     return {n: compat.mark_varying(o, axes) for n, o in zip(out_names, outs, strict=True)}
 
 

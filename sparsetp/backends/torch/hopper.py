@@ -91,8 +91,8 @@ class Sm90Kernels:
         ``launch.run`` does for the portable kernels: everything Triton specialised on is fixed
         by the plan (shapes, strides, dtypes, 16-byte alignment) and ``name``, and the launcher
         reads of a descriptor argument only its base pointer, shape, strides and padding
-        (:class:`_Box`), so the descriptors' checks and the JIT entry's binding are not paid
-        per call."""
+        (:class:`sparsetp.kernels.hopper.LaunchBox`), so the descriptors' checks and the JIT
+        entry's binding are not paid per call."""
         launch = self.launches[name]
         boxed = [(tensors[n], rows) for n, rows in launch.boxes]
         pointers = [tensors[n] for n in launch.pointers]
@@ -103,7 +103,8 @@ class Sm90Kernels:
                 and _launch._launch_hooks() is None):
             c.run(*launch.grid, _launch._current_stream(device.index), c.function,
                   c.packed_metadata, None, None, None,
-                  *(_Box(t, t.shape[-1]) for t, _ in boxed), *self.values[name],
+                  *(hopper.LaunchBox(t.data_ptr(), t.numel() // t.shape[-1], t.shape[-1])
+                    for t, _ in boxed), *self.values[name],
                   *(t.data_ptr() for t in pointers), *launch.constexprs.values(),
                   hopper.NUM_WARPS)
             return
@@ -138,17 +139,6 @@ class Sm90Kernels:
         pass's)."""
         self._launch("dkdv", dict(q=q, k=k, v=v, lse=lse, delta=delta, d_out=d_out, dk=dk,
                                   dv=dv))
-
-
-class _Box:
-    """What Triton's launcher reads of a host tensor descriptor (``make_tensordesc_arg``): the
-    ``[rows, d]`` view of a contiguous tensor."""
-
-    __slots__ = ("base", "shape", "strides")
-    padding = "zero"
-
-    def __init__(self, t: torch.Tensor, d: int):
-        self.base, self.shape, self.strides = t, [t.numel() // d, d], [d, 1]
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
