@@ -1,7 +1,7 @@
 """What the Gluon (sm_90) lab scripts share: TMA descriptors, the layout-list arguments, CPU
 stand-in inputs, a compile-for-sm_90 profile without a GPU, and the per-case record loop.
 
-Used by ``gluon_fwd.py``, ``gluon_bwd.py`` and ``jax_gluon_probe.py``. Flag-free (like
+Used by ``gluon_fwd.py`` and ``gluon_bwd.py``. Flag-free (like
 ``cubin_tools.py``), so every script can import it. The library's own launcher is
 ``sparsetp/backends/torch/hopper.py``.
 """

@@ -14,12 +14,22 @@ to them.
   portable kernel with the same answer.
 * On an sm_90 GPU seen by JAX: JAX launches the same kernels (the same binaries as torch),
   bitwise equal to torch's outputs and gradients for every example pattern, GQA and more keys
-  than queries, under ``jit`` and ``vmap``; its rule and fall-backs as torch's. Head dim 256
-  takes the sm_90 forward in torch (the portable backward after it), not in JAX.
+  than queries, under ``jit`` and ``vmap``, and in a process without torch; its rule and
+  fall-backs as torch's; a launch whose plan this process never registered fails with the
+  reason. Head dim 256 takes the sm_90 forward in torch (the portable backward after it), not
+  in JAX.
+* On every machine with a C++ compiler: JAX's launcher handler builds into the cache
+  directory and registers a plan once per key; a failing build warns and names the reason.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
 import unittest
 import warnings
 from unittest import mock
@@ -520,6 +530,62 @@ class Sm90ForwardTest(parameterized.TestCase):
 
 
 
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    """``code`` in a fresh Python process (the repository on its path), with ``env`` added."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = {**os.environ, **env,
+            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=full, timeout=300, check=False)
+
+
+@unittest.skipUnless(shutil.which("g++") or shutil.which("c++") or shutil.which("clang++"),
+                     "no C++ compiler on this machine")
+class JaxLauncherBuildTest(absltest.TestCase):
+    """The C++ handler JAX launches the sm_90 kernels with builds on any machine (it needs no
+    GPU to build or load): here, in a fresh process and cache directory each."""
+
+    def test_builds_into_the_cache_and_registers_a_plan_once(self):
+        with tempfile.TemporaryDirectory() as cache:
+            done = _python("""
+                import ctypes
+                from sparsetp.backends.jax import hopper
+                assert hopper.unavailable() is None, hopper.unavailable()
+                lib = hopper._library()
+                def register(key):
+                    return lib.sparsetp_sm90_register(
+                        key, b"not a cubin", 11, b"k", (ctypes.c_int64 * 5)(1, 1, 1, 128, 0),
+                        1, (ctypes.c_int32 * 1)(0), (ctypes.c_int64 * 1)(7), 0,
+                        (ctypes.c_int64 * 1)(0))
+                before = lib.sparsetp_sm90_plans()
+                print(register(-12345), register(-12345), register(6789),
+                      lib.sparsetp_sm90_plans() - before)
+                """, SPARSETP_CACHE_DIR=cache)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            self.assertEqual(done.stdout.split(), ["1", "0", "1", "2"])
+            built = os.listdir(cache)
+            self.assertEqual(len(built), 1)
+            self.assertRegex(built[0], r"^sm90_launch-[0-9a-f]{16}\.so$")
+
+    def test_a_failing_build_warns_and_names_the_reason(self):
+        with tempfile.TemporaryDirectory() as cache:
+            done = _python("""
+                import warnings
+                from sparsetp.backends.jax import hopper
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    why = hopper.unavailable()
+                print(why)
+                print(sum("did not build" in str(w.message) for w in caught))
+                """, SPARSETP_CACHE_DIR=cache, CXX=shutil.which("false") or "/bin/false")
+            self.assertEqual(done.returncode, 0, done.stderr)
+            why, warned = done.stdout.strip().splitlines()
+            self.assertIn("the launcher's C++ handler did not build", why)
+            self.assertIn("failed", why)
+            self.assertEqual(warned, "1")
+            self.assertEqual(os.listdir(cache), [])  # no partial library left behind
+
+
 def _jax_gpu():
     """(jax, JAX's first GPU) or a skip: the JAX fast path needs a GPU seen by JAX and a
     launcher (:func:`sparsetp.backends.jax.hopper.unavailable`)."""
@@ -597,6 +663,62 @@ class JaxSm90Test(parameterized.TestCase):
         h, h_kv, n, n_kv = 4, 2, 256, 512
         layout = make_layout(P.causal(), n, h, 128, kv_len=n_kv)
         self._check(layout, *_inputs(21, 2, h, h_kv, n, n_kv, 128, "float16"), dtype="float16")
+
+    def test_runs_in_a_process_without_torch(self):
+        # The launcher loads and launches the kernels itself: torch is not imported in the
+        # child, and an import of it would fail there.
+        n, h = 512, 2
+        layout = make_layout(P.causal(), n, h, 128)
+        q, k, v, d_out = tu.random_inputs(27, (1, h, n, 128), "bfloat16")
+        with tempfile.TemporaryDirectory() as tmp:
+            np.savez(os.path.join(tmp, "in.npz"), q=q, k=k, v=v, d_out=d_out)
+            done = _python("""
+                import os, sys, warnings
+                import numpy as np
+                sys.modules["torch"] = None
+                import jax, jax.numpy as jnp
+                from sparsetp import jax as sjax
+                from sparsetp.core import make_layout
+                from sparsetp.core import patterns as P
+                from sparsetp.kernels.options import launch_options
+                tmp = os.environ["CASE_DIR"]
+                x = np.load(os.path.join(tmp, "in.npz"))
+                q, k, v, do = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v", "d_out"))
+                layout = make_layout(P.causal(), q.shape[2], q.shape[1], 128)
+                with launch_options(fwd_kernel="hopper", bwd_kernel="hopper"):
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("error", RuntimeWarning)
+                        kinds = (sjax.forward_kernel(q, k, v, layout).name,
+                                 sjax.backward_kernel(q, k, v, layout).name)
+                        out, vjp = jax.vjp(
+                            lambda q, k, v: sjax.sparse_attention(q, k, v, layout), q, k, v)
+                        grads = vjp(do)
+                np.savez(os.path.join(tmp, "out.npz"), **{
+                    n: np.asarray(a.astype(jnp.float32))
+                    for n, a in zip(("out", "dq", "dk", "dv"), (out, *grads))})
+                print(kinds, sys.modules.get("torch") is not None)
+                """, CASE_DIR=tmp)
+            self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+            self.assertEqual(done.stdout.strip().splitlines()[-1], "('hopper', 'hopper') False")
+            got = np.load(os.path.join(tmp, "out.npz"))
+            want_out, _ = reference.attention(q, k, v, layout)
+            want = dict(zip(("dq", "dk", "dv"),
+                            reference.attention_grad(q, k, v, layout, d_out), strict=True))
+            tu.assert_close(got["out"], want_out, "bfloat16", what="out vs oracle")
+            for name, e in want.items():
+                tu.assert_close(got[name], e, "bfloat16", grad=True, what=f"{name} vs oracle")
+
+    def test_a_plan_not_registered_here_fails_with_the_reason(self):
+        jax = self.jax
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+
+        x = jax.device_put(jnp.zeros((128, 128), jnp.bfloat16), self.device)
+        call = jax.ffi.ffi_call(jhopper._TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        with self.assertRaisesRegex(Exception, "is not registered in this process"):
+            jax.block_until_ready(call(x, plan=np.int64(-1)))
+
 
     def test_lse_cotangent(self):
         n, h = 256, 2

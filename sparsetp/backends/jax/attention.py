@@ -283,7 +283,8 @@ def _device_rule(q, dtype: str, head_dim: int, seq_len: int, kv_len: int,
 
         triton_version = triton.__version__
         opts = _options.current()
-        # The launcher's check imports torch: only for calls the fast path could run.
+        # The launcher's check builds its C++ handler once: only for calls the fast path
+        # could run.
         if (capability == (9, 0) and dtype in _hopper.DTYPES and head_dim in _hopper.HEAD_DIMS
                 and (opts.fwd_kernel, opts.bwd_kernel) != ("portable", "portable")):
             launcher = _jhopper.unavailable()

@@ -8,53 +8,129 @@ torch one does after its first call, inside XLA's computation:
   arguments exactly as Triton's JIT entry does (so torch and JAX run the same binary for the
   same call) and compiles it for sm_90; a failure warns and the call runs the portable kernels
   (:func:`failed` keeps the reason, which ``sparsetp.jax.forward_kernel`` reports);
-* **launch** from ``jax.experimental.buffer_callback`` on XLA's stream: the callback receives
-  the operands' device buffers and calls the compiled kernel with their pointers (Triton's
-  launcher builds the TMA descriptors from a base pointer, shape and strides).
+* **launch** from an XLA FFI custom call (``sm90_launch.cc`` beside this file) on XLA's stream:
+  the handler loads the cubin on each device once, encodes the TMA descriptors from the
+  operands' addresses and calls ``cuLaunchKernelEx`` with Triton's parameter packing. No Python
+  runs per launch (a Python callback cost more host time than the 0.13-0.17 ms kernels of a
+  short forward: ``benchmarks/KERNEL_NOTES.md``, "JAX launches from C++"), and no torch is
+  needed.
 
-Triton's CUDA driver, which loads and launches compiled kernels, runs on torch's CUDA runtime:
-the fast path needs torch with CUDA beside JAX (:func:`unavailable` says so otherwise). Each
-device loads the kernel once (the first launch on it). Triton's launch hooks (profilers) are
-not called for these launches.
+The handler is C++ built at run time, once per machine and source (a C++17 compiler: ``$CXX``,
+else ``g++``, ``c++`` or ``clang++``; XLA's FFI headers from jaxlib and ``cuda.h`` from Triton's
+NVIDIA backend, no CUDA toolkit), into ``$SPARSETP_CACHE_DIR`` (default
+``~/.cache/sparsetp``). Where it cannot build, :func:`unavailable` gives the reason, a warning
+says so once, and calls run the portable kernels (``forward_kernel`` reports why). Triton's
+launch hooks (profilers) are not called for these launches.
+
+Example (on any machine; a reason where the fast path cannot launch from JAX here):
+
+    >>> from sparsetp.backends.jax import hopper
+    >>> hopper.unavailable() is None or isinstance(hopper.unavailable(), str)
+    True
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
 import threading
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsetp.backends.jax import compat
 from sparsetp.kernels import hopper
 
-__all__ = ["unavailable", "capability", "compile_launch", "failed", "operand_order", "call"]
+__all__ = ["unavailable", "capability", "compile_launch", "failed", "operand_order", "call",
+           "warn_fallback"]
 
 _LOCK = threading.Lock()
 # Keyed as Triton's JIT cache is, by the kernel and its arguments' specialisation (types,
 # "equals 1", "divisible by 16") and options, so new lengths or scales reuse a binary.
 _COMPILED: dict = {}  # compile key -> CompiledKernel (or the exception it raised)
-_LOADED: dict = {}  # (compile key, device ordinal) -> CompiledKernel loaded there
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_launch.cc")
+_TARGET = "sparsetp_sm90"  # the FFI target's name
 
 
 @functools.cache
 def unavailable() -> str | None:
-    """Why this process cannot launch the sm_90 kernels from JAX, or None."""
+    """Why this process cannot launch the sm_90 kernels from JAX, or None. Builds (or loads
+    from the cache) the launcher's C++ handler on its first call; a failed build warns once."""
+    if not hasattr(jax, "ffi") or not hasattr(jax.ffi, "ffi_call"):
+        return "this JAX has no jax.ffi (JAX >= 0.4.35 has it)"
     try:
-        from jax.experimental.buffer_callback import buffer_callback  # noqa: F401, PLC0415
-    except ImportError:
-        return "this JAX has no jax.experimental.buffer_callback (JAX >= 0.7 has it)"
-    try:
-        import torch  # noqa: PLC0415
-    except ImportError:
-        return ("Triton's CUDA driver, which loads and launches the compiled kernels, needs "
-                "torch (with CUDA) beside JAX")
-    if not torch.cuda.is_available():
-        return "torch beside JAX sees no CUDA device (Triton's CUDA driver runs on it)"
+        _library()
+    except Exception as exc:  # noqa: BLE001 (any build or load failure: reported, not raised)
+        text = str(exc).strip().splitlines()
+        why = f"the launcher's C++ handler did not build: {type(exc).__name__}: " + (
+            text[-1] if text else "")
+        warnings.warn(f"sparsetp: {why}; JAX calls run the portable kernels on sm_90 "
+                      "(sparsetp.backends.jax.hopper.unavailable() keeps the reason)",
+                      RuntimeWarning, stacklevel=2)
+        return why
     return None
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++)")
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("SPARSETP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "sparsetp")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The handler's shared library (built once per source, jaxlib and compiler), its FFI
+    target registered with XLA for CUDA."""
+    import jaxlib  # noqa: PLC0415
+    import triton  # noqa: PLC0415
+
+    cxx = _compiler()
+    includes = [jax.ffi.include_dir(),
+                os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")]
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    tag = hashlib.sha256(source + repr((jaxlib.__version__, cxx, includes)).encode())
+    path = os.path.join(_cache_dir(), f"sm90_launch-{tag.hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        try:
+            cmd = [cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-w",
+                   *(f"-I{i}" for i in includes), _SOURCE, "-o", tmp, "-ldl"]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+            os.replace(tmp, path)  # atomic: concurrent builders each write a whole file
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    lib = ctypes.CDLL(path)
+    lib.sparsetp_sm90_register.restype = ctypes.c_int32
+    lib.sparsetp_sm90_register.argtypes = [
+        ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p,
+        ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    lib.sparsetp_sm90_plans.restype = ctypes.c_int64
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SparsetpSm90Launch),
+                                platform="CUDA")
+    return lib
 
 
 def capability(device=None) -> tuple[int, int] | None:
@@ -156,41 +232,67 @@ def _compile(kernel, backend, target, kwargs, bound, specialization, options):
                           options=options.__dict__)
 
 
-def _ptr(buf) -> int:
-    return int(buf.__cuda_array_interface__["data"][0])
+# Parameter kinds of a plan (sm90_launch.cc).
+_LIT32, _LIT64, _POINTER, _TMA = 0, 1, 2, 3
+# Triton's TMA element-type enum in compiled metadata -> the driver's CUtensorMapDataType
+# (Triton's NVIDIA driver maps them the same way before encoding a descriptor).
+_TMA_DTYPE_TO_DRIVER = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
 
 
-@functools.cache
-def _libcuda():
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _device_of(ptr: int) -> int:
-    """The device ordinal of the device buffer at ``ptr``."""
-    value = ctypes.c_int()
-    # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-    err = _libcuda().cuPointerGetAttribute(ctypes.byref(value), 9, ctypes.c_uint64(ptr))
-    if err:
-        raise RuntimeError(f"cuPointerGetAttribute failed with CUDA error {err}")
-    return value.value
-
-
-def _loaded(compiled, key, ordinal: int):
-    """``compiled`` loaded on device ``ordinal`` (Triton loads a kernel into the current
-    device's context on its first launch; each device gets its own copy)."""
-    c = _LOADED.get((key, ordinal))
-    if c is None:
-        import torch  # noqa: PLC0415
-        from triton.compiler.compiler import CompiledKernel  # noqa: PLC0415
-
-        with _LOCK:
-            c = _LOADED.get((key, ordinal))
-            if c is None:
-                c = CompiledKernel(compiled.src, compiled.metadata_group, compiled.hash)
-                with torch.cuda.device(ordinal):
-                    c._init_handles()
-                _LOADED[(key, ordinal)] = c
-    return c
+def _plan(launch, compiled, operand: dict, array_operand: dict, rows: dict,
+          head_dim: int) -> int:
+    """Register ``launch``'s plan (``compiled``'s cubin, grid and parameters in Triton 3.6's
+    packing; operands by index: ``operand`` by name, ``array_operand`` by position in
+    ``launch.args``) with the handler; returns its key, a hash of its contents."""
+    md = compiled.metadata
+    if md.global_scratch_size or md.profile_scratch_size:
+        raise ValueError(f"sm_90 {launch.kernel} needs scratch memory, which this launcher "
+                         "does not allocate")
+    kinds, values, tma = [], [], []
+    values_of = ([("box", n) for n, _ in launch.boxes]
+                 + [("arg", i) for i in range(len(launch.args))]
+                 + [("ptr", n) for n in launch.pointers])
+    # The kernel's parameters in order, each with its value; a value Triton specialised into
+    # the binary (an int equal to 1) is "constexpr" there and passes nothing. The kernel's own
+    # constexprs come after every value.
+    signature = list(compiled.src.signature.items())
+    if len(signature) < len(values_of):
+        raise ValueError(f"sm_90 {launch.kernel}: {len(signature)} parameters, "
+                         f"{len(values_of)} values")
+    for (name, ty), (what, ref) in zip(signature, values_of, strict=False):
+        if ty == "constexpr":
+            continue
+        if what == "box":  # descriptor, shape (i32 x 2), strides (i64 x 2)
+            meta = md.tensordesc_meta[len(tma)]
+            tma.append([operand[ref], rows[ref], head_dim, *meta["block_size"],
+                        _TMA_DTYPE_TO_DRIVER[meta["elem_type"]], meta["elem_size"],
+                        meta["swizzle"]])
+            kinds += [_TMA, _LIT32, _LIT32, _LIT64, _LIT64]
+            values += [len(tma) - 1, rows[ref], head_dim, head_dim, 1]
+        elif what == "ptr" or ty.startswith("*"):
+            kinds.append(_POINTER)
+            values.append(operand[ref] if what == "ptr" else array_operand[ref])
+        elif ty == "fp32":
+            kinds.append(_LIT32)
+            values.append(struct.unpack("<i", struct.pack("<f", float(launch.args[ref])))[0])
+        elif ty in ("i32", "i64"):
+            kinds.append(_LIT32 if ty == "i32" else _LIT64)
+            values.append(int(launch.args[ref]))
+        else:
+            raise ValueError(f"sm_90 {launch.kernel}: parameter {name} of type {ty}")
+    kinds += [_LIT64, _LIT64]  # global and profile scratch: none (checked above)
+    values += [0, 0]
+    cubin, name = compiled.asm["cubin"], md.name.encode()
+    geometry = [*launch.grid, 32 * md.num_warps, md.shared]
+    flat_tma = [x for t in tma for x in t]
+    digest = hashlib.blake2b(cubin + name + repr((geometry, kinds, values, flat_tma)).encode(),
+                             digest_size=8).digest()
+    key = int.from_bytes(digest, "little", signed=True)
+    _library().sparsetp_sm90_register(
+        key, cubin, len(cubin), name, (ctypes.c_int64 * 5)(*geometry), len(kinds),
+        (ctypes.c_int32 * len(kinds))(*kinds), (ctypes.c_int64 * len(values))(*values),
+        len(tma), (ctypes.c_int64 * max(1, len(flat_tma)))(*flat_tma))
+    return key
 
 
 def operand_order(launch: hopper.Sm90Launch, outputs) -> tuple[list[str], list[int]]:
@@ -208,37 +310,19 @@ def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
     ``operands`` (JAX arrays by operand name: its boxes and input pointers) inside XLA's
     computation; ``outputs`` the shapes and dtypes of the pointers it writes, by name. Returns
     the outputs by name, typed varying over the mesh axes any operand varies over."""
-    bound = _bind(launch, dtype, head_dim)
-    compiled, key = _compiled(bound), bound[0]
+    compiled = compile_launch(launch, dtype, head_dim)
     in_names, array_pos = operand_order(launch, outputs)
     out_names = list(outputs)
+    # Operand indices as the handler sees them: the inputs, the layout arrays, the outputs.
+    operand = {n: i for i, n in enumerate(in_names)}
+    operand.update({n: len(in_names) + len(array_pos) + i for i, n in enumerate(out_names)})
+    array_operand = {pos: len(in_names) + j for j, pos in enumerate(array_pos)}
     rows = {n: operands[n].size // head_dim for n, _ in launch.boxes}
-    grid, constexprs = launch.grid, (*launch.constexprs.values(), hopper.NUM_WARPS)
-    # The scalars; the layout arrays' slots filled per launch (no tracer kept here).
-    static = [a if isinstance(a, (int, float)) else None for a in launch.args]
-
-    def host(ctx, out_buffers, *in_buffers):
-        ptrs = {n: _ptr(b) for n, b in zip(in_names, in_buffers, strict=False)}
-        ptrs.update({n: _ptr(b) for n, b in zip(out_names, out_buffers, strict=True)})
-        values = static[:]
-        for i, b in zip(array_pos, in_buffers[len(in_names):], strict=True):
-            values[i] = _ptr(b)
-        # The kernel was compiled for 16-byte-aligned operands (as XLA allocates them).
-        if any(p % 16 for p in ptrs.values()):
-            raise ValueError(f"sm_90 {launch.kernel}: an operand is not 16-byte aligned "
-                             f"({ {n: p % 16 for n, p in ptrs.items()} })")
-        c = _loaded(compiled, key, _device_of(ptrs[in_names[0]]))
-        c.run(*grid, ctx.stream, c.function, c.packed_metadata, None, None, None,
-              *(hopper.LaunchBox(ptrs[n], rows[n], head_dim) for n, _ in launch.boxes),
-              *values,
-              *(ptrs[n] for n in launch.pointers), *constexprs)
-
+    key = _plan(launch, compiled, operand, array_operand, rows, head_dim)
     ins = [operands[n] for n in in_names] + [launch.args[i] for i in array_pos]
     axes = frozenset().union(*(compat.varying_axes(a) for a in ins))
-    from jax.experimental.buffer_callback import buffer_callback  # noqa: PLC0415
-
-    outs = buffer_callback(host, [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype))
-                                  for s in outputs.values()])(*ins)
+    outs = jax.ffi.ffi_call(_TARGET, [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype))
+                                      for s in outputs.values()])(*ins, plan=np.int64(key))
     return {n: compat.mark_varying(o, axes) for n, o in zip(out_names, outs, strict=True)}
 
 

@@ -1,15 +1,22 @@
-// An XLA FFI handler that launches a Triton-compiled sm_90 kernel (lab, issue #34 F3): what
-// sparsetp/backends/jax/hopper.py does from a Python buffer_callback, in C++, so a JAX call
-// pays no Python per launch. A plan (built from Python with sparsetp_sm90_plan, passed as the
-// "plan" attribute) holds the cubin, the launch geometry and one entry per kernel parameter:
-// a literal, an operand's pointer, or a TMA descriptor encoded per call from an operand
-// (Triton's launcher encodes the same one; parameters follow its packing for Triton 3.6:
-// descriptor, shape as i32, strides as i64, then the two scratch pointers).
+// XLA FFI handler that launches the Triton-compiled sm_90 attention kernels
+// (sparsetp/kernels/hopper.py) on XLA's stream, built at run time by
+// sparsetp/backends/jax/hopper.py. No Python runs per launch, and no torch: the cubin is loaded
+// here (cuModuleLoadData, once per device) and the TMA descriptors are encoded per launch from
+// the operands' addresses, as Triton's own launcher does.
+//
+// A plan holds what a launch needs besides the buffers: the cubin, the grid, the block and
+// shared-memory sizes, and one entry per kernel parameter (a literal, an operand's pointer, or
+// a TMA descriptor of an operand), in Triton 3.6's parameter packing (a descriptor is followed
+// by its shape as i32 and its strides as i64; the last two parameters are the scratch
+// pointers). Plans are registered from Python under a key that is a hash of their contents,
+// and the custom call names its plan by that key: an executable from XLA's persistent cache
+// finds the plan its trace registered in this process, never a stale address.
 #include <dlfcn.h>
 
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 #include <string>
 #include <vector>
 
@@ -121,11 +128,28 @@ ffi::Error function_of(Plan* p, CUdevice dev, CUfunction* out) {
   return ffi::Error::Success();
 }
 
+std::mutex registry_mu;
+std::unordered_map<int64_t, Plan*>& registry() {
+  static auto* plans = new std::unordered_map<int64_t, Plan*>();  // never freed: plans live
+  return *plans;                                                   // as long as executables
+}
+
+Plan* find_plan(int64_t key) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = registry().find(key);
+  return it == registry().end() ? nullptr : it->second;
+}
+
 ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  int64_t plan_ptr) {
+                  int64_t key) {
   const Api& a = api();
   if (!a.ok) return ffi::Error(ffi::ErrorCode::kInternal, "libcuda.so.1 not usable");
-  Plan* p = reinterpret_cast<Plan*>(plan_ptr);
+  Plan* p = find_plan(key);
+  if (!p)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "sparsetp sm_90 launch: plan " + std::to_string(key) +
+                          " is not registered in this process (it is registered when the "
+                          "call is traced)");
   std::vector<void*> ptrs;
   for (size_t i = 0; i < args.size(); ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
@@ -147,7 +171,7 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
   a.ctx_push(ctx);
   CUdevice dev;
   a.ctx_get_device(&dev);
-  CUfunction fn;
+  CUfunction fn = nullptr;
   ffi::Error err = function_of(p, dev, &fn);
   if (err.failure()) {
     CUcontext popped;
@@ -221,14 +245,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsetpSm90Launch, Launch,
                                   .RemainingRets()
                                   .Attr<int64_t>("plan"));
 
-// A plan, never freed (one per compiled launch). kinds/values: one per kernel parameter;
-// tma: n_tma records of 8 int64s (operand, rows, d, box_rows, box_cols, elem_type,
-// elem_size, swizzle).
-extern "C" int64_t sparsetp_sm90_plan(const char* cubin, int64_t cubin_size, const char* name,
-                                      const int64_t* geometry /* grid xyz, block, shared */,
-                                      int64_t n_params, const int32_t* kinds,
-                                      const int64_t* values, int64_t n_tma,
-                                      const int64_t* tma) {
+// Registers a plan under ``key`` (once: a key already there keeps its plan, the same one by
+// construction). kinds/values: one per kernel parameter; tma: n_tma records of 8 int64s
+// (operand, rows, d, box_rows, box_cols, elem_type, elem_size, swizzle).
+extern "C" int32_t sparsetp_sm90_register(int64_t key, const char* cubin, int64_t cubin_size,
+                                          const char* name,
+                                          const int64_t* geometry /* grid xyz, block, shared */,
+                                          int64_t n_params, const int32_t* kinds,
+                                          const int64_t* values, int64_t n_tma,
+                                          const int64_t* tma) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  if (registry().count(key)) return 0;
   Plan* p = new Plan();
   p->cubin.assign(cubin, static_cast<size_t>(cubin_size));
   p->name = name;
@@ -243,5 +270,12 @@ extern "C" int64_t sparsetp_sm90_plan(const char* cubin, int64_t cubin_size, con
                              static_cast<int32_t>(t[4]), static_cast<int32_t>(t[5]),
                              static_cast<int32_t>(t[6]), static_cast<int32_t>(t[7])});
   }
-  return reinterpret_cast<int64_t>(p);
+  registry()[key] = p;
+  return 1;
+}
+
+// How many plans are registered (tests).
+extern "C" int64_t sparsetp_sm90_plans() {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  return static_cast<int64_t>(registry().size());
 }
