@@ -708,6 +708,45 @@ class JaxSm90Test(parameterized.TestCase):
             for name, e in want.items():
                 tu.assert_close(got[name], e, "bfloat16", grad=True, what=f"{name} vs oracle")
 
+    def test_an_executable_from_the_persistent_cache_finds_its_plan(self):
+        # The custom call names its plan by a hash of the plan's contents, so a second process
+        # that loads the first one's executable from XLA's persistent cache (no compile) finds
+        # the plan its own trace registered.
+        n, h = 512, 2
+        q, k, v = tu.random_inputs(28, (1, h, n, 128), "bfloat16", 3)
+        with tempfile.TemporaryDirectory() as tmp:
+            np.savez(os.path.join(tmp, "in.npz"), q=q, k=k, v=v)
+            code = """
+                import os
+                import numpy as np
+                import jax, jax.numpy as jnp
+                tmp = os.environ["CASE_DIR"]
+                jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "xla"))
+                jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+                jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+                from sparsetp import jax as sjax
+                from sparsetp.core import make_layout
+                from sparsetp.core import patterns as P
+                from sparsetp.kernels.options import launch_options
+                x = np.load(os.path.join(tmp, "in.npz"))
+                q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
+                arrays = sjax.layout_arrays(make_layout(P.causal(), q.shape[2], q.shape[1], 128))
+                with launch_options(fwd_kernel="hopper"):
+                    f = jax.jit(lambda q, k, v, lay: sjax.sparse_attention(q, k, v, lay))
+                    out = f(q, k, v, arrays)
+                np.save(os.path.join(tmp, os.environ["RUN"] + ".npy"),
+                        np.asarray(out.astype(jnp.float32)))
+                print(len(os.listdir(os.path.join(tmp, "xla"))))
+                """
+            first = _python(code, CASE_DIR=tmp, RUN="first")
+            self.assertEqual(first.returncode, 0, first.stderr[-3000:])
+            second = _python(code, CASE_DIR=tmp, RUN="second")
+            self.assertEqual(second.returncode, 0, second.stderr[-3000:])
+            # The second process compiled nothing new: it ran the cached executable.
+            self.assertEqual(first.stdout.split()[-1], second.stdout.split()[-1])
+            np.testing.assert_array_equal(np.load(os.path.join(tmp, "first.npy")),
+                                          np.load(os.path.join(tmp, "second.npy")))
+
     def test_a_plan_not_registered_here_fails_with_the_reason(self):
         jax = self.jax
         import jax.numpy as jnp  # noqa: PLC0415
