@@ -14,6 +14,10 @@ forward (output and LSE) before it is timed:
   kernel made persistent, one program per SM walking (query tile, b * H + h) items heads
   fastest in the longest-first order; the next item's Q and first K/V stages load under the
   current item's last MMAs and epilogue (3 or 2 ring stages, ping-pong on).
+* ``h4pp`` / ``h6pp`` (session 24 lead, compiled, **not yet run**): 64-key K/V boxes and a
+  per-tile step list (:func:`half_steps`) that leaves out partial tiles' empty 64-key halves
+  (issue #32 3-D tiled: 83.3% of the halves kept; every other bench pattern keeps all, so
+  there they measure what 64-key steps cost at head dim 128).
 * ``portable`` (the portable forward), ``library`` (``sparse_attention`` as users call it, with
   its dispatch) and, on causal, cuDNN.
 
@@ -430,6 +434,221 @@ def _attn_fwd_kernel_sm90_persistent(q_desc, k_desc, v_desc,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Half-tile steps (issue #32 3-D; lab): K/V in 64-key boxes and, per query tile, a list of
+# (entry, half) steps that leaves out a partial tile's 64-key half with no allowed pair (the
+# tiling study's option (b): 3-D 16x32x32, kernel 7x15x15, tiles 2x8x8 computes 18.31% of the
+# pairs instead of 21.97%). Otherwise the library's forward (ring, ping-pong, helpers).
+
+
+def half_steps(meta: dict) -> tuple:
+    """(q_steps [H, T, 2W] int32: per query tile the codes 2 * entry + half of its steps, in
+    list order, empty halves of partial tiles left out; q_nsteps [H, T] int32) of block-128
+    layout metadata (NumPy)."""
+    import numpy as np  # noqa: PLC0415
+
+    count, partial = meta["q_count"], meta["q_partial"]
+    index, mask_id, masks = meta["q_index"], meta["q_mask_id"], meta["masks"]
+    words = masks.shape[-1]
+    # A half is non-empty if any of its words has a bit in any row.
+    half_ok = np.stack([(masks[:, :, :words // 2] != 0).any((1, 2)),
+                        (masks[:, :, words // 2:] != 0).any((1, 2))], -1)  # [M, 2]
+    e = np.arange(index.shape[-1])[None, None, :, None]
+    half = np.arange(2)[None, None, None, :]
+    in_list = e < count[..., None, None]
+    is_partial = e < partial[..., None, None]
+    ok = half_ok[np.clip(mask_id, 0, len(half_ok) - 1)[..., None], half]
+    valid = (in_list & (~is_partial | ok)).reshape(*count.shape, -1)
+    codes = np.broadcast_to(2 * e + half, (*count.shape, index.shape[-1], 2)).reshape(
+        *count.shape, -1)
+    order = np.argsort(~valid, axis=-1, kind="stable")  # valid steps first, in list order
+    steps = np.take_along_axis(codes, order, -1).astype(np.int32)
+    return np.ascontiguousarray(steps), valid.sum(-1).astype(np.int32)
+
+
+@gluon.jit
+def _h_loader(k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+              kv_empty, q_index, row, nsteps, q_steps, srow, stride_sk, q_row0, kv_row0,
+              stride_ik):
+    SUB_M: gl.constexpr = q_desc.block_type.shape[0]
+    TILE: gl.constexpr = 2 * SUB_M
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES_: gl.constexpr = k_smem.shape[0]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row0 + SUB_M, 0], q_bar, q_smem.index(1))
+    for t in range(nsteps):
+        s = t % STAGES_
+        mbarrier.wait(kv_empty.index(s), ((t // STAGES_) & 1) ^ 1)
+        code = gl.load(q_steps + srow + t * stride_sk)
+        r = (kv_row0 + gl.load(q_index + row + (code // 2) * stride_ik) * TILE
+             + (code % 2) * BLOCK_N)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [r, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [r, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _h_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                turn, nsteps, q_steps, srow, stride_sk, n_partial, q_index, q_mask_id, row,
+                stride_ik, masks, stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m,
+                off_bh, Out, LSE):
+    """The library's ``_fwd_consumer``, its steps read off the list (``2 * entry + half``)."""
+    PINGPONG: gl.constexpr = turn.shape[0] == 2
+    SUB_M: gl.constexpr = q_smem.shape[1]
+    STAGES_: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.shape[2]
+    TILE: gl.constexpr = 2 * SUB_M
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q = q_smem.index(HALF)
+    row0 = HALF * SUB_M
+    m_i = gl.full([SUB_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([SUB_M], gl.float32, layout=row_s)
+    acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, layout=s_layout)
+    p = gl.zeros([SUB_M, BLOCK_N], dtype, layout=p_layout)
+    mbarrier.wait(q_bar, 0)
+    if PINGPONG and HALF == 1:
+        mbarrier.arrive(turn.index(0), count=1)
+    if nsteps > 0:
+        code = gl.load(q_steps + srow)
+        mbarrier.wait(k_ready.index(0), 0)
+        if PINGPONG:
+            mbarrier.wait(turn.index(HALF), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        s = _masked_scores(s, code // 2, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                           stride_mu, stride_mr, stride_mw, N_KV, row0, (code % 2) * BLOCK_N,
+                           s_layout, SUB_M, BLOCK_N, TILE)
+        pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
+        p = gl.convert_layout(pf.to(dtype), p_layout)
+    for e in range(1, nsteps):
+        st = e % STAGES_
+        pst = (e - 1) % STAGES_
+        code = gl.load(q_steps + srow + e * stride_sk)
+        mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(HALF), e & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        mbarrier.wait(v_ready.index(pst), ((e - 1) // STAGES_) & 1)
+        o_tok = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        s = _masked_scores(s, code // 2, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                           stride_mu, stride_mr, stride_mw, N_KV, row0, (code % 2) * BLOCK_N,
+                           s_layout, SUB_M, BLOCK_N, TILE)
+        pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
+        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        mbarrier.arrive(kv_empty.index(pst), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p = gl.convert_layout(pf.to(dtype), p_layout)
+    if nsteps > 0:
+        last = nsteps - 1
+        mbarrier.wait(v_ready.index(last % STAGES_), (last // STAGES_) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(HALF), nsteps & 1)
+        o_tok = warpgroup_mma(p, v_smem.index(last % STAGES_), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        mbarrier.arrive(kv_empty.index(last % STAGES_), count=1)
+    out, lse = _finish(acc, m_i, l_i, row_o)
+    rows_o = start_m * TILE + row0 + gl.arange(0, SUB_M, layout=row_o)
+    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    base = Out + (off_bh * N).to(gl.int64) * HEAD_DIM
+    gl.store(base + rows_o[:, None] * HEAD_DIM + cols_o[None, :], out.to(dtype))
+    rows_s = start_m * TILE + row0 + gl.arange(0, SUB_M, layout=row_s)
+    gl.store(LSE + (off_bh * N).to(gl.int64) + rows_s, lse)
+
+
+@gluon.jit
+def _h_consumer0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, nsteps,
+                 q_steps, srow, stride_sk, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                 stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
+    _h_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, nsteps,
+                q_steps, srow, stride_sk, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+
+
+@gluon.jit
+def _h_consumer1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, nsteps,
+                 q_steps, srow, stride_sk, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                 stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
+    _h_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, nsteps,
+                q_steps, srow, stride_sk, n_partial, q_index, q_mask_id, row, stride_ik, masks,
+                stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+
+
+@gluon.jit
+def _attn_fwd_kernel_sm90_halves(q_desc, k_desc, v_desc,
+                                 q_count, q_partial, q_index, q_mask_id, masks, q_order,
+                                 qk_scale, N, N_KV, H, GROUP, H_KV,
+                                 stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                                 stride_mu, stride_mr, stride_mw,
+                                 Out, LSE, q_steps, q_nsteps, stride_sh, stride_sm, stride_sk,
+                                 ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                 PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+    """The library's sm_90 forward on 64-key boxes walking :func:`half_steps`' list
+    (``q_nsteps`` has ``q_count``'s strides)."""
+    SUB_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M), 1,
+                               ORDERED)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    q_row0 = off_bh * N + start_m * 2 * SUB_M
+    kv_row0 = (off_b * H_KV + off_h // GROUP) * N_KV
+    nsteps = gl.load(q_nsteps + off_h * stride_ch + start_m * stride_cm)
+    n_partial = gl.load(q_partial + off_h * stride_ch + start_m * stride_cm)
+    row = off_h * stride_ih + start_m * stride_im
+    srow = off_h * stride_sh + start_m * stride_sm
+    q_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1],
+                                     mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 if PINGPONG else 1):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    fence_async_shared()
+    cargs = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, nsteps, q_steps,
+             srow, stride_sk, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
+             stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+    gl.warp_specialize([
+        (_h_consumer0, cargs),
+        (_h_consumer1, cargs),
+        (_h_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                     kv_empty, q_index, row, nsteps, q_steps, srow, stride_sk, q_row0,
+                     kv_row0, stride_ik)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # name -> (kernel, query rows per TMA box, constexprs, num_warps of the default partition)
 _WS = {"CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS,
        "PINGPONG": False}
@@ -448,18 +667,37 @@ VARIANTS = {
              {"STAGES": 2, **_WS, "PINGPONG": True}, hopper.NUM_WARPS),
 }
 PERSISTENT = ("_attn_fwd_kernel_sm90_persistent", )
+# Half-tile steps: 64-key boxes, 4 or 6 ring stages (160 / 224 KB of shared memory).
+VARIANTS["h4pp"] = ("_attn_fwd_kernel_sm90_halves", BLOCK // 2,
+                    {"STAGES": 4, **_WS, "PINGPONG": True}, hopper.NUM_WARPS)
+VARIANTS["h6pp"] = ("_attn_fwd_kernel_sm90_halves", BLOCK // 2,
+                    {"STAGES": 6, **_WS, "PINGPONG": True}, hopper.NUM_WARPS)
+HALVES = ("_attn_fwd_kernel_sm90_halves", )
 
 
 def _kernel(name):
     return globals()[name] if name in globals() else getattr(hopper, name)
 
 
-def _launch_args(q, k, v, meta, scale, out, lse, q_rows):
+def _launch_args(q, k, v, meta, scale, out, lse, q_rows, kv_rows=BLOCK):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = list_args(meta)
-    return (tma_desc(q, q_rows), tma_desc(k, BLOCK), tma_desc(v, BLOCK), *arrays,
+    return (tma_desc(q, q_rows), tma_desc(k, kv_rows), tma_desc(v, kv_rows), *arrays,
             scale * 1.4426950408889634, n, n_kv, h, h // h_kv, h_kv, *strides, out, lse)
+
+
+def _variant_args(name, q, k, v, meta, scale, out, lse, q_rows):
+    """The launch arguments of kernel ``name`` (the persistent and half-step kernels take
+    more; ``meta`` holds ``q_steps`` / ``q_nsteps`` for the latter)."""
+    if name in HALVES:
+        steps = meta["q_steps"]
+        return (*_launch_args(q, k, v, meta, scale, out, lse, q_rows, BLOCK // 2), steps,
+                meta["q_nsteps"], *steps.stride())
+    args = _launch_args(q, k, v, meta, scale, out, lse, q_rows)
+    if name in PERSISTENT:
+        args = (*args, q.shape[0] * q.shape[1] * (q.shape[2] // BLOCK))
+    return args
 
 
 def gluon_forward(q, k, v, meta, grid, ordered, scale, variant="plain"):
@@ -470,11 +708,9 @@ def gluon_forward(q, k, v, meta, grid, ordered, scale, variant="plain"):
     name, q_rows, consts, warps = VARIANTS[variant]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    args = _launch_args(q, k, v, meta, scale, out, lse, q_rows)
+    args = _variant_args(name, q, k, v, meta, scale, out, lse, q_rows)
     if name in PERSISTENT:  # one program per SM over B * H * (N / 128) items
-        items = q.shape[0] * q.shape[1] * (q.shape[2] // BLOCK)
-        grid = (min(items, _sms(q.device)), )
-        args = (*args, items)
+        grid = (min(args[-1], _sms(q.device)), )
     _kernel(name)[grid](*args, ORDERED=ordered, **consts, num_warps=warps)
     return out, lse
 
@@ -492,9 +728,8 @@ def _compile_only():
     q, stats, meta = stand_ins(BLOCK, FLAGS.head_dim)
     for variant in FLAGS.variants:
         name, q_rows, consts, warps = VARIANTS[variant]
-        args = _launch_args(q, q, q, meta, 0.1, q, stats, q_rows)
-        if name in PERSISTENT:
-            args = (*args, 1024)
+        full = {**meta, "q_steps": meta["q_index"], "q_nsteps": meta["q_count"]}
+        args = _variant_args(name, q, q, q, full, 0.1, q, stats, q_rows)
         prof = sm90_profile(_kernel(name), args, {"ORDERED": True, **consts}, warps)
         print(json.dumps({"variant": variant, **prof}))
 
@@ -514,13 +749,18 @@ def _measure(spec, q, k, v) -> dict:
     b, h, n, d = q.shape
     scale = d ** -0.5
     layout = make_layout(bench_pattern(spec, n, BLOCK, h).pattern, n, h, BLOCK)
-    meta = {key: torch.from_numpy(val.copy()).cuda() for key, val in layout.metadata().items()}
+    arrays = layout.metadata()
+    steps, nsteps = half_steps(arrays)
+    meta = {key: torch.from_numpy(val.copy()).cuda()
+            for key, val in {**arrays, "q_steps": steps, "q_nsteps": nsteps}.items()}
     q_group, _ = schedule.head_groups(layout)
     grid = schedule.list_grid(b, h, n // BLOCK,
                               schedule.grid_group({"q_head_group": q_group}, "q", b, h))
     rec = {"pattern": spec, "N": n, "H": h, "H_kv": k.shape[1], "D": d,
            "density": float(layout.density), "grid": list(grid),
-           "dispatch": forward_kernel(q, k, v, layout).name}
+           "dispatch": forward_kernel(q, k, v, layout).name,
+           # 64-key steps the half-step arms take / 64-key halves of the listed tiles
+           "half_steps_fraction": float(nsteps.sum() / (2 * arrays["q_count"].sum()))}
 
     def portable():
         with launch_options(fwd_kernel="portable"):
