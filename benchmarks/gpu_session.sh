@@ -57,7 +57,9 @@ for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
       --variants=ws3pp,p3pp,p2pp,h4pp,h6pp --patterns=window:1024,strided_causal,bigbird,causal \
       --seq_lens=8192 --out="$0/gluon_fwd_leads.json" && python3 gluon_fwd.py \
       --variants=ws3pp,p3pp,h4pp,h6pp --patterns=neighborhood:16x32x32:7x15x15:tile2x8x8 \
-      --seq_lens=16384 --out="$0/gluon_fwd_leads_3d.json"' "$OUT" ;;
+      --seq_lens=16384 --out="$0/gluon_fwd_leads_3d.json" && python3 gluon_fwd.py \
+      --variants=ws3pp,p3pp --patterns=neighborhood:32768:2048 --seq_lens=32768 \
+      --out="$0/gluon_fwd_leads_1d.json"' "$OUT" ;;
   ab) stage ab "${AB_S:-300}" python3 benchmarks/launch_ab.py --out="$OUT/ab.json" \
       --budget_s="${AB_BUDGET:-280}" ${AB_ARGS:---arms=tiles} ;;
   probe) PROBE_OUT=$OUT/probe_default.json PROBE_HLO=$OUT/probe_fwd_bwd_hlo.txt \
