@@ -24,12 +24,14 @@ to them.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import types
 import unittest
 import warnings
 from unittest import mock
@@ -568,7 +570,12 @@ class JaxLauncherBuildTest(absltest.TestCase):
             self.assertRegex(built[0], r"^sm90_launch-[0-9a-f]{16}\.so$")
 
     def test_a_failing_build_warns_and_names_the_reason(self):
-        with tempfile.TemporaryDirectory() as cache:
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as bin_dir:
+            cxx = os.path.join(bin_dir, "cxx")  # a compiler that fails as a missing header does
+            with open(cxx, "w") as f:
+                f.write("#!/bin/sh\necho 'x.cc:3:10: fatal error: cuda.h: No such file' >&2\n"
+                        "echo 'compilation terminated.' >&2\nexit 1\n")
+            os.chmod(cxx, 0o755)
             done = _python("""
                 import warnings
                 from sparsetp.backends.jax import hopper
@@ -577,13 +584,41 @@ class JaxLauncherBuildTest(absltest.TestCase):
                     why = hopper.unavailable()
                 print(why)
                 print(sum("did not build" in str(w.message) for w in caught))
-                """, SPARSETP_CACHE_DIR=cache, CXX=shutil.which("false") or "/bin/false")
+                """, SPARSETP_CACHE_DIR=cache, CXX=cxx)
             self.assertEqual(done.returncode, 0, done.stderr)
             why, warned = done.stdout.strip().splitlines()
-            self.assertIn("the launcher's C++ handler did not build", why)
-            self.assertIn("failed", why)
+            self.assertEqual(why, "the launcher's C++ handler did not build: RuntimeError: "
+                                  "x.cc:3:10: fatal error: cuda.h: No such file")
             self.assertEqual(warned, "1")
             self.assertEqual(os.listdir(cache), [])  # no partial library left behind
+
+
+class JaxLaunchableTest(absltest.TestCase):
+    """A binary that asks for launch features the FFI handler does not set up is refused at
+    compile time (the call then runs the portable kernels with a warning), never launched."""
+
+    @staticmethod
+    def _md(**kw):
+        base = dict(name="k", global_scratch_size=0, profile_scratch_size=0, num_ctas=1,
+                    launch_cooperative_grid=False, launch_pdl=False)
+        return types.SimpleNamespace(**{**base, **kw})
+
+    def test_a_plain_binary_is_launchable(self):
+        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+
+        self.assertIsNone(jhopper._check_launchable(self._md(), "k"))
+
+    def test_each_unsupported_feature_is_named(self):
+        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+
+        for field, value, words in (("global_scratch_size", 256, "scratch memory"),
+                                    ("profile_scratch_size", 64, "scratch memory"),
+                                    ("num_ctas", 2, "thread-block clusters"),
+                                    ("launch_cooperative_grid", True, "a cooperative grid"),
+                                    ("launch_pdl", True, "programmatic dependent launch")):
+            with self.subTest(field), self.assertRaisesRegex(NotImplementedError,
+                                                             f"sm_90 k needs {words}"):
+                jhopper._check_launchable(self._md(**{field: value}), "k")
 
 
 def _jax_gpu():
@@ -757,6 +792,49 @@ class JaxSm90Test(parameterized.TestCase):
         call = jax.ffi.ffi_call(jhopper._TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
         with self.assertRaisesRegex(Exception, "is not registered in this process"):
             jax.block_until_ready(call(x, plan=np.int64(-1)))
+
+    def test_an_empty_grid_launches_nothing_and_a_bad_cubin_names_the_driver_call(self):
+        # As Triton's launcher, an empty grid returns before loading anything, so even a plan
+        # whose cubin is not one succeeds; with a grid it fails naming cuModuleLoadData.
+        jax = self.jax
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+
+        lib = jhopper._library()
+        x = jax.device_put(jnp.zeros((128,), jnp.float32), self.device)
+        call = jax.ffi.ffi_call(jhopper._TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        for grid, key in (((0, 4, 1), -771), ((1, 1, 1), -772)):
+            lib.sparsetp_sm90_register(key, b"not a cubin", 11, b"k",
+                                       (ctypes.c_int64 * 5)(*grid, 128, 0), 0,
+                                       (ctypes.c_int32 * 1)(0), (ctypes.c_int64 * 1)(0), 0,
+                                       (ctypes.c_int64 * 1)(0))
+        jax.block_until_ready(call(x, plan=np.int64(-771)))
+        with self.assertRaisesRegex(Exception, "sparsetp sm_90 launch: cuModuleLoadData"):
+            jax.block_until_ready(call(x, plan=np.int64(-772)))
+
+    def test_plans_of_one_binary_share_its_module(self):
+        # Two lengths are two plans (grids differ) of one binary (lengths are specialised
+        # only as "divisible by 16"), loaded once on this device.
+        jax = self.jax
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from sparsetp import jax as sjax  # noqa: PLC0415
+        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+
+        lib = jhopper._library()
+        outs = []
+        with launch_options(fwd_kernel="hopper"):
+            for n in (384, 640):  # lengths no other test runs: new plans
+                q, k, v = (jax.device_put(jnp.asarray(x, jnp.bfloat16), self.device)
+                           for x in tu.random_inputs(29, (1, 2, n, 128), "bfloat16", 3))
+                layout = make_layout(P.causal(), n, 2, 128)
+                plans, modules = lib.sparsetp_sm90_plans(), lib.sparsetp_sm90_modules()
+                outs.append(sjax.sparse_attention(q, k, v, layout).block_until_ready())
+                outs.append((lib.sparsetp_sm90_plans() - plans,
+                             lib.sparsetp_sm90_modules() - modules))
+        self.assertEqual(outs[1][0], 1)
+        self.assertEqual(outs[3], (1, 0))
 
 
     def test_lse_cotangent(self):

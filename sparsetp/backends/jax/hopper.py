@@ -70,8 +70,10 @@ def unavailable() -> str | None:
         _library()
     except Exception as exc:  # noqa: BLE001 (any build or load failure: reported, not raised)
         text = str(exc).strip().splitlines()
+        # The compiler's first error says more than its last line ("compilation terminated").
+        errors = [line for line in text if "error" in line.lower()]
         why = f"the launcher's C++ handler did not build: {type(exc).__name__}: " + (
-            text[-1] if text else "")
+            (errors or text or [""])[0 if errors else -1])
         warnings.warn(f"sparsetp: {why}; JAX calls run the portable kernels on sm_90 "
                       "(sparsetp.backends.jax.hopper.unavailable() keeps the reason)",
                       RuntimeWarning, stacklevel=2)
@@ -128,6 +130,7 @@ def _library() -> ctypes.CDLL:
         ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.POINTER(ctypes.c_int32),
         ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
     lib.sparsetp_sm90_plans.restype = ctypes.c_int64
+    lib.sparsetp_sm90_modules.restype = ctypes.c_int64
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SparsetpSm90Launch),
                                 platform="CUDA")
     return lib
@@ -228,8 +231,24 @@ def _compile(kernel, backend, target, kwargs, bound, specialization, options):
 
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
                                                               specialization, options)
-    return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
+                              target=target, options=options.__dict__)
+    _check_launchable(compiled.metadata, compiled.metadata.name)
+    return compiled
+
+
+def _check_launchable(md, name: str) -> None:
+    """Raise where the binary asks for what the FFI handler does not do (it launches one CTA
+    per program, with no launch attributes and no scratch memory), so the call falls back to
+    the portable kernels with a warning instead of launching it wrongly."""
+    asks = {"scratch memory": md.global_scratch_size or md.profile_scratch_size,
+            "thread-block clusters": getattr(md, "num_ctas", 1) != 1,
+            "a cooperative grid": getattr(md, "launch_cooperative_grid", False),
+            "programmatic dependent launch": getattr(md, "launch_pdl", False)}
+    unsupported = [what for what, asked in asks.items() if asked]
+    if unsupported:
+        raise NotImplementedError(f"sm_90 {name} needs {', '.join(unsupported)}, which the JAX "
+                                  "launcher does not set up")
 
 
 # Parameter kinds of a plan (sm90_launch.cc).
@@ -244,10 +263,7 @@ def _plan(launch, compiled, operand: dict, array_operand: dict, rows: dict,
     """Register ``launch``'s plan (``compiled``'s cubin, grid and parameters in Triton 3.6's
     packing; operands by index: ``operand`` by name, ``array_operand`` by position in
     ``launch.args``) with the handler; returns its key, a hash of its contents."""
-    md = compiled.metadata
-    if md.global_scratch_size or md.profile_scratch_size:
-        raise ValueError(f"sm_90 {launch.kernel} needs scratch memory, which this launcher "
-                         "does not allocate")
+    md = compiled.metadata  # launchable here: _check_launchable passed when it compiled
     kinds, values, tma = [], [], []
     values_of = ([("box", n) for n, _ in launch.boxes]
                  + [("arg", i) for i in range(len(launch.args))]
@@ -280,7 +296,7 @@ def _plan(launch, compiled, operand: dict, array_operand: dict, rows: dict,
             values.append(int(launch.args[ref]))
         else:
             raise ValueError(f"sm_90 {launch.kernel}: parameter {name} of type {ty}")
-    kinds += [_LIT64, _LIT64]  # global and profile scratch: none (checked above)
+    kinds += [_LIT64, _LIT64]  # global and profile scratch: none (_check_launchable)
     values += [0, 0]
     cubin, name = compiled.asm["cubin"], md.name.encode()
     geometry = [*launch.grid, 32 * md.num_warps, md.shared]

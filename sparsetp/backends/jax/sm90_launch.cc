@@ -1,8 +1,8 @@
 // XLA FFI handler that launches the Triton-compiled sm_90 attention kernels
 // (sparsetp/kernels/hopper.py) on XLA's stream, built at run time by
 // sparsetp/backends/jax/hopper.py. No Python runs per launch, and no torch: the cubin is loaded
-// here (cuModuleLoadData, once per device) and the TMA descriptors are encoded per launch from
-// the operands' addresses, as Triton's own launcher does.
+// here (cuModuleLoadData, once per cubin and device) and the TMA descriptors are encoded per
+// launch from the operands' addresses, as Triton's own launcher does.
 //
 // A plan holds what a launch needs besides the buffers: the cubin, the grid, the block and
 // shared-memory sizes, and one entry per kernel parameter (a literal, an operand's pointer, or
@@ -15,9 +15,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
-#include <unordered_map>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cuda.h"
@@ -102,27 +104,51 @@ ffi::Error cuda_error(CUresult r, const char* what) {
                     std::string("sparsetp sm_90 launch: ") + what + ": " + (s ? s : "?"));
 }
 
+// Modules by (kernel name, cubin) and device: plans that differ only in grid or shapes share
+// one loaded module per device instead of loading the cubin again for each.
+std::mutex modules_mu;
+std::map<std::pair<std::string, int>, CUfunction>& modules() {
+  static auto* m = new std::map<std::pair<std::string, int>, CUfunction>();  // never unloaded
+  return *m;
+}
+
+ffi::Error load_function(const Plan& p, CUdevice dev, CUfunction* out) {
+  std::lock_guard<std::mutex> lock(modules_mu);
+  auto key = std::make_pair(p.name + '\0' + p.cubin, static_cast<int>(dev));
+  auto it = modules().find(key);
+  if (it != modules().end()) {
+    *out = it->second;
+    return ffi::Error::Success();
+  }
+  const Api& a = api();
+  CUmodule mod;
+  CUresult r = a.module_load_data(&mod, p.cubin.data());
+  if (r != CUDA_SUCCESS) return cuda_error(r, "cuModuleLoadData");
+  CUfunction fn;
+  r = a.module_get_function(&fn, mod, p.name.c_str());
+  if (r != CUDA_SUCCESS) return cuda_error(r, "cuModuleGetFunction");
+  // As Triton's load_binary: dynamic shared memory up to the opt-in limit.
+  int optin = 0, static_shared = 0;
+  r = a.device_get_attribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
+  if (r != CUDA_SUCCESS) return cuda_error(r, "cuDeviceGetAttribute");
+  r = a.func_get_attribute(&static_shared, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn);
+  if (r != CUDA_SUCCESS) return cuda_error(r, "cuFuncGetAttribute");
+  if (p.shared > 49152 && optin > 49152) {
+    r = a.func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                             optin - static_shared);
+    if (r != CUDA_SUCCESS) return cuda_error(r, "cuFuncSetAttribute");
+  }
+  modules()[key] = fn;
+  *out = fn;
+  return ffi::Error::Success();
+}
+
 ffi::Error function_of(Plan* p, CUdevice dev, CUfunction* out) {
-  std::lock_guard<std::mutex> lock(p->mu);
   if (dev < 0 || dev >= 64) return ffi::Error(ffi::ErrorCode::kInternal, "device ordinal >= 64");
+  std::lock_guard<std::mutex> lock(p->mu);
   if (!p->fn[dev]) {
-    const Api& a = api();
-    CUmodule mod;
-    CUresult r = a.module_load_data(&mod, p->cubin.data());
-    if (r != CUDA_SUCCESS) return cuda_error(r, "cuModuleLoadData");
-    CUfunction fn;
-    r = a.module_get_function(&fn, mod, p->name.c_str());
-    if (r != CUDA_SUCCESS) return cuda_error(r, "cuModuleGetFunction");
-    // As Triton's load_binary: dynamic shared memory up to the opt-in limit.
-    int optin = 0, static_shared = 0;
-    a.device_get_attribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
-    a.func_get_attribute(&static_shared, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn);
-    if (p->shared > 49152 && optin > 49152) {
-      r = a.func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                               optin - static_shared);
-      if (r != CUDA_SUCCESS) return cuda_error(r, "cuFuncSetAttribute");
-    }
-    p->fn[dev] = fn;
+    ffi::Error err = load_function(*p, dev, &p->fn[dev]);
+    if (err.failure()) return err;
   }
   *out = p->fn[dev];
   return ffi::Error::Success();
@@ -150,6 +176,9 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
                       "sparsetp sm_90 launch: plan " + std::to_string(key) +
                           " is not registered in this process (it is registered when the "
                           "call is traced)");
+  // As Triton's launcher: an empty grid (an empty batch or sequence) launches nothing.
+  if (static_cast<uint64_t>(p->grid[0]) * p->grid[1] * p->grid[2] == 0)
+    return ffi::Error::Success();
   std::vector<void*> ptrs;
   for (size_t i = 0; i < args.size(); ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
@@ -168,11 +197,12 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
   CUcontext ctx;
   CUresult r = a.stream_get_ctx(stream, &ctx);
   if (r != CUDA_SUCCESS) return cuda_error(r, "cuStreamGetCtx");
-  a.ctx_push(ctx);
+  r = a.ctx_push(ctx);
+  if (r != CUDA_SUCCESS) return cuda_error(r, "cuCtxPushCurrent");
   CUdevice dev;
-  a.ctx_get_device(&dev);
+  r = a.ctx_get_device(&dev);
   CUfunction fn = nullptr;
-  ffi::Error err = function_of(p, dev, &fn);
+  ffi::Error err = r != CUDA_SUCCESS ? cuda_error(r, "cuCtxGetDevice") : function_of(p, dev, &fn);
   if (err.failure()) {
     CUcontext popped;
     a.ctx_pop(&popped);
@@ -278,4 +308,10 @@ extern "C" int32_t sparsetp_sm90_register(int64_t key, const char* cubin, int64_
 extern "C" int64_t sparsetp_sm90_plans() {
   std::lock_guard<std::mutex> lock(registry_mu);
   return static_cast<int64_t>(registry().size());
+}
+
+// How many (cubin, device) modules are loaded (tests).
+extern "C" int64_t sparsetp_sm90_modules() {
+  std::lock_guard<std::mutex> lock(modules_mu);
+  return static_cast<int64_t>(modules().size());
 }
