@@ -33,8 +33,13 @@ def sass_profile(cubin_path: str) -> dict:
         if m:
             ops[m.group(2).split(".")[0]] += 1
     regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+    # wgmma waits by how many groups they leave in flight: where every HGMMA is followed by a
+    # wait to 0, ptxas serialized the MMAs (C7512) and nothing overlaps them.
+    waits = collections.Counter(int(n, 16) for n in re.findall(
+        r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", dis))
     return {"registers": int(regs.group(1)) if regs else None,
             "stack_bytes": int(stack.group(1)) if stack else None,
+            "wgmma_waits_by_in_flight": dict(sorted(waits.items())),
             "res_usage": res.strip()[-800:], "n_instructions": sum(ops.values()),
             "opcodes": dict(ops.most_common(60))}
 

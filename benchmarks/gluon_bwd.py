@@ -16,11 +16,11 @@ their dK, dV accumulators (64 x 128 fp32) in registers. Two forms of the step:
   64 keys], P and dS through shared memory as transposed A operands; ``EARLY_DP`` issues dP
   with S.
 
-And one dQ-pass arm (session 24 lead, compiled, **not yet run**, off unless
-``--dq_async_with`` names a variant): ``<variant>+dq_async``, the library's dQ pass with each
-half's dQ MMA left in flight under the next half's S and dP
-(``_attn_bwd_dq_kernel_sm90_async``). ptxas serializes its wgmma for want of registers
-(C7512), so it cannot overlap as written: cut its live registers before timing it.
+And one dQ-pass arm (off unless ``--dq_async_with`` names a variant): ``<variant>+dq_async``,
+the library's dQ pass with each half's dQ MMA issued after the next half's S and dP and waited
+after that half's mask and exp (``_attn_bwd_dq_kernel_sm90_async``), so it runs under them.
+No MMA is in flight across the loop's back edge: the first form, which carried the dQ token
+across it, was serialized by ptxas (every wgmma waited at once; KERNEL_NOTES, session 25).
 
 Compile for sm_90 without a GPU (Triton 3.6 beside the local one)::
 
@@ -303,39 +303,44 @@ def _dq_async_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, qd_b
         gl.where(lse_t == float("-inf"), float("inf"), lse_t * LOG2E), row_s)
     s_zero = gl.zeros([SUB_M, HALF_N], gl.float32, layout=s_layout)
     dq = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    # The dQ MMA of the previous half is in flight while this half's S and dP run. The loop
-    # carries that MMA's token, so the first one is an exact zero (0 x entry 0's K).
+    # Each half issues its S and dP, then the previous half's dQ MMA, and waits for all three
+    # before the next half: the dQ MMA runs under this half's mask, exp and dS math, and no
+    # MMA is in flight across the loop's back edge (which ptxas serializes). The loop carries
+    # the previous half's dS; the first one is zeros against a loaded K half (exact: dQ += 0).
+    ds_prev = gl.zeros([SUB_M, HALF_N], dtype, layout=ds_layout)
     if count > 0:
-        mbarrier.wait(k_ready.index(0), 0)
-        dq_tok = warpgroup_mma(gl.zeros([SUB_M, HALF_N], dtype, layout=ds_layout),
-                               k_smem.index(0).slice(0, HALF_N, dim=0), dq, use_acc=False,
-                               is_async=True)
         for e in range(count):
             st = e % STAGES_
+            pst = ((e + STAGES_ - 1) % STAGES_) * (e > 0)  # entry e - 1's stage (e = 0: st)
             mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
             mbarrier.wait(v_ready.index(st), (e // STAGES_) & 1)
             for h in gl.static_range(2):
                 k_h = k_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
                 v_h = v_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
+                if h == 0:
+                    k_prev = k_smem.index(pst).slice(HALF_N, HALF_N, dim=0)
+                else:
+                    k_prev = k_smem.index(st).slice(0, HALF_N, dim=0)
                 s_tok = warpgroup_mma(q, k_h.permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
                 dp_tok = warpgroup_mma(do, v_h.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
-                dq_acc = warpgroup_mma_wait(2, deps=(dq_tok, ))  # the previous dQ MMA
-                if h == 0:
-                    if e > 0:  # that was entry e - 1's second half: its stage is read
-                        mbarrier.arrive(kv_empty.index((e - 1) % STAGES_), count=1)
-                s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                dq_tok = warpgroup_mma(ds_prev, k_prev, dq, is_async=True)
+                s = warpgroup_mma_wait(2, deps=(s_tok, ))
                 s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
                                    stride_mu, stride_mr, stride_mw, N_KV, row0, h * HALF_N,
                                    s_layout, SUB_M, HALF_N, BLOCK_N)
                 p = gl.exp2(s * qk_scale - lse2[:, None])
-                dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+                dq = warpgroup_mma_wait(0, deps=(dq_tok, ))  # frees dS_prev before dS
                 ds = p * (dp - delta[:, None])
-                dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_h, dq_acc,
-                                       is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
-        mbarrier.arrive(kv_empty.index((count - 1) % STAGES_), count=1)
+                if h == 0:
+                    if e > 0:  # entry e - 1's stage: its last reader (K, second half) is done
+                        mbarrier.arrive(kv_empty.index(pst), count=1)
+                ds_prev = gl.convert_layout(ds.to(dtype), ds_layout)
+        last = (count - 1) % STAGES_
+        dq = warpgroup_mma(ds_prev, k_smem.index(last).slice(HALF_N, HALF_N, dim=0), dq)
+        mbarrier.arrive(kv_empty.index(last), count=1)
     dq = dq * scale
     rows_o = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M,
                                                      layout=gl.SliceLayout(1, dq_layout))
