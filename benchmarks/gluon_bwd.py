@@ -16,11 +16,8 @@ their dK, dV accumulators (64 x 128 fp32) in registers. Two forms of the step:
   64 keys], P and dS through shared memory as transposed A operands; ``EARLY_DP`` issues dP
   with S.
 
-And one dQ-pass arm (off unless ``--dq_async_with`` names a variant): ``<variant>+dq_async``,
-the library's dQ pass with each half's dQ MMA issued after the next half's S and dP and waited
-after that half's mask and exp (``_attn_bwd_dq_kernel_sm90_async``), so it runs under them.
-No MMA is in flight across the loop's back edge: the first form, which carried the dQ token
-across it, was serialized by ptxas (every wgmma waited at once; KERNEL_NOTES, session 25).
+Measured and removed (KERNEL_NOTES, "Session 25"; the code is in git before that commit): a
+dQ pass with each half's dQ MMA under the next half's mask and exp (``n2e+dq_async``).
 
 Compile for sm_90 without a GPU (Triton 3.6 beside the local one)::
 
@@ -48,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from sparsetp.kernels import hopper
-from sparsetp.kernels.hopper import _dkdv_loader, _dq_loader, _masked_scores, _program
+from sparsetp.kernels.hopper import _dkdv_loader, _program
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report registers/shared")
@@ -56,8 +53,6 @@ flags.DEFINE_list("patterns", ["causal", "window:1024", "bigbird", "strided_caus
                   "bench patterns (sparsetp.bench.attention)")
 flags.DEFINE_list("seq_lens", ["8192", "32768"], "N")
 flags.DEFINE_list("variants", ["n2e"], "dK/dV variants (VARIANTS)")
-flags.DEFINE_list("dq_async_with", [], "dK/dV variants also timed after the dQ pass "
-                  "with its dQ MMA in flight (_attn_bwd_dq_kernel_sm90_async)")
 flags.DEFINE_integer("heads", 16, "H")
 flags.DEFINE_integer("kv_heads", 0, "H_kv (0: H)")
 flags.DEFINE_integer("rounds", 3, "interleaved timing rounds")
@@ -254,176 +249,6 @@ def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     ], [4, 1], [232, 24])
 
 
-# ---------------------------------------------------------------------------------------------
-# dQ pass with the dQ MMA left in flight (session 24 lead; issue #23 backward cells, #34 F1):
-# the library's consumer waits for each 64-key half's dQ += dS K MMA before it issues the next
-# half's S and dP; here it issues S and dP first and waits for the older dQ MMA after (wgmma
-# groups retire in order: wait(2) leaves the two new ones running), so this warpgroup's tensor
-# core work no longer stops while its dQ MMA runs. A ring stage is freed once its second half's
-# dQ MMA has retired, one half later than in the library.
-
-
-@gluon.jit
-def _dq_async_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready,
-                       v_ready, kv_empty, count, n_partial, q_index, q_mask_id, row, stride_ik,
-                       masks, stride_mu, stride_mr, stride_mw, qk_scale, scale, N, N_KV,
-                       start_m, off_bh, dlse_flag, Out, LSE, DLSE, DQ, Delta):
-    HAS_DLSE: gl.constexpr = dlse_flag.shape[0] == 2
-    SUB_M: gl.constexpr = q_smem.shape[1]
-    STAGES_: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    HEAD_DIM: gl.constexpr = k_smem.shape[2]
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout,
-                                                  k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    row0 = HALF * SUB_M
-    base = (off_bh * N).to(gl.int64)
-    rows_t = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, tile))
-    cols_t = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, tile))
-    o = gl.load(Out + base * HEAD_DIM + rows_t[:, None] * HEAD_DIM + cols_t[None, :])
-    lse_t = gl.load(LSE + base + rows_t)
-    mbarrier.wait(qd_bar, 0)
-    q = q_smem.index(HALF)
-    do = do_smem.index(HALF)
-    delta_t = gl.sum(do.load(tile).to(gl.float32) * o.to(gl.float32), 1)
-    if HAS_DLSE:
-        d_lse = gl.load(DLSE + base + rows_t)
-        finite = (lse_t > float("-inf")) & (lse_t < float("inf"))
-        delta_t = delta_t - gl.where(finite, d_lse, 0.0)
-    gl.store(Delta + base + rows_t, delta_t)
-    delta = gl.convert_layout(delta_t, row_s)
-    lse2 = gl.convert_layout(
-        gl.where(lse_t == float("-inf"), float("inf"), lse_t * LOG2E), row_s)
-    s_zero = gl.zeros([SUB_M, HALF_N], gl.float32, layout=s_layout)
-    dq = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    # Each half issues its S and dP, then the previous half's dQ MMA, and waits for all three
-    # before the next half: the dQ MMA runs under this half's mask, exp and dS math, and no
-    # MMA is in flight across the loop's back edge (which ptxas serializes). The loop carries
-    # the previous half's dS; the first one is zeros against a loaded K half (exact: dQ += 0).
-    ds_prev = gl.zeros([SUB_M, HALF_N], dtype, layout=ds_layout)
-    if count > 0:
-        for e in range(count):
-            st = e % STAGES_
-            pst = ((e + STAGES_ - 1) % STAGES_) * (e > 0)  # entry e - 1's stage (e = 0: st)
-            mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
-            mbarrier.wait(v_ready.index(st), (e // STAGES_) & 1)
-            for h in gl.static_range(2):
-                k_h = k_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
-                v_h = v_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
-                if h == 0:
-                    k_prev = k_smem.index(pst).slice(HALF_N, HALF_N, dim=0)
-                else:
-                    k_prev = k_smem.index(st).slice(0, HALF_N, dim=0)
-                s_tok = warpgroup_mma(q, k_h.permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                dp_tok = warpgroup_mma(do, v_h.permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                dq_tok = warpgroup_mma(ds_prev, k_prev, dq, is_async=True)
-                s = warpgroup_mma_wait(2, deps=(s_tok, ))
-                s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                                   stride_mu, stride_mr, stride_mw, N_KV, row0, h * HALF_N,
-                                   s_layout, SUB_M, HALF_N, BLOCK_N)
-                p = gl.exp2(s * qk_scale - lse2[:, None])
-                dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
-                dq = warpgroup_mma_wait(0, deps=(dq_tok, ))  # frees dS_prev before dS
-                ds = p * (dp - delta[:, None])
-                if h == 0:
-                    if e > 0:  # entry e - 1's stage: its last reader (K, second half) is done
-                        mbarrier.arrive(kv_empty.index(pst), count=1)
-                ds_prev = gl.convert_layout(ds.to(dtype), ds_layout)
-        last = (count - 1) % STAGES_
-        dq = warpgroup_mma(ds_prev, k_smem.index(last).slice(HALF_N, HALF_N, dim=0), dq)
-        mbarrier.arrive(kv_empty.index(last), count=1)
-    dq = dq * scale
-    rows_o = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M,
-                                                     layout=gl.SliceLayout(1, dq_layout))
-    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-    gl.store(DQ + base * HEAD_DIM + rows_o[:, None] * HEAD_DIM + cols_o[None, :], dq.to(dtype))
-
-
-@gluon.jit
-def _dq_async_consumer0(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
-                        count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                        stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh,
-                        dlse_flag, Out, LSE, DLSE, DQ, Delta):
-    _dq_async_consumer(0, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
-                       count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                       stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh,
-                       dlse_flag, Out, LSE, DLSE, DQ, Delta)
-
-
-@gluon.jit
-def _dq_async_consumer1(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
-                        count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                        stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh,
-                        dlse_flag, Out, LSE, DLSE, DQ, Delta):
-    _dq_async_consumer(1, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
-                       count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                       stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh,
-                       dlse_flag, Out, LSE, DLSE, DQ, Delta)
-
-
-@gluon.jit
-def _attn_bwd_dq_kernel_sm90_async(q_desc, do_desc, k_desc, v_desc,
-                                   q_count, q_partial, q_index, q_mask_id, masks, q_order,
-                                   qk_scale, scale, N, N_KV, H, GROUP, H_KV,
-                                   stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
-                                   stride_mu, stride_mr, stride_mw,
-                                   Out, LSE, DLSE, DQ, Delta,
-                                   ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                                   HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """The library's ``_attn_bwd_dq_kernel_sm90`` with :func:`_dq_async_consumer`."""
-    SUB_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    dtype: gl.constexpr = q_desc.dtype
-    start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M), 1,
-                               ORDERED)
-    off_b = off_bh // H
-    off_h = off_bh % H
-    q_row0 = off_bh * N + start_m * 2 * SUB_M
-    kv_row0 = (off_b * H_KV + off_h // GROUP) * N_KV
-    count = gl.load(q_count + off_h * stride_ch + start_m * stride_cm)
-    n_partial = gl.load(q_partial + off_h * stride_ch + start_m * stride_cm)
-    row = off_h * stride_ih + start_m * stride_im
-    q_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    qd_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    dlse_flag = gl.allocate_shared_memory(gl.int64, [2 if HAS_DLSE else 1, 1],
-                                          mbarrier.MBarrierLayout())
-    mbarrier.init(qd_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
-    fence_async_shared()
-    cargs = (q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty, count,
-             n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu, stride_mr,
-             stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag, Out, LSE, DLSE,
-             DQ, Delta)
-    gl.warp_specialize([
-        (_dq_async_consumer0, cargs),
-        (_dq_async_consumer1, cargs),
-        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                      qd_bar, k_ready, v_ready, kv_empty, q_index, row, count, q_row0,
-                      kv_row0, stride_ik)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-
 def _dkdv_launch(form: str, stages: int, flag: bool):
     """(kernel, constexprs) of a variant: "t" the transposed lab kernel above (flag: DEFER),
     "n" the library's FA3-form kernel (flag: EARLY_DP)."""
@@ -468,11 +293,10 @@ def _compile_only():
     """Compile the library's dQ pass and each dK/dV variant for sm_90 with CPU stand-ins;
     print registers, spills, shared memory."""
     q, stats, meta = stand_ins(BLOCK)
-    for label, kernel in (("library dQ", hopper._attn_bwd_dq_kernel_sm90),
-                          ("async dQ", _attn_bwd_dq_kernel_sm90_async)):
-        prof = sm90_profile(kernel, _dq_args(q, q, q, q, q, stats, meta, 0.1, q, stats),
-                            {"ORDERED": True, **DQ_CONSTEXPRS}, hopper.NUM_WARPS)
-        print(json.dumps({"kernel": label, **prof}))
+    prof = sm90_profile(hopper._attn_bwd_dq_kernel_sm90,
+                        _dq_args(q, q, q, q, q, stats, meta, 0.1, q, stats),
+                        {"ORDERED": True, **DQ_CONSTEXPRS}, hopper.NUM_WARPS)
+    print(json.dumps({"kernel": "library dQ", **prof}))
     meta = {**meta, **{key.replace("q_", "k_"): val for key, val in meta.items()
                        if key.startswith("q_")}}
     args = _dkdv_args(q, q, q, q, stats, stats, meta, 0.1, q, q)
@@ -530,11 +354,11 @@ def _measure(spec, q, k, v, d_out):
         out, lse = tattn._forward(q, k, v, layout, scale)
         ref = tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
 
-    def gluon_bwd(variant, dq_kernel=hopper._attn_bwd_dq_kernel_sm90):
+    def gluon_bwd(variant):
         kernel, constexprs = _dkdv_launch(*VARIANTS[variant])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
-        dq_kernel[q_grid](
+        hopper._attn_bwd_dq_kernel_sm90[q_grid](
             *_dq_args(q, k, v, d_out, out, lse, meta, scale, dq, delta), ORDERED=True,
             **DQ_CONSTEXPRS, num_warps=hopper.NUM_WARPS)
         kernel[kv_grid](*_dkdv_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv),
@@ -543,8 +367,6 @@ def _measure(spec, q, k, v, d_out):
 
     rec = {"pattern": spec, "N": n, "H": h, "H_kv": h_kv, "check": {}}
     arms = {v_: (lambda v_=v_: gluon_bwd(v_)) for v_ in FLAGS.variants}
-    arms.update({f"{v_}+dq_async": (lambda v_=v_: gluon_bwd(v_, _attn_bwd_dq_kernel_sm90_async))
-                 for v_ in FLAGS.dq_async_with})
     for variant, fn in arms.items():
         got = fn()
         rec["check"][variant] = {

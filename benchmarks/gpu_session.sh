@@ -9,8 +9,6 @@
 #   parity (PARITY_TP, default 1,2) parity16 (bf16/fp16 attention only; head dims PARITY16_D,
 #   default 128)
 #   ab (benchmarks/launch_ab.py; AB_ARGS, default the tile preset)
-#   leads (session 24's lab arms: benchmarks/gluon_fwd.py persistent and half-step forwards;
-#   not gluon_bwd.py's dq_async, which ptxas serializes as written: KERNEL_NOTES)
 #   probe (JAX MLP fwd+bwd variants on one GPU, issue #9)
 #   demo (the main job on 2 GPUs, torch and JAX, bf16)
 #   scaling (benchmarks/gpt_scaling.py: GPT training TP=1 / DP=2 / TP=2, torch and JAX, issue #24)
@@ -54,13 +52,6 @@ for s in "${@:-check attn tp parity}"; do for st in $s; do case $st in
       --device cuda --dtype bfloat16
     stage demo_jax "${DEMO_S:-90}" python3 -m sparsetp demo --backend jax --tp 2 --device cuda \
       --dtype bfloat16 ;;
-  leads) stage leads "${LEADS_S:-300}" bash -c 'cd benchmarks && python3 gluon_fwd.py \
-      --variants=ws3pp,p3pp,p2pp,h4pp,h6pp --patterns=window:1024,strided_causal,bigbird,causal \
-      --seq_lens=8192 --out="$0/gluon_fwd_leads.json" && python3 gluon_fwd.py \
-      --variants=ws3pp,p3pp,h4pp,h6pp --patterns=neighborhood:16x32x32:7x15x15:tile2x8x8 \
-      --seq_lens=16384 --out="$0/gluon_fwd_leads_3d.json" && python3 gluon_fwd.py \
-      --variants=ws3pp,p3pp --patterns=neighborhood:32768:2048 --seq_lens=32768 \
-      --out="$0/gluon_fwd_leads_1d.json"' "$OUT" ;;
   ab) stage ab "${AB_S:-300}" python3 benchmarks/launch_ab.py --out="$OUT/ab.json" \
       --budget_s="${AB_BUDGET:-280}" ${AB_ARGS:---arms=tiles} ;;
   probe) PROBE_OUT=$OUT/probe_default.json PROBE_HLO=$OUT/probe_fwd_bwd_hlo.txt \
