@@ -16,7 +16,7 @@ their dK, dV accumulators (64 x 128 fp32) in registers. Two forms of the step:
   64 keys], P and dS through shared memory as transposed A operands; ``EARLY_DP`` issues dP
   with S.
 
-Measured and removed (KERNEL_NOTES, "Session 25"; the code is in git before that commit): a
+Measured and removed (KERNEL_NOTES, "Session 25"; their code is at commit a8a9c72): a
 dQ pass with each half's dQ MMA under the next half's mask and exp (``n2e+dq_async``).
 
 Compile for sm_90 without a GPU (Triton 3.6 beside the local one)::
@@ -366,9 +366,8 @@ def _measure(spec, q, k, v, d_out):
         return dq, dk, dv
 
     rec = {"pattern": spec, "N": n, "H": h, "H_kv": h_kv, "check": {}}
-    arms = {v_: (lambda v_=v_: gluon_bwd(v_)) for v_ in FLAGS.variants}
-    for variant, fn in arms.items():
-        got = fn()
+    for variant in FLAGS.variants:
+        got = gluon_bwd(variant)
         rec["check"][variant] = {
             name: float((a.float() - r.float()).abs().max())
             for name, a, r in zip(("dq", "dk", "dv"), got, ref, strict=True)}
@@ -386,7 +385,8 @@ def _measure(spec, q, k, v, d_out):
         name: float((a.float() - r.float()).abs().max())
         for name, a, r in zip(("dq", "dk", "dv"), lib, ref, strict=True)}
     rec["bwd_kernel"] = backward_kernel(q, k, v, layout).name
-    arms = {"portable": portable_bwd, "library": library_bwd, **arms}
+    arms = {"portable": portable_bwd, "library": library_bwd,
+            **{v_: (lambda v_=v_: gluon_bwd(v_)) for v_ in FLAGS.variants}}
     times = {name: [] for name in arms}
     for _ in range(FLAGS.rounds):
         for name, fn in arms.items():

@@ -13,7 +13,7 @@ forward (output and LSE) before it is timed:
 * ``portable`` (the portable forward), ``library`` (``sparse_attention`` as users call it, with
   its dispatch) and, on causal, cuDNN.
 
-Measured and removed (KERNEL_NOTES, "Session 25"; the code is in git before that commit): a
+Measured and removed (KERNEL_NOTES, "Session 25"; their code is at commit a8a9c72): a
 persistent form of the library's kernel (``p3pp``, ``p2pp``) and half-tile steps (``h4pp``,
 ``h6pp``).
 
@@ -223,8 +223,8 @@ def gluon_forward(q, k, v, meta, grid, ordered, scale, variant="plain"):
     name, q_rows, consts, warps = VARIANTS[variant]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    args = _launch_args(q, k, v, meta, scale, out, lse, q_rows)
-    _kernel(name)[grid](*args, ORDERED=ordered, **consts, num_warps=warps)
+    _kernel(name)[grid](*_launch_args(q, k, v, meta, scale, out, lse, q_rows),
+                          ORDERED=ordered, **consts, num_warps=warps)
     return out, lse
 
 

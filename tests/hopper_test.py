@@ -45,7 +45,7 @@ from sparsetp.backends.torch import hopper as thopper
 from sparsetp.core import make_layout, reference
 from sparsetp.core import patterns as P
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
-from sparsetp.kernels import hopper
+from sparsetp.kernels import abi, hopper
 from sparsetp.kernels.options import launch_options
 from sparsetp.torch import backward_kernel, forward_kernel, sparse_attention
 
@@ -593,32 +593,50 @@ class JaxLauncherBuildTest(absltest.TestCase):
             self.assertEqual(os.listdir(cache), [])  # no partial library left behind
 
 
-class JaxLaunchableTest(absltest.TestCase):
-    """A binary that asks for launch features the FFI handler does not set up is refused at
-    compile time (the call then runs the portable kernels with a warning), never launched."""
+class UnlaunchableTest(absltest.TestCase):
+    """A binary that asks for launch features the library's C++ launchers (torch's native path,
+    JAX's FFI handler) do not set up is refused before launch (JAX then runs the portable
+    kernels with a warning; torch keeps its Python launch path), never launched wrongly."""
 
     @staticmethod
     def _md(**kw):
         base = dict(name="k", global_scratch_size=0, profile_scratch_size=0, num_ctas=1,
-                    launch_cooperative_grid=False, launch_pdl=False)
+                    launch_cooperative_grid=False, launch_pdl=False, instrumentation_mode="")
         return types.SimpleNamespace(**{**base, **kw})
 
     def test_a_plain_binary_is_launchable(self):
-        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
-
-        self.assertIsNone(jhopper._check_launchable(self._md(), "k"))
+        self.assertEqual(abi.unlaunchable(self._md()), [])
 
     def test_each_unsupported_feature_is_named(self):
-        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
-
         for field, value, words in (("global_scratch_size", 256, "scratch memory"),
                                     ("profile_scratch_size", 64, "scratch memory"),
+                                    ("instrumentation_mode", "gsan",
+                                     "instrumentation parameters"),
                                     ("num_ctas", 2, "thread-block clusters"),
                                     ("launch_cooperative_grid", True, "a cooperative grid"),
                                     ("launch_pdl", True, "programmatic dependent launch")):
-            with self.subTest(field), self.assertRaisesRegex(NotImplementedError,
-                                                             f"sm_90 k needs {words}"):
-                jhopper._check_launchable(self._md(**{field: value}), "k")
+            with self.subTest(field):
+                self.assertEqual(abi.unlaunchable(self._md(**{field: value})), [words])
+
+
+class JaxLauncherBuildErrorTest(absltest.TestCase):
+    """The reason a failed build gives is the compiler's first diagnostic."""
+
+    def test_first_diagnostic(self):
+        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
+
+        cases = (
+            ("In file included from /usr/include/c++/13/system_error:39,\n"
+             "x.cc:3:10: fatal error: cuda.h: No such file\ncompilation terminated.",
+             "x.cc:3:10: fatal error: cuda.h: No such file"),
+            ("/usr/bin/ld: x.o: undefined reference to `dlopen'\n"
+             "collect2: error: ld returned 1 exit status",
+             "/usr/bin/ld: x.o: undefined reference to `dlopen'"),
+            ("something went wrong\nstill wrong", "still wrong"),
+            ("", "(no output)"))
+        for stderr, want in cases:
+            with self.subTest(want):
+                self.assertEqual(jhopper._first_error(stderr), want)
 
 
 def _jax_gpu():
@@ -823,19 +841,20 @@ class JaxSm90Test(parameterized.TestCase):
         from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
 
         lib = jhopper._library()
-        outs = []
+        counts = []
         with launch_options(fwd_kernel="hopper"):
-            for n in (384, 640):  # lengths no other test runs: new plans
+            for n in (384, 640):  # with H=5: shapes no other test runs, so new plans
                 q, k, v = (jax.device_put(jnp.asarray(x, jnp.bfloat16), self.device)
-                           for x in tu.random_inputs(29, (1, 2, n, 128), "bfloat16", 3))
-                layout = make_layout(P.causal(), n, 2, 128)
-                plans, modules = lib.sparsetp_sm90_plans(), lib.sparsetp_sm90_modules()
-                outs.append(sjax.sparse_attention(q, k, v, layout).block_until_ready())
-                outs.append((lib.sparsetp_sm90_plans() - plans,
-                             lib.sparsetp_sm90_modules() - modules))
-        self.assertEqual(outs[1][0], 1)
-        self.assertEqual(outs[3], (1, 0))
-
+                           for x in tu.random_inputs(29, (1, 5, n, 128), "bfloat16", 3))
+                layout = make_layout(P.causal(), n, 5, 128)
+                before = (lib.sparsetp_sm90_plans(), lib.sparsetp_sm90_modules(),
+                          len(jhopper._COMPILED))
+                sjax.sparse_attention(q, k, v, layout).block_until_ready()
+                counts.append((lib.sparsetp_sm90_plans() - before[0],
+                               lib.sparsetp_sm90_modules() - before[1],
+                               len(jhopper._COMPILED) - before[2]))
+        self.assertEqual(counts[0][0], 1)  # a new plan (its binary may be loaded already)
+        self.assertEqual(counts[1], (1, 0, 0))  # a new plan; no new binary, no new module
 
     def test_lse_cotangent(self):
         n, h = 256, 2

@@ -102,7 +102,7 @@ __all__ = [
     "check_attention_shapes", "check_scale", "scale_args", "stats_dtype", "dot_precision",
     "dot_upcast",
     "mask_words", "aligned", "contiguous_strides", "head_dim_padded", "fwd_call",
-    "bwd_dq_call", "bwd_dkdv_call",
+    "bwd_dq_call", "bwd_dkdv_call", "unlaunchable",
 ]
 
 _KERNELS = {
@@ -118,6 +118,27 @@ def kernel(name: str) -> Any:
         return _KERNELS[name]
     except KeyError:
         raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {name!r}") from None
+
+
+def unlaunchable(metadata) -> list[str]:
+    """What a compiled Triton kernel (its ``metadata``) asks of its launch that the library's
+    own C++ launchers (torch's native path, JAX's FFI handler) do not set up: they launch one
+    CTA per program without launch attributes, pass null scratch pointers and pack exactly the
+    kernel's declared parameters. Empty where they can launch it.
+
+        >>> import types
+        >>> unlaunchable(types.SimpleNamespace(num_ctas=2, launch_pdl=True))
+        ['thread-block clusters', 'programmatic dependent launch']
+    """
+    md = metadata
+    asks = {"scratch memory": (getattr(md, "global_scratch_size", 0)
+                               or getattr(md, "profile_scratch_size", 0)),
+            # Triton's instrumentation (e.g. 3.9's GSan) appends parameters of its own.
+            "instrumentation parameters": getattr(md, "instrumentation_mode", ""),
+            "thread-block clusters": getattr(md, "num_ctas", 1) != 1,
+            "a cooperative grid": getattr(md, "launch_cooperative_grid", False),
+            "programmatic dependent launch": getattr(md, "launch_pdl", False)}
+    return [what for what, asked in asks.items() if asked]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -47,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsetp.backends.jax import compat
-from sparsetp.kernels import hopper
+from sparsetp.kernels import abi, hopper
 
 __all__ = ["unavailable", "capability", "compile_launch", "failed", "operand_order", "call",
            "warn_fallback"]
@@ -70,10 +71,8 @@ def unavailable() -> str | None:
         _library()
     except Exception as exc:  # noqa: BLE001 (any build or load failure: reported, not raised)
         text = str(exc).strip().splitlines()
-        # The compiler's first error says more than its last line ("compilation terminated").
-        errors = [line for line in text if "error" in line.lower()]
         why = f"the launcher's C++ handler did not build: {type(exc).__name__}: " + (
-            (errors or text or [""])[0 if errors else -1])
+            text[0] if text else "")
         warnings.warn(f"sparsetp: {why}; JAX calls run the portable kernels on sm_90 "
                       "(sparsetp.backends.jax.hopper.unavailable() keeps the reason)",
                       RuntimeWarning, stacklevel=2)
@@ -86,6 +85,18 @@ def _compiler() -> str:
         if name and shutil.which(name):
             return shutil.which(name)
     raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++)")
+
+
+def _first_error(stderr: str) -> str:
+    """The compiler's first diagnostic (``file:line[:col]: [fatal ]error: ...`` or the linker's
+    "undefined reference"), which says more than its last line ("compilation terminated",
+    "ld returned 1"); else its first line naming an error, else its last line."""
+    lines = stderr.strip().splitlines()
+    for pattern in (r":\d+(:\d+)?: (fatal )?error: |undefined reference", r"\berror\b"):
+        hit = next((line for line in lines if re.search(pattern, line, re.IGNORECASE)), None)
+        if hit:
+            return hit.strip()
+    return lines[-1].strip() if lines else "(no output)"
 
 
 def _cache_dir() -> str:
@@ -118,7 +129,8 @@ def _library() -> ctypes.CDLL:
                    *(f"-I{i}" for i in includes), _SOURCE, "-o", tmp, "-ldl"]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+                raise RuntimeError(f"{_first_error(done.stderr)}\n{' '.join(cmd)} failed:\n"
+                                   f"{done.stderr[-2000:]}")
             os.replace(tmp, path)  # atomic: concurrent builders each write a whole file
         finally:
             if os.path.exists(tmp):
@@ -233,22 +245,12 @@ def _compile(kernel, backend, target, kwargs, bound, specialization, options):
                                                               specialization, options)
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
                               target=target, options=options.__dict__)
-    _check_launchable(compiled.metadata, compiled.metadata.name)
+    # Refused here, so the failure is kept and the call falls back with a warning.
+    needs = abi.unlaunchable(compiled.metadata)
+    if needs:
+        raise NotImplementedError(f"sm_90 {compiled.metadata.name} needs {', '.join(needs)}, "
+                                  "which the JAX launcher does not set up")
     return compiled
-
-
-def _check_launchable(md, name: str) -> None:
-    """Raise where the binary asks for what the FFI handler does not do (it launches one CTA
-    per program, with no launch attributes and no scratch memory), so the call falls back to
-    the portable kernels with a warning instead of launching it wrongly."""
-    asks = {"scratch memory": md.global_scratch_size or md.profile_scratch_size,
-            "thread-block clusters": getattr(md, "num_ctas", 1) != 1,
-            "a cooperative grid": getattr(md, "launch_cooperative_grid", False),
-            "programmatic dependent launch": getattr(md, "launch_pdl", False)}
-    unsupported = [what for what, asked in asks.items() if asked]
-    if unsupported:
-        raise NotImplementedError(f"sm_90 {name} needs {', '.join(unsupported)}, which the JAX "
-                                  "launcher does not set up")
 
 
 # Parameter kinds of a plan (sm90_launch.cc).
@@ -263,7 +265,7 @@ def _plan(launch, compiled, operand: dict, array_operand: dict, rows: dict,
     """Register ``launch``'s plan (``compiled``'s cubin, grid and parameters in Triton 3.6's
     packing; operands by index: ``operand`` by name, ``array_operand`` by position in
     ``launch.args``) with the handler; returns its key, a hash of its contents."""
-    md = compiled.metadata  # launchable here: _check_launchable passed when it compiled
+    md = compiled.metadata  # launchable here: _compile checked abi.unlaunchable
     kinds, values, tma = [], [], []
     values_of = ([("box", n) for n, _ in launch.boxes]
                  + [("arg", i) for i in range(len(launch.args))]
@@ -296,7 +298,7 @@ def _plan(launch, compiled, operand: dict, array_operand: dict, rows: dict,
             values.append(int(launch.args[ref]))
         else:
             raise ValueError(f"sm_90 {launch.kernel}: parameter {name} of type {ty}")
-    kinds += [_LIT64, _LIT64]  # global and profile scratch: none (_check_launchable)
+    kinds += [_LIT64, _LIT64]  # global and profile scratch: none (abi.unlaunchable)
     values += [0, 0]
     cubin, name = compiled.asm["cubin"], md.name.encode()
     geometry = [*launch.grid, 32 * md.num_warps, md.shared]

@@ -43,6 +43,8 @@ import warnings
 
 import torch
 
+from sparsetp.kernels import abi
+
 __all__ = ["status", "load", "wait", "make_plan", "plan_cells"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
@@ -133,12 +135,9 @@ def plan_cells(desc, compiled) -> tuple[list[int], list[tuple[int, int]]]:
     two scratch pointers (null: the kernel must need no scratch) appended; ``per_call`` pairs
     (cell, index into the launch's per-call tensors: the description's tensors, then its
     outputs). Raises ValueError for a kernel this launcher cannot pass."""
-    md = compiled.metadata
-    if (getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)
-            or getattr(md, "instrumentation_mode", "")  # Triton 3.9 GSan appends parameters
-            or getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
-            or getattr(md, "launch_pdl", False)):
-        raise ValueError(f"{compiled.name}: needs scratch, clusters or launch attributes")
+    needs = abi.unlaunchable(compiled.metadata)
+    if needs:
+        raise ValueError(f"{compiled.name}: needs {', '.join(needs)}")
     names = desc.call.kernel.arg_names
     n_tensors, n_args, n_outputs = desc.n_tensors, len(desc.call.args), len(desc.call.outputs)
     if len(names) != n_args + n_outputs + len(desc.constexpr_values):
