@@ -812,24 +812,32 @@ class JaxSm90Test(parameterized.TestCase):
             jax.block_until_ready(call(x, plan=np.int64(-1)))
 
     def test_an_empty_grid_launches_nothing_and_a_bad_cubin_names_the_driver_call(self):
-        # As Triton's launcher, an empty grid returns before loading anything, so even a plan
-        # whose cubin is not one succeeds; with a grid it fails naming cuModuleLoadData.
+        # As Triton's launcher, an empty grid returns before loading anything (so even a plan
+        # whose cubin is not one succeeds) where its outputs are empty too, and refuses where
+        # one is not; with a grid, a bad cubin fails naming cuModuleLoadData.
         jax = self.jax
         import jax.numpy as jnp  # noqa: PLC0415
 
         from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
 
         lib = jhopper._library()
-        x = jax.device_put(jnp.zeros((128,), jnp.float32), self.device)
-        call = jax.ffi.ffi_call(jhopper._TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
         for grid, key in (((0, 4, 1), -771), ((1, 1, 1), -772)):
             lib.sparsetp_sm90_register(key, b"not a cubin", 11, b"k",
                                        (ctypes.c_int64 * 5)(*grid, 128, 0), 0,
                                        (ctypes.c_int32 * 1)(0), (ctypes.c_int64 * 1)(0), 0,
                                        (ctypes.c_int64 * 1)(0))
-        jax.block_until_ready(call(x, plan=np.int64(-771)))
+
+        def call(key, out_len):
+            x = jax.device_put(jnp.zeros((128,), jnp.float32), self.device)
+            return jax.block_until_ready(jax.ffi.ffi_call(
+                jhopper._TARGET, jax.ShapeDtypeStruct((out_len,), jnp.float32))(
+                    x, plan=np.int64(key)))
+
+        self.assertEqual(call(-771, 0).shape, (0,))
+        with self.assertRaisesRegex(Exception, "an empty grid with a non-empty output"):
+            call(-771, 128)
         with self.assertRaisesRegex(Exception, "sparsetp sm_90 launch: cuModuleLoadData"):
-            jax.block_until_ready(call(x, plan=np.int64(-772)))
+            call(-772, 128)
 
     def test_plans_of_one_binary_share_its_module(self):
         # Two lengths are two plans (grids differ) of one binary (lengths are specialised

@@ -1,7 +1,7 @@
 // XLA FFI handler that launches the Triton-compiled sm_90 attention kernels
 // (sparsetp/kernels/hopper.py) on XLA's stream, built at run time by
 // sparsetp/backends/jax/hopper.py. No Python runs per launch, and no torch: the cubin is loaded
-// here (cuModuleLoadData, once per cubin and device) and the TMA descriptors are encoded per
+// here (cuModuleLoadData, once per cubin and context) and the TMA descriptors are encoded per
 // launch from the operands' addresses, as Triton's own launcher does.
 //
 // A plan holds what a launch needs besides the buffers: the cubin, the grid, the block and
@@ -35,6 +35,7 @@ struct Api {
   decltype(&cuCtxPopCurrent) ctx_pop = nullptr;
   decltype(&cuCtxGetDevice) ctx_get_device = nullptr;
   decltype(&cuModuleLoadData) module_load_data = nullptr;
+  decltype(&cuModuleUnload) module_unload = nullptr;
   decltype(&cuModuleGetFunction) module_get_function = nullptr;
   decltype(&cuFuncGetAttribute) func_get_attribute = nullptr;
   decltype(&cuFuncSetAttribute) func_set_attribute = nullptr;
@@ -56,6 +57,7 @@ const Api& api() {
     SYM(ctx_pop, "cuCtxPopCurrent_v2");
     SYM(ctx_get_device, "cuCtxGetDevice");
     SYM(module_load_data, "cuModuleLoadData");
+    SYM(module_unload, "cuModuleUnload");
     SYM(module_get_function, "cuModuleGetFunction");
     SYM(func_get_attribute, "cuFuncGetAttribute");
     SYM(func_set_attribute, "cuFuncSetAttribute");
@@ -65,7 +67,7 @@ const Api& api() {
     SYM(get_error_string, "cuGetErrorString");
 #undef SYM
     r.ok = r.stream_get_ctx && r.ctx_push && r.ctx_pop && r.ctx_get_device &&
-           r.module_load_data && r.module_get_function && r.func_get_attribute &&
+           r.module_load_data && r.module_unload && r.module_get_function && r.func_get_attribute &&
            r.func_set_attribute && r.device_get_attribute && r.tensor_map_encode_tiled &&
            r.launch_kernel_ex && r.get_error_string;
     return r;
@@ -94,7 +96,7 @@ struct Plan {
   std::vector<int64_t> values;  // literal, operand index or TMA slot
   std::vector<TmaSpec> tma;
   std::mutex mu;
-  CUfunction fn[64] = {};
+  std::unordered_map<CUcontext, CUfunction> fn;  // by the context it was loaded in
 };
 
 ffi::Error cuda_error(CUresult r, const char* what) {
@@ -104,17 +106,19 @@ ffi::Error cuda_error(CUresult r, const char* what) {
                     std::string("sparsetp sm_90 launch: ") + what + ": " + (s ? s : "?"));
 }
 
-// Modules by (kernel name, cubin) and device: plans that differ only in grid or shapes share
-// one loaded module per device instead of loading the cubin again for each.
+// Modules by (kernel name, cubin) and CUDA context (a module belongs to the context it was
+// loaded in): plans that differ only in grid or shapes share one loaded module per context
+// instead of loading the cubin again for each.
 std::mutex modules_mu;
-std::map<std::pair<std::string, int>, CUfunction>& modules() {
-  static auto* m = new std::map<std::pair<std::string, int>, CUfunction>();  // never unloaded
+std::map<std::pair<std::string, CUcontext>, CUfunction>& modules() {
+  static auto* m = new std::map<std::pair<std::string, CUcontext>, CUfunction>();  // kept
   return *m;
 }
 
-ffi::Error load_function(const Plan& p, CUdevice dev, CUfunction* out) {
+// ``ctx`` is current (Launch pushed it).
+ffi::Error load_function(const Plan& p, CUcontext ctx, CUdevice dev, CUfunction* out) {
   std::lock_guard<std::mutex> lock(modules_mu);
-  auto key = std::make_pair(p.name + '\0' + p.cubin, static_cast<int>(dev));
+  auto key = std::make_pair(p.name + '\0' + p.cubin, ctx);
   auto it = modules().find(key);
   if (it != modules().end()) {
     *out = it->second;
@@ -124,33 +128,41 @@ ffi::Error load_function(const Plan& p, CUdevice dev, CUfunction* out) {
   CUmodule mod;
   CUresult r = a.module_load_data(&mod, p.cubin.data());
   if (r != CUDA_SUCCESS) return cuda_error(r, "cuModuleLoadData");
+  // A failure after the load unloads the module, so a launch retried after it loads no copy.
+  auto fail = [&](CUresult err, const char* what) {
+    a.module_unload(mod);
+    return cuda_error(err, what);
+  };
   CUfunction fn;
   r = a.module_get_function(&fn, mod, p.name.c_str());
-  if (r != CUDA_SUCCESS) return cuda_error(r, "cuModuleGetFunction");
-  // As Triton's load_binary: dynamic shared memory up to the opt-in limit.
+  if (r != CUDA_SUCCESS) return fail(r, "cuModuleGetFunction");
+  // As Triton's load_binary: dynamic shared memory up to the opt-in limit. The binary fixes
+  // its shared memory, so every plan of one cubin asks the same.
   int optin = 0, static_shared = 0;
   r = a.device_get_attribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
-  if (r != CUDA_SUCCESS) return cuda_error(r, "cuDeviceGetAttribute");
+  if (r != CUDA_SUCCESS) return fail(r, "cuDeviceGetAttribute");
   r = a.func_get_attribute(&static_shared, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn);
-  if (r != CUDA_SUCCESS) return cuda_error(r, "cuFuncGetAttribute");
+  if (r != CUDA_SUCCESS) return fail(r, "cuFuncGetAttribute");
   if (p.shared > 49152 && optin > 49152) {
     r = a.func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                              optin - static_shared);
-    if (r != CUDA_SUCCESS) return cuda_error(r, "cuFuncSetAttribute");
+    if (r != CUDA_SUCCESS) return fail(r, "cuFuncSetAttribute");
   }
   modules()[key] = fn;
   *out = fn;
   return ffi::Error::Success();
 }
 
-ffi::Error function_of(Plan* p, CUdevice dev, CUfunction* out) {
-  if (dev < 0 || dev >= 64) return ffi::Error(ffi::ErrorCode::kInternal, "device ordinal >= 64");
-  std::lock_guard<std::mutex> lock(p->mu);
-  if (!p->fn[dev]) {
-    ffi::Error err = load_function(*p, dev, &p->fn[dev]);
+ffi::Error function_of(Plan* p, CUcontext ctx, CUdevice dev, CUfunction* out) {
+  std::lock_guard<std::mutex> lock(p->mu);  // then modules_mu: the only nesting of the two
+  auto it = p->fn.find(ctx);
+  if (it == p->fn.end()) {
+    CUfunction fn;
+    ffi::Error err = load_function(*p, ctx, dev, &fn);
     if (err.failure()) return err;
+    it = p->fn.emplace(ctx, fn).first;
   }
-  *out = p->fn[dev];
+  *out = it->second;
   return ffi::Error::Success();
 }
 
@@ -176,9 +188,18 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
                       "sparsetp sm_90 launch: plan " + std::to_string(key) +
                           " is not registered in this process (it is registered when the "
                           "call is traced)");
-  // As Triton's launcher: an empty grid (an empty batch or sequence) launches nothing.
-  if (static_cast<uint64_t>(p->grid[0]) * p->grid[1] * p->grid[2] == 0)
+  // As Triton's launcher, an empty grid launches nothing; that is only right where every
+  // output is empty too (nothing would write them).
+  if (static_cast<uint64_t>(p->grid[0]) * p->grid[1] * p->grid[2] == 0) {
+    for (size_t i = 0; i < rets.size(); ++i) {
+      auto b = rets.get<ffi::AnyBuffer>(i);
+      if (b.has_error()) return b.error();
+      if ((*b)->element_count() != 0)
+        return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                          "sparsetp sm_90 launch: an empty grid with a non-empty output");
+    }
     return ffi::Error::Success();
+  }
   std::vector<void*> ptrs;
   for (size_t i = 0; i < args.size(); ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
@@ -202,7 +223,8 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
   CUdevice dev;
   r = a.ctx_get_device(&dev);
   CUfunction fn = nullptr;
-  ffi::Error err = r != CUDA_SUCCESS ? cuda_error(r, "cuCtxGetDevice") : function_of(p, dev, &fn);
+  ffi::Error err =
+      r != CUDA_SUCCESS ? cuda_error(r, "cuCtxGetDevice") : function_of(p, ctx, dev, &fn);
   if (err.failure()) {
     CUcontext popped;
     a.ctx_pop(&popped);
@@ -310,7 +332,7 @@ extern "C" int64_t sparsetp_sm90_plans() {
   return static_cast<int64_t>(registry().size());
 }
 
-// How many (cubin, device) modules are loaded (tests).
+// How many (cubin, context) modules are loaded (tests).
 extern "C" int64_t sparsetp_sm90_modules() {
   std::lock_guard<std::mutex> lock(modules_mu);
   return static_cast<int64_t>(modules().size());
