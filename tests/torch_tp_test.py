@@ -507,11 +507,14 @@ class HarnessTest(absltest.TestCase):
 
     def test_failing_rank_fails_promptly_with_its_traceback(self):
         import time
+        timeout = 300.0
         start = time.monotonic()
         with self.assertRaisesRegex(dist_utils.RankFailedError,
                                     "(?s)rank 1 of 2 failed.*deliberate failure on rank 1"):
-            dist_utils.run_distributed(_fail_on_rank_one, 2, timeout=60)
-        self.assertLess(time.monotonic() - start, 30)  # not the 60 s timeout
+            dist_utils.run_distributed(_fail_on_rank_one, 2, timeout=timeout)
+        # Ended by rank 1's error, not the timeout; the bound is wide because spawning two
+        # torch processes on a host busy with other test workers takes tens of seconds.
+        self.assertLess(time.monotonic() - start, timeout / 2)
         self.assertEqual(multiprocessing.active_children(), [])  # every rank reaped
 
     def test_timeout(self):
