@@ -79,7 +79,11 @@ VARIANTS = {"s2": ("t", 2, False), "s3": ("t", 3, False), "s4": ("t", 4, False),
             # each consumer's own dQ (no dS exchange), with and without turns
             "w2o": ("f", 2, "own"), "w2ou": ("f", 2, "ownfree"),
             # the exchange deferred a step (three slots), with and without turns
-            "w2x": ("f", 2, "defer"), "w2xu": ("f", 2, "deferfree")}
+            "w2x": ("f", 2, "defer"), "w2xu": ("f", 2, "deferfree"),
+            # diagnostics (wrong dQ): no hand-off to the writer; no dQ MMAs; no exchange
+            "a1": ("f", 2, "free1"), "a2": ("f", 2, "free2"), "a3": ("f", 2, "free3"),
+            # two dQ hand-off slots a consumer (one dS exchange slot), with and without turns
+            "w2b": ("f", 2, "dbq"), "w2bu": ("f", 2, "dbqfree")}
 WRITER_REGS = gl.constexpr(40)  # the dQ writer warp: loop counters, addresses
 
 
@@ -267,7 +271,8 @@ def _fused_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, p_smem,
                     kv_bar, q_ready, q_empty, ds_ready, k_count, k_partial, k_index, k_mask_id,
                     k_flag, masks, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                     stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g,
-                    start_n, kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free):
+                    start_n, kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free,
+                    turns):
     """Consumer warpgroup of the one-pass backward: the library's dK/dV step (FA3's form,
     dP issued with S) for keys ``[HALF * 64, +64)``, then this step's dQ, handed to the dQ
     writer warp (:func:`_dq_writer`) in ``dq_smem[HALF]``. ``dq_smem`` of D/2 columns: dQ for
@@ -283,7 +288,10 @@ def _fused_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, p_smem,
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     OWN: gl.constexpr = DQ_COLS == HEAD_DIM
     DEFER: gl.constexpr = ds_smem.shape[0] == 6
-    NSLOT: gl.constexpr = 3 if DEFER else 2
+    W: gl.constexpr = turns.shape[2]  # diagnostic arms: 2 no hand-off, 4 no dQ, 8 no sync
+    ABLATE: gl.constexpr = 3 if W == 8 else 2 if W == 4 else 1 if W == 2 else 0
+    DBQ: gl.constexpr = dq_smem.shape[0] == 4  # two dQ hand-off slots a consumer
+    NSLOT: gl.constexpr = 3 if DEFER else 1 if DBQ else 2
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
@@ -340,6 +348,8 @@ def _fused_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, p_smem,
                     ds_mine = ds_smem.index(HALF)
                 else:
                     ds_mine = ds_smem.index(2 * slot + HALF)
+                if DBQ:  # both consumers' dQ MMAs of step t - 1 have read the one slot
+                    mbarrier.wait(ds_free.index(0), (t & 1) ^ 1)
                 if DEFER:  # both consumers' dQ MMAs of step t - 3 have read this slot
                     mbarrier.wait(ds_free.index(slot), ((t // NSLOT) & 1) ^ 1)
                 p_buf.store(p.to(dtype))
@@ -364,20 +374,34 @@ def _fused_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, p_smem,
                     if OWN:
                         dq = warpgroup_mma(ds_mine, k_h, dq_zero, use_acc=False, is_async=True)
                     else:
-                        mbarrier.arrive(ds_ready.index(slot), count=1)
-                        mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
+                        if ABLATE < 3:
+                            mbarrier.arrive(ds_ready.index(slot), count=1)
+                            mbarrier.wait(ds_ready.index(slot), (t // NSLOT) & 1)
                         k_lo = k_smem.slice(0, KEYS, dim=0).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
                         k_hi = k_smem.slice(KEYS, KEYS, dim=0).slice(HALF * DQ_COLS, DQ_COLS,
                                                                      dim=1)
-                        dq = warpgroup_mma(ds_smem.index(2 * slot), k_lo, dq_zero, use_acc=False,
-                                           is_async=True)
-                        dq = warpgroup_mma(ds_smem.index(2 * slot + 1), k_hi, dq, is_async=True)
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                        if ABLATE < 2:
+                            dq = warpgroup_mma(ds_smem.index(2 * slot), k_lo, dq_zero,
+                                               use_acc=False, is_async=True)
+                            dq = warpgroup_mma(ds_smem.index(2 * slot + 1), k_hi, dq,
+                                               is_async=True)
+                    if ABLATE < 2:
+                        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                    else:
+                        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    if DBQ:
+                        mbarrier.arrive(ds_free.index(0), count=1)
                     mbarrier.arrive(q_empty.index(st), count=1)
-                    mbarrier.wait(dq_empty.index(HALF), (t & 1) ^ 1)  # the writer has read it
-                    dq_smem.index(HALF).store(dq)
-                    fence_async_shared()
-                    mbarrier.arrive(dq_full.index(HALF), count=1)
+                    if ABLATE == 0:
+                        if DBQ:
+                            piece = HALF * 2 + t % 2
+                            mbarrier.wait(dq_empty.index(piece), ((t // 2) & 1) ^ 1)
+                        else:
+                            piece = HALF
+                            mbarrier.wait(dq_empty.index(piece), (t & 1) ^ 1)  # writer read it
+                        dq_smem.index(piece).store(dq)
+                        fence_async_shared()
+                        mbarrier.arrive(dq_full.index(piece), count=1)
                     t += 1
     if DEFER:
         if t > 0:  # the last step's dQ
@@ -420,12 +444,12 @@ def _fused_consumer0(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q
                      q_empty, ds_ready, k_count, k_partial, k_index, k_mask_id, k_flag, masks,
                      stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
                      stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n,
-                     kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free):
+                     kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free, turns):
     _fused_consumer(0, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
                     q_empty, ds_ready, k_count, k_partial, k_index, k_mask_id, k_flag, masks,
                     stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
                     stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n,
-                    kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free)
+                    kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free, turns)
 
 
 @gluon.jit
@@ -433,12 +457,12 @@ def _fused_consumer1(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q
                      q_empty, ds_ready, k_count, k_partial, k_index, k_mask_id, k_flag, masks,
                      stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
                      stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n,
-                     kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free):
+                     kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free, turns):
     _fused_consumer(1, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
                     q_empty, ds_ready, k_count, k_partial, k_index, k_mask_id, k_flag, masks,
                     stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
                     stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n,
-                    kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free)
+                    kv_row0, LSE, Delta, DK, DV, dq_smem, dq_full, dq_empty, ds_free, turns)
 
 
 @builtin
@@ -471,11 +495,13 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, turns, k_count, k_index, k_t
     ``turns`` of width 2: each consumer's piece covers all D columns (``OWN``)."""
     TURNS: gl.constexpr = turns.shape[0] == 2
     OWN: gl.constexpr = turns.shape[1] == 2
+    ABLATE: gl.constexpr = turns.shape[2] > 1  # diagnostic arms: no writer work
+    DBQ: gl.constexpr = dq_smem.shape[0] == 4  # two hand-off slots a consumer
     SUB_M: gl.constexpr = dq_smem.shape[1]
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     T_Q = N // (2 * SUB_M)
     t = 0
-    for j in range(GROUP):
+    for j in range(0 if ABLATE else GROUP):
         h = off_g * GROUP + j
         count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
         row = h * stride_ih + start_n * stride_im
@@ -489,13 +515,24 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, turns, k_count, k_index, k_t
                     pass
             for sub in gl.static_range(2):
                 for half in gl.static_range(2):
-                    mbarrier.wait(dq_full.index(half), t & 1)
+                    if DBQ:
+                        piece = half * 2 + t % 2
+                        mbarrier.wait(dq_full.index(piece), (t // 2) & 1)
+                    else:
+                        piece = half
+                        mbarrier.wait(dq_full.index(piece), t & 1)
                     _tma_reduce_add(dq_desc, [q_row0 + qb * (2 * SUB_M) + sub * SUB_M,
                                               0 if OWN else half * DQ_COLS],
-                                    dq_smem.index(half))
-                tma.store_wait(0)  # both pieces read out of shared memory
-                for half in gl.static_range(2):
-                    mbarrier.arrive(dq_empty.index(half), count=1)
+                                    dq_smem.index(piece))
+                if DBQ:  # the last step's pieces are read out while this step's go
+                    if t > 0:
+                        tma.store_wait(2)
+                        for half in gl.static_range(2):
+                            mbarrier.arrive(dq_empty.index(half * 2 + (t - 1) % 2), count=1)
+                else:
+                    tma.store_wait(0)  # both pieces read out of shared memory
+                    for half in gl.static_range(2):
+                        mbarrier.arrive(dq_empty.index(half), count=1)
                 t += 1
             if TURNS:
                 t = _bulk_wait_all(t)  # the adds have landed before the turn passes on
@@ -512,7 +549,8 @@ def _attn_bwd_fused_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
                                 LSE, Delta, DK, DV, dq_desc, SEM,
                                 ORDERED: gl.constexpr, STAGES: gl.constexpr,
                                 TURNS: gl.constexpr, OWN: gl.constexpr,
-                                DEFER: gl.constexpr, num_warps: gl.constexpr):
+                                DEFER: gl.constexpr, ABLATE: gl.constexpr,
+                                DBQ: gl.constexpr, num_warps: gl.constexpr):
     """dQ, dK, dV in one pass (FA3's deterministic form): the library's dK/dV program (one per
     key tile, b, kv head; the library's loader) whose consumers also compute each step's dQ,
     which a writer warp adds by TMA to the float32 accumulator behind ``dq_desc`` (``[B * H *
@@ -538,19 +576,20 @@ def _attn_bwd_fused_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     pl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                             rank=2)
     p_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, BLOCK_N // 2], pl)  # per consumer
-    ds_smem = gl.allocate_shared_memory(dtype, [2 if OWN else 6 if DEFER else 4, SUB_M,
+    ds_smem = gl.allocate_shared_memory(dtype, [2 if OWN or DBQ else 6 if DEFER else 4, SUB_M,
                                                 BLOCK_N // 2], pl)  # per consumer x slots
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
-                                        dq_desc.layout)  # per consumer
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2 if TURNS else 1, 2 if OWN else 1],
-                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # flags
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4 if DBQ else 2] + dq_desc.block_type.shape,
+                                        dq_desc.layout)  # per consumer (x 2 slots)
+    dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2 if TURNS else 1, 2 if OWN else 1,
+                                                 1 << ABLATE],
+                                      gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # flags
+    dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
@@ -558,7 +597,7 @@ def _attn_bwd_fused_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     for i in gl.static_range(3):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_free.index(i), count=2)
-    for i in gl.static_range(2):
+    for i in gl.static_range(4):
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
     fence_async_shared()
@@ -566,7 +605,7 @@ def _attn_bwd_fused_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
              ds_ready, k_count, k_partial, k_index, k_mask_id, k_flag, masks, stride_ch,
              stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw,
              qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV,
-             dq_smem, dq_full, dq_empty, ds_free)
+             dq_smem, dq_full, dq_empty, ds_free, turns)
     gl.warp_specialize([
         (_fused_consumer0, cargs),
         (_fused_consumer1, cargs),
@@ -588,7 +627,10 @@ def _dkdv_launch(form: str, stages: int, flag: bool):
     if form == "f":
         return _attn_bwd_fused_kernel_sm90, {"STAGES": stages, "TURNS": "free" not in flag,
                                              "OWN": flag.startswith("own"),
-                                             "DEFER": flag.startswith("defer")}
+                                             "DEFER": flag.startswith("defer"),
+                                             "DBQ": flag.startswith("dbq"),
+                                             "ABLATE": int(flag[-1]) if flag[-1].isdigit()
+                                             else 0}
     return hopper._attn_bwd_dkdv_kernel_sm90, {
         "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": hopper.CONSUMER_REGS,
         "PRODUCER_REGS": hopper.PRODUCER_REGS}
