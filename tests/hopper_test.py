@@ -619,12 +619,10 @@ class UnlaunchableTest(absltest.TestCase):
                 self.assertEqual(abi.unlaunchable(self._md(**{field: value})), [words])
 
 
-class JaxLauncherBuildErrorTest(absltest.TestCase):
-    """The reason a failed build gives is the compiler's first diagnostic."""
+class BuildDiagnosticTest(absltest.TestCase):
+    """The reason a failed launcher build gives is the compiler's first diagnostic."""
 
     def test_first_diagnostic(self):
-        from sparsetp.backends.jax import hopper as jhopper  # noqa: PLC0415
-
         cases = (
             ("In file included from /usr/include/c++/13/system_error:39,\n"
              "x.cc:3:10: fatal error: cuda.h: No such file\ncompilation terminated.",
@@ -632,11 +630,14 @@ class JaxLauncherBuildErrorTest(absltest.TestCase):
             ("/usr/bin/ld: x.o: undefined reference to `dlopen'\n"
              "collect2: error: ld returned 1 exit status",
              "/usr/bin/ld: x.o: undefined reference to `dlopen'"),
+            ("Error building extension 'x': [1/2] c++ -c x.cc\nFAILED: x.o\n"
+             "x.cc:7:1: error: expected ';'\nninja: build stopped: subcommand failed.",
+             "x.cc:7:1: error: expected ';'"),
             ("something went wrong\nstill wrong", "still wrong"),
             ("", "(no output)"))
         for stderr, want in cases:
             with self.subTest(want):
-                self.assertEqual(jhopper._first_error(stderr), want)
+                self.assertEqual(abi.first_diagnostic(stderr), want)
 
 
 def _jax_gpu():

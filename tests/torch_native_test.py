@@ -166,6 +166,21 @@ class NativeBuildTest(absltest.TestCase):
         module = native.load()
         self.assertTrue(hasattr(module, "attention") and hasattr(module, "Plan"))
 
+    def test_a_failed_build_names_the_compilers_first_error(self):
+        ninja = ("Error building extension 'sparsetp_native': [1/2] c++ -MMD -MF native.o.d "
+                 "-c native.cpp -o native.o\nFAILED: native.o\n"
+                 "native.cpp:12:3: error: 'at::Tensor' has no member named 'foo'\n"
+                 "ninja: build stopped: subcommand failed.\n")
+        saved = dict(native._STATE)
+        try:
+            with mock.patch("torch.utils.cpp_extension.load", side_effect=RuntimeError(ninja)), \
+                    self.assertWarnsRegex(RuntimeWarning, "has no member named 'foo'"):
+                native._build()
+            self.assertEqual(native.status(), "unavailable: RuntimeError: native.cpp:12:3: "
+                                              "error: 'at::Tensor' has no member named 'foo'")
+        finally:
+            native._STATE.update(saved)
+
     def test_disabled_by_environment(self):
         with mock.patch.dict(os.environ, {"SPARSETP_NATIVE": "0"}):
             self.assertIsNone(native.load())

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -102,7 +103,7 @@ __all__ = [
     "check_attention_shapes", "check_scale", "scale_args", "stats_dtype", "dot_precision",
     "dot_upcast",
     "mask_words", "aligned", "contiguous_strides", "head_dim_padded", "fwd_call",
-    "bwd_dq_call", "bwd_dkdv_call", "unlaunchable",
+    "bwd_dq_call", "bwd_dkdv_call", "unlaunchable", "first_diagnostic",
 ]
 
 _KERNELS = {
@@ -139,6 +140,25 @@ def unlaunchable(metadata) -> list[str]:
             "a cooperative grid": getattr(md, "launch_cooperative_grid", False),
             "programmatic dependent launch": getattr(md, "launch_pdl", False)}
     return [what for what, asked in asks.items() if asked]
+
+
+def first_diagnostic(text: str) -> str:
+    """The line of a failed C++ build's output (the library builds two launchers: torch's
+    native extension, JAX's FFI handler) that says why: the compiler's first diagnostic
+    (``file:line[:col]: [fatal ]error: ...``) or the linker's "undefined reference", which say
+    more than the last line ("compilation terminated", "ninja: build stopped: subcommand
+    failed."); else the first line naming an error, else the last line.
+
+        >>> first_diagnostic("x.cc:3:10: fatal error: cuda.h: No such file\\n"
+        ...                  "compilation terminated.")
+        'x.cc:3:10: fatal error: cuda.h: No such file'
+    """
+    lines = text.strip().splitlines()
+    for pattern in (r":\d+(:\d+)?: (fatal )?error: |undefined reference", r"\berror\b"):
+        hit = next((line for line in lines if re.search(pattern, line, re.IGNORECASE)), None)
+        if hit:
+            return hit.strip()
+    return lines[-1].strip() if lines else "(no output)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import re
 import shutil
 import struct
 import subprocess
@@ -87,18 +86,6 @@ def _compiler() -> str:
     raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++)")
 
 
-def _first_error(stderr: str) -> str:
-    """The compiler's first diagnostic (``file:line[:col]: [fatal ]error: ...`` or the linker's
-    "undefined reference"), which says more than its last line ("compilation terminated",
-    "ld returned 1"); else its first line naming an error, else its last line."""
-    lines = stderr.strip().splitlines()
-    for pattern in (r":\d+(:\d+)?: (fatal )?error: |undefined reference", r"\berror\b"):
-        hit = next((line for line in lines if re.search(pattern, line, re.IGNORECASE)), None)
-        if hit:
-            return hit.strip()
-    return lines[-1].strip() if lines else "(no output)"
-
-
 def _cache_dir() -> str:
     base = os.environ.get("SPARSETP_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
@@ -129,8 +116,8 @@ def _library() -> ctypes.CDLL:
                    *(f"-I{i}" for i in includes), _SOURCE, "-o", tmp, "-ldl"]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode:
-                raise RuntimeError(f"{_first_error(done.stderr)}\n{' '.join(cmd)} failed:\n"
-                                   f"{done.stderr[-2000:]}")
+                raise RuntimeError(f"{abi.first_diagnostic(done.stderr)}\n{' '.join(cmd)} "
+                                   f"failed:\n{done.stderr[-2000:]}")
             os.replace(tmp, path)  # atomic: concurrent builders each write a whole file
         finally:
             if os.path.exists(tmp):

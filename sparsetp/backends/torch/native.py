@@ -74,7 +74,7 @@ def _build() -> None:
         module = cpp_extension.load(name="sparsetp_native", sources=[_SOURCE],
                                     extra_cflags=["-O2", "-std=c++17"], verbose=False)
     except Exception as exc:  # noqa: BLE001 (any build or import failure: reported, not raised)
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
+        reason = f"{type(exc).__name__}: {abi.first_diagnostic(str(exc))}"
         _STATE["status"] = f"unavailable: {reason}"
         warnings.warn(f"sparsetp: the native attention extension did not build ({reason}); "
                       "eager CUDA attention keeps the Python autograd path, with more host "
