@@ -28,10 +28,17 @@ def sass_profile(cubin_path: str) -> dict:
     dis = subprocess.run([tool("nvdisasm"), "-c", cubin_path], capture_output=True,
                          text=True).stdout
     ops = collections.Counter()
+    seq = []  # opcodes in program order
     for line in dis.splitlines():
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m:
             ops[m.group(2).split(".")[0]] += 1
+            seq.append(m.group(2).split(".")[0])
+    # Spill traffic beside the MMAs, where it costs: local loads/stores within 40 instructions
+    # of an HGMMA (a static proxy for the hot loop; the total counts set-up code too).
+    mma = [i for i, op in enumerate(seq) if op == "HGMMA"]
+    local = [i for i, op in enumerate(seq) if op in ("LDL", "STL")]
+    near = sum(1 for i in local if any(abs(i - j) < 40 for j in mma))
     regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
     # wgmma waits by how many groups they leave in flight: where every HGMMA is followed by a
     # wait to 0, ptxas serialized the MMAs (C7512) and nothing overlaps them.
@@ -40,6 +47,7 @@ def sass_profile(cubin_path: str) -> dict:
     return {"registers": int(regs.group(1)) if regs else None,
             "stack_bytes": int(stack.group(1)) if stack else None,
             "wgmma_waits_by_in_flight": dict(sorted(waits.items())),
+            "local_ops": len(local), "local_ops_near_mma": near,
             "res_usage": res.strip()[-800:], "n_instructions": sum(ops.values()),
             "opcodes": dict(ops.most_common(60))}
 

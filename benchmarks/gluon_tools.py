@@ -105,6 +105,7 @@ def sm90_profile(kernel, args, constexprs: dict, num_warps: int) -> dict:
     return {"shared": c.metadata.shared, "registers": sass["registers"],
             "stack_bytes": sass["stack_bytes"], "hgmma": sass["opcodes"].get("HGMMA", 0),
             "wgmma_waits_by_in_flight": sass["wgmma_waits_by_in_flight"],
+            "local_ops_near_mma": sass["local_ops_near_mma"],
             "setmaxnreg": re.findall(r"setmaxnreg[.a-z0-9]*\s+\d+", ptx),
             "bar_sync": ptx.count("bar.sync"), "wgmma": ptx.count("wgmma.mma_async"),
             "tma": ptx.count("cp.async.bulk.tensor")}
