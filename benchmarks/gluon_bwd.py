@@ -595,21 +595,15 @@ def _dkdv_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv):
 def _fused_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv, dq_acc, sem, frag: bool):
     """The one-pass kernel's arguments (``meta`` with :func:`key_lists` and ``k_turn``);
     ``dq_acc`` float32, ``[B, H, N, D]`` or (``frag``) the same size in fragment order."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
-
     h, n, d = q.shape[1], q.shape[2], q.shape[3]
     h_kv, n_kv = k.shape[1], k.shape[2]
     kc, ki, mk = meta["k_count"], meta["k_index"], meta["masks"]
-    if frag:
-        acc, box, lay = dq_acc.reshape(-1, 128), [FRAG_ROWS.value, 128], FLAT_LAYOUT.value
-    else:
-        acc, box = dq_acc.reshape(-1, d), [SUB, d // 2]
-        lay = gl.NVMMASharedLayout.get_default_for(box, gl.float32)
+    acc = (tma_desc(dq_acc, FRAG_ROWS.value, width=128, layout=FLAT_LAYOUT.value) if frag
+           else tma_desc(dq_acc, SUB, d // 2))
     return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
             kc, ki, meta["k_mask_id"], mk, meta["k_order"], meta["k_turn"], meta["k_flag"],
             scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv, *kc.stride(),
-            *ki.stride(), *mk.stride(), lse, delta, dk, dv,
-            TensorDescriptor(acc, list(acc.shape), list(acc.stride()), box, lay), sem)
+            *ki.stride(), *mk.stride(), lse, delta, dk, dv, acc, sem)
 
 
 def key_lists(meta: dict) -> dict:
@@ -732,16 +726,14 @@ def _compile_only():
     print(json.dumps({"kernel": "library dQ", **prof}))
     meta = {**meta, **{key.replace("q_", "k_"): val for key, val in meta.items()
                        if key.startswith("q_")}}
-    args = _dkdv_args(q, q, q, q, stats, stats, meta, 0.1, q, q)
     fused_meta = {**meta, "k_turn": meta["k_index"], "k_flag": meta["k_index"]}
     for name in FLAGS.variants:
         kernel, constexprs = _dkdv_launch(*VARIANTS[name])
         if VARIANTS[name][0] == "f":
-            fused_args = _fused_args(q, q, q, q, stats, stats, fused_meta, 0.1, q, q, q.float(),
-                                     meta["k_index"], constexprs["FRAG"])
-            prof = sm90_profile(kernel, fused_args, {"ORDERED": True, **constexprs}, 4)
-            print(json.dumps({"variant": name, **prof}))
-            continue
+            args = _fused_args(q, q, q, q, stats, stats, fused_meta, 0.1, q, q, q.float(),
+                               meta["k_index"], constexprs["FRAG"])
+        else:
+            args = _dkdv_args(q, q, q, q, stats, stats, meta, 0.1, q, q)
         prof = sm90_profile(kernel, args, {"ORDERED": True, **constexprs}, 4)
         print(json.dumps({"variant": name, **prof}))
 
@@ -832,12 +824,14 @@ def _measure(spec, q, k, v, d_out):
                         ORDERED=True, **constexprs, num_warps=4)
         return dq, dk, dv
 
+    def diffs(got):  # max abs difference of dq, dk, dv from the portable backward
+        return {name: float((a.float() - r.float()).abs().max())
+                for name, a, r in zip(("dq", "dk", "dv"), got, ref, strict=True)}
+
     rec = {"pattern": spec, "N": n, "H": h, "H_kv": h_kv, "check": {}}
     for variant in FLAGS.variants:
         got = gluon_bwd(variant)
-        rec["check"][variant] = {
-            name: float((a.float() - r.float()).abs().max())
-            for name, a, r in zip(("dq", "dk", "dv"), got, ref, strict=True)}
+        rec["check"][variant] = diffs(got)
         rec["check"][variant]["ref_max"] = max(float(r.float().abs().max()) for r in ref)
         again = gluon_bwd(variant)
         rec["check"][variant]["bitwise_repeat"] = all(
@@ -851,9 +845,7 @@ def _measure(spec, q, k, v, d_out):
         return tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
 
     lib = library_bwd()
-    rec["check"]["library"] = {
-        name: float((a.float() - r.float()).abs().max())
-        for name, a, r in zip(("dq", "dk", "dv"), lib, ref, strict=True)}
+    rec["check"]["library"] = diffs(lib)
     rec["bwd_kernel"] = backward_kernel(q, k, v, layout).name
     arms = {"portable": portable_bwd, "library": library_bwd,
             **{v_: (lambda v_=v_: gluon_bwd(v_)) for v_ in FLAGS.variants}}
