@@ -28,6 +28,8 @@ pieces interleaved with asynchronous collectives.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -38,6 +40,7 @@ from sparsetp.backends.torch.layers import (
     ColumnParallelLinear,
     ParallelMLP,
     RowParallelLinear,
+    _sp_ring,
     forward_chunks,
 )
 from sparsetp.core import HybridConfig, init_params, reference
@@ -357,6 +360,25 @@ class OverlapTest(parameterized.TestCase):
         for bad in (0, -1, 1.5, True, "2"):
             with self.assertRaisesRegex(ValueError, "comm_chunks must be"):
                 RowParallelLinear(8, 8, comm_chunks=bad)
+
+    def test_sequence_parallel_ring_policy(self):
+        def layer(d_in_local, d_out, world=2, comm_chunks=None):
+            return types.SimpleNamespace(weight=torch.empty(d_in_local, d_out, device="meta"),
+                                         world_size=world, comm_chunks=comm_chunks)
+
+        def x(tokens, width):
+            return torch.empty(1, tokens, width, device="meta")
+        # Row layer (input: all tokens, this rank's columns): the attention output projection
+        # of the d=8192 block at TP=2 is 2**39 FLOPs, a ring; at d=4096 (2**37) it is not.
+        self.assertTrue(_sp_ring(layer(4096, 8192), x(8192, 4096)))
+        self.assertFalse(_sp_ring(layer(2048, 4096), x(8192, 2048)))
+        # Column layer (input: this rank's token shard, ``shards`` of them make the sequence).
+        self.assertTrue(_sp_ring(layer(8192, 4096), x(4096, 8192), shards=2))
+        self.assertFalse(_sp_ring(layer(8192, 4096), x(4096, 8192), shards=1))
+        # An explicit comm_chunks decides; one rank never rings.
+        self.assertFalse(_sp_ring(layer(4096, 8192, comm_chunks=1), x(8192, 4096)))
+        self.assertTrue(_sp_ring(layer(2048, 4096, comm_chunks=2), x(8192, 2048)))
+        self.assertFalse(_sp_ring(layer(4096, 8192, world=1), x(8192, 4096)))
 
     def test_single_process_is_a_plain_linear(self):
         # No process group: the overlap option changes nothing and needs no collective.

@@ -43,6 +43,7 @@ from absl.testing import absltest, parameterized
 from sparsetp.backends.torch.block import HybridBlock
 from sparsetp.backends.torch.comm import (
     all_gather_to_region,
+    copy_many_to_region,
     gather_from_sequence_region,
     reduce_scatter_from_region,
     scatter_to_sequence_region,
@@ -157,6 +158,22 @@ def _check_comm(rank, world):
         assert torch.equal(g.detach(), full)
         g.backward(grads[0])  # the same (replicated) cotangent on every rank
         assert torch.equal(v.grad, grads[0][..., own, :]), "gather backward keeps own tokens"
+
+    # copy_many_to_region: identity forward; each gradient summed over ranks, one all-reduce
+    # per dtype (float64 twice, float32 once, one unused: its gradient is zero).
+    ts = [ints(40 + i, shp).to(dt).requires_grad_(True) for i, (shp, dt) in enumerate(
+        [((3,), torch.float64), ((2, 2), torch.float32), ((4, 1), torch.float64),
+         ((2,), torch.float32)])]
+    with _recording() as calls:
+        views = copy_many_to_region(ts)
+        assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(views, ts, strict=True))
+        cots = [[ints(50 + 10 * r + i, t.shape).to(t.dtype) for i, t in enumerate(ts)]
+                for r in range(world)]
+        sum((u * c).sum() for u, c in zip(views[:3], cots[rank][:3], strict=True)).backward()
+    for i, t in enumerate(ts[:3]):
+        assert torch.equal(t.grad, sum(c[i] for c in cots)), f"tensor {i}: the sum over ranks"
+    assert torch.equal(ts[3].grad, torch.zeros(2)), "an unused tensor's gradient is zero"
+    assert sorted(calls) == [("all_reduce", 6), ("all_reduce", 7)], calls
     return True
 
 
@@ -497,26 +514,28 @@ class CollectivesTest(absltest.TestCase):
     def test_collective_budget(self):
         """At TP 2 (B=1, N=32, d=64): an SP region opens with one all-gather and closes with
         one reduce-scatter, each of the full [B, N, d] activation (together the bytes of plain
-        TP's all-reduce on a ring); backward mirrors them. Every replicated parameter trained on
-        token shards adds one all-reduce of its d elements (MLP: fc2.bias; block: ln1.weight,
-        ln1.bias, attn.out.bias, ln2.weight, ln2.bias, mlp.fc2.bias). The overlapped column
+        TP's all-reduce on a ring); backward mirrors them. The replicated parameters trained on
+        token shards add all-reduces of their gradients: the MLP's fc2.bias one of its d
+        elements; the block's six (ln1.weight, ln1.bias, attn.out.bias, ln2.weight, ln2.bias,
+        mlp.fc2.bias) one of 6 d elements for all of them. The overlapped column
         backward re-gathers its input (one more all-gather) and issues the gather and the
         reduce-scatter asynchronously. Nothing else runs."""
         act, d = 32 * 64, 64
         ag, rs, ar = ("all_gather", act), ("reduce_scatter", act), ("all_reduce", d)
+        ar6 = ("all_reduce", 6 * d)
         ag_async, rs_async = ("all_gather_async", act), ("reduce_scatter_async", act)
         want = {
             ("mlp", "fwd"): {False: [ag, rs], True: [ag, rs]},
             ("mlp", "bwd"): {False: [ar, ag, rs], True: [ar, ag, ag_async, rs_async]},
             ("block", "fwd"): {False: [ag, rs] * 2, True: [ag, rs] * 2},
-            ("block", "bwd"): {False: [ar] * 6 + [ag, rs] * 2,
-                               True: [ar] * 6 + [ag, ag_async, rs_async] * 2},
+            ("block", "bwd"): {False: [ar6] + [ag, rs] * 2,
+                               True: [ar6] + [ag, ag_async, rs_async] * 2},
         }
         for (layer, pass_), per_mode in want.items():
             for overlap, calls in per_mode.items():
                 got = self.counts[layer, overlap, pass_]
-                # Compared as multisets: which replicated-parameter all-reduce autograd reaches
-                # first is its business; the order that matters is checked below.
+                # Compared as multisets: when autograd reaches the replicated parameters'
+                # all-reduce is its business; the order that matters is checked below.
                 self.assertEqual(collections.Counter(got), collections.Counter(calls),
                                  f"{layer} {pass_} overlap_comm={overlap}: {got}")
 

@@ -11,7 +11,8 @@ are sequence shards ``[B, N / tp, d]`` (rank ``r`` holds tokens ``[r N / tp, (r 
 layer norms and residuals run on the shard, each parallel region opens with an all-gather and
 closes with a reduce-scatter (two of each forward and backward instead of two all-reduces each
 way), and the gradients of the replicated parameters (layer norms, row-parallel biases) are
-all-reduced in backward, so every rank's ``.grad`` is the full gradient, as without SP.
+all-reduced in backward, together in one call, so every rank's ``.grad`` is the full gradient,
+as without SP.
 
 >>> from sparsetp.core import HybridConfig, init_params, patterns as P
 >>> cfg = HybridConfig(d_model=32, num_heads=2, d_ff=64, pattern=P.causal(), block_size=32)
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsetp.backends.torch.comm import all_gather_dim, copy_to_region, group_size
+from sparsetp.backends.torch.comm import all_gather_dim, copy_many_to_region, group_size
 from sparsetp.backends.torch.layers import (
     ParallelMLP,
     ParallelSparseAttention,
@@ -212,15 +213,26 @@ class HybridBlock(nn.Module):
         >>> y = block(x, document_lengths=[[40, 24], [64]])     # doctest: +SKIP
         """
         self._check_input(x)
-        y1 = x + self.attn(self._norm(self.ln1, x), document_lengths=document_lengths)
-        return y1 + self.mlp(self._norm(self.ln2, y1))
-
-    def _norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
-            return ln(x)
-        # Under SP each rank normalises only its own tokens, so the layer-norm parameter
-        # gradients are partial sums over N / tp tokens. copy_to_region (identity forward,
-        # all-reduce backward) makes every rank's .grad the full sum, so replicas stay equal
-        # with no extra call after backward. F.layer_norm is what nn.LayerNorm computes.
-        return F.layer_norm(x, ln.normalized_shape, copy_to_region(ln.weight, self.group),
-                            copy_to_region(ln.bias, self.group), ln.eps)
+            y1 = x + self.attn(self.ln1(x), document_lengths=document_lengths)
+            return y1 + self.mlp(self.ln2(y1))
+        (w1, b1, w2, b2), out_bias, fc2_bias = self._synced_replicas()
+        h = F.layer_norm(x, self.ln1.normalized_shape, w1, b1, self.ln1.eps)
+        y1 = x + self.attn(h, document_lengths=document_lengths, synced_bias=out_bias)
+        h = F.layer_norm(y1, self.ln2.normalized_shape, w2, b2, self.ln2.eps)
+        return y1 + self.mlp(h, synced_bias=fc2_bias)
+
+    def _synced_replicas(self):
+        """The replicated parameters under SP, through one :func:`.copy_many_to_region`.
+
+        Each rank normalises and adds the row layers' biases to its own tokens only, so these
+        parameters' gradients are partial sums over N / tp tokens. One all-reduce at the end of
+        backward (instead of one per parameter) makes every rank's .grad the full sum, so
+        replicas stay equal with no extra call after backward (Megatron instead all-reduces
+        them in its training loop). F.layer_norm is what nn.LayerNorm computes."""
+        lns = [self.ln1.weight, self.ln1.bias, self.ln2.weight, self.ln2.bias]
+        biases = [self.attn.out.bias, self.mlp.fc2.bias]
+        if biases[0] is None:  # config.bias=False: no row-parallel biases
+            return tuple(copy_many_to_region(lns, self.group)), None, None
+        got = copy_many_to_region(lns + biases, self.group)
+        return tuple(got[:4]), got[4], got[5]

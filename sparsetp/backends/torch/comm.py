@@ -61,7 +61,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "group_size", "group_rank", "copy_to_region", "reduce_from_region", "gather_from_region",
+    "group_size", "group_rank", "copy_to_region", "copy_many_to_region", "reduce_from_region",
+    "gather_from_region",
     "scatter_to_region", "all_gather_dim", "all_reduce_", "all_reduce_async",
     "all_gather_to_region",
     "reduce_scatter_from_region", "scatter_to_sequence_region", "gather_from_sequence_region",
@@ -358,6 +359,26 @@ class _CopyToRegion(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
+class _CopyManyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # One flat all-reduce per dtype: every gradient is in by now (autograd runs a node once
+        # all its outputs' gradients are), so one collective replaces one per tensor.
+        out = list(grads)
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            idx = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            flat = torch.cat([grads[i].reshape(-1) for i in idx])
+            _named("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=ctx.group)
+            for i, part in zip(idx, flat.split([grads[i].numel() for i in idx]), strict=True):
+                out[i] = part.view_as(grads[i])
+        return (None, *out)
+
+
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -439,6 +460,21 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
 def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward."""
     return _region(_CopyToRegion, x, group)
+
+
+def copy_many_to_region(tensors, group=None) -> tuple[torch.Tensor, ...]:
+    """:func:`copy_to_region` of several tensors in one collective: identity forward; backward
+    sums their gradients over ``group`` in one all-reduce per dtype, once the last of them is
+    known. For replicated parameters that each rank uses on its own tokens (layer norms and
+    biases under sequence parallelism), so every rank's ``.grad`` is the full sum.
+
+    >>> w, b = copy_many_to_region([ln.weight, ln.bias], group)   # doctest: +SKIP
+    >>> y = F.layer_norm(x_shard, ln.normalized_shape, w, b)      # doctest: +SKIP
+    """
+    tensors = tuple(tensors)
+    if group_size(group) == 1:
+        return tensors
+    return apply_function(_CopyManyToRegion, group, *tensors)
 
 
 def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:

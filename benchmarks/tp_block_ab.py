@@ -1,0 +1,181 @@
+"""Where the TP=2 block's collectives are exposed, and schedules that hide them (issue #26).
+
+Two GPUs. For the ``gpu2`` preset's MLP and HybridBlock, with and without sequence parallelism:
+1. interleaved A/B (``sparsetp.bench.tp._interleaved``) of TP=1 (a one-rank group) and TP=2 arms,
+   so efficiency ``t1 / (2 t2)`` comes from one run; under SP, TP=1 is timed in its own
+   interleaved group on the full input;
+2. a torch-profiler pass per arm: NCCL time with no compute kernel beside it ("exposed"),
+   by NCCL kernel name, and GEMM time by operator and input shapes.
+
+Arms (TP=2): ``auto`` (the library's default); ``outK``: the attention output projection
+(row-parallel) with ``comm_chunks=K`` (under SP, 1 is the plain reduce-scatter, the auto choice
+before session 27; without SP, K pieces make K / 2 all-reduce waves); ``percall``: under SP,
+the replicated parameters' gradients (layer norms, row-parallel biases) all-reduced one call
+each, as before session 27 (the library sums them in one); ``nocomm``: the TP=2 model with its
+collectives removed (:func:`_no_comm`), the ceiling of any schedule. Arms join
+(``out1percall``: the SP block as it was before session 27).
+
+    PYTHONPATH=$PWD python benchmarks/tp_block_ab.py OUT_JSON [rounds]
+"""
+import collections
+import json
+import sys
+import time
+import traceback
+
+
+def _per_param_block(blk):
+    """``blk`` (a sequence-parallel HybridBlock) summing its six replicated parameters'
+    gradients in one all-reduce EACH (``copy_to_region`` per parameter), the block's schedule
+    before session 27; the same numbers."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from sparsetp.backends.torch.comm import copy_to_region  # noqa: PLC0415
+
+    def norm(ln, x):
+        return F.layer_norm(x, ln.normalized_shape, copy_to_region(ln.weight, blk.group),
+                            copy_to_region(ln.bias, blk.group), ln.eps)
+
+    def forward(x):
+        y1 = x + blk.attn(norm(blk.ln1, x))  # the row layers' own copy_to_region on biases
+        return y1 + blk.mlp(norm(blk.ln2, y1))
+    blk.forward = forward
+    return blk
+
+
+def _no_comm(m, solo):
+    """``m`` (a TP=2 MLP or non-SP block) with every linear layer's collectives removed: the
+    same half-width GEMMs, attention heads and replicated work, no communication. Its time is
+    the ceiling any schedule of the collectives can reach."""
+    from sparsetp.backends.torch.layers import _ParallelLinear  # noqa: PLC0415
+
+    for lin in m.modules():
+        if isinstance(lin, _ParallelLinear):
+            lin.world_size, lin.group = 1, solo
+    return m
+
+
+def _profile(m, x, dy, steps=4):
+    """GEMM ms, NCCL ms and exposed NCCL ms by kernel name, per fwd+bwd step."""
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    from tp_profile import _covered, cat  # noqa: PLC0415
+
+    x = x.detach().requires_grad_(True)
+    params = list(m.parameters())
+
+    def step():
+        for q in params:
+            q.grad = None
+        x.grad = None
+        m(x).backward(dy)
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    comp, nccl = [], []
+    sums = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA" or ev.device_time_total <= 0 or ev.name.startswith(
+                "nccl:"):
+            continue
+        c = cat(ev.name)
+        sums[c] += ev.device_time_total / steps / 1e3
+        iv = (ev.time_range.start, ev.time_range.end)
+        (nccl if c == "nccl" else comp).append((iv, ev.name.split("(")[0]))
+    comp_iv = sorted(iv for iv, _ in comp)
+    exposed = collections.Counter()
+    for (s, e), name in nccl:
+        # The part of this NCCL kernel with no compute kernel running beside it.
+        cover = _covered([(max(s, a), min(e, b)) for a, b in comp_iv if a < e and b > s])
+        exposed[name] += (e - s - cover) / steps / 1e3
+    gemms = collections.Counter()
+    for ev in prof.key_averages(group_by_input_shape=True):
+        if ev.key in ("aten::mm", "aten::addmm", "aten::bmm"):  # leaf GEMM ops
+            key = f"{ev.key} {ev.input_shapes} x{ev.count // steps}"
+            gemms[key] += ev.device_time_total / steps / 1e3
+    return dict(by_cat={k: round(v, 3) for k, v in sums.most_common()},
+                gemm_by_shape={k: round(v, 3) for k, v in gemms.most_common(24)},
+                nccl_exposed_by_kernel={k: round(v, 3) for k, v in exposed.most_common()},
+                nccl_exposed_ms=round(sum(exposed.values()), 3))
+
+
+def rank_main(rank, world, port, out, rounds):
+    import torch
+    import torch.distributed as dist
+    from tp_nccl_ctas_ab import init_ranks  # benchmarks/, the script's own directory
+
+    from sparsetp.bench import tp as T
+
+    device, group, _, solo = init_ranks(rank, world, port)
+    spec = T.resolve_spec("gpu2", world, "cuda")
+    cases = [("mlp", False, ("auto", "nocomm")),
+             ("mlp", True, ("auto",)),
+             ("block", False, ("auto", "nocomm")),
+             ("block", True, ("auto", "out1", "percall", "out1percall"))]
+    rows = []
+    for model, sp, arms in cases:
+        gen, x, dy = T._bench_inputs(spec, device)
+        tp1 = T._tp_model(model, spec, solo, device, gen, False, True, None)
+        models = {}
+        for arm in arms:
+            m = T._tp_model(model, spec, group, device, gen, sp, True, None)
+            if arm == "nocomm":
+                _no_comm(m, solo)
+            if "out" in arm:
+                m.attn.out.comm_chunks = int(arm[3])
+            if "percall" in arm:
+                _per_param_block(m)
+            models[arm] = m
+        xs, dys = T._seq_shards(group, x, dy) if sp else (x, dy)
+        row = dict(model=model, sequence_parallel=sp)
+        for mode in ("fwd", "fwd_bwd"):
+            if sp:
+                row[mode] = T._interleaved(models, xs, dys, device, rounds, group, mode=mode)
+                row[mode + "_tp1"] = T._interleaved({"tp1": tp1}, x, dy, device, rounds, group,
+                                                    mode=mode)
+                t1 = row[mode + "_tp1"][f"tp1_{mode}_ms"]
+            else:
+                row[mode] = T._interleaved({"tp1": tp1, **models}, x, dy, device, rounds,
+                                           group, mode=mode)
+                t1 = row[mode][f"tp1_{mode}_ms"]
+            row[mode + "_efficiency"] = {a: round(t1 / (2 * row[mode][f"{a}_{mode}_ms"]), 4)
+                                         for a in arms}
+        row["profile"] = {a: _profile(m, xs, dys) for a, m in models.items()}
+        row["profile"]["tp1"] = _profile(tp1, x, dy)
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+            for a, p in row["profile"].items():
+                print("  ", a, json.dumps(p), flush=True)
+        models = tp1 = m = None
+        torch.cuda.empty_cache()
+        dist.barrier()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(dict(rows=rows, rounds=rounds, torch=torch.__version__,
+                           nccl=".".join(map(str, torch.cuda.nccl.version())),
+                           device=torch.cuda.get_device_name()), f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    import torch.multiprocessing as mp
+    out = sys.argv[1]
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 15
+    t = time.time()
+    mp.spawn(rank_main, args=(2, 29513, out, rounds), nprocs=2, join=True)
+    print(f"done in {time.time() - t:.0f} s")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
