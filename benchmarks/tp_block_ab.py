@@ -13,15 +13,15 @@ before session 27; without SP, K pieces make K / 2 all-reduce waves); ``percall`
 the replicated parameters' gradients (layer norms, row-parallel biases) all-reduced one call
 each, as before session 27 (the library sums them in one); ``nocomm``: the TP=2 model with its
 collectives removed (:func:`_no_comm`), the ceiling of any schedule. Arms join
-(``out1percall``: the SP block as it was before session 27).
+with ``+`` (``out1+percall``: the SP block as it was before session 27); ``fc2xK``: fc2 with
+``comm_chunks=K`` (K / 2 all-reduce waves at TP=2; auto gives 4 pieces at ``gpu2``). ``CASES``
+picks the set: ``final`` (default) or ``waves``.
 
-    PYTHONPATH=$PWD python benchmarks/tp_block_ab.py OUT_JSON [rounds]
+    [CASES=waves] PYTHONPATH=$PWD python benchmarks/tp_block_ab.py OUT_JSON [rounds]
 """
 import collections
 import json
-import sys
-import time
-import traceback
+import os
 
 
 def _per_param_block(blk):
@@ -113,10 +113,13 @@ def rank_main(rank, world, port, out, rounds):
 
     device, group, _, solo = init_ranks(rank, world, port)
     spec = T.resolve_spec("gpu2", world, "cuda")
-    cases = [("mlp", False, ("auto", "nocomm")),
-             ("mlp", True, ("auto",)),
-             ("block", False, ("auto", "nocomm")),
-             ("block", True, ("auto", "out1", "percall", "out1percall"))]
+    cases = {"final": [("mlp", False, ("auto", "nocomm")),
+                       ("mlp", True, ("auto",)),
+                       ("block", False, ("auto", "nocomm")),
+                       ("block", True, ("auto", "out1", "percall", "out1+percall"))],
+             "waves": [("mlp", False, ("auto", "fc2x6", "fc2x8", "nocomm")),
+                       ("block", False, ("auto", "out2", "fc2x8", "out2+fc2x8", "nocomm"))]
+             }[os.environ.get("CASES", "final")]
     rows = []
     for model, sp, arms in cases:
         gen, x, dy = T._bench_inputs(spec, device)
@@ -124,12 +127,17 @@ def rank_main(rank, world, port, out, rounds):
         models = {}
         for arm in arms:
             m = T._tp_model(model, spec, group, device, gen, sp, True, None)
-            if arm == "nocomm":
-                _no_comm(m, solo)
-            if "out" in arm:
-                m.attn.out.comm_chunks = int(arm[3])
-            if "percall" in arm:
-                _per_param_block(m)
+            for part in arm.split("+"):
+                if part == "nocomm":
+                    _no_comm(m, solo)
+                elif part.startswith("out"):
+                    m.attn.out.comm_chunks = int(part[3:])
+                elif part.startswith("fc2x"):
+                    (m if model == "mlp" else m.mlp).fc2.comm_chunks = int(part[4:])
+                elif part == "percall":
+                    _per_param_block(m)
+                elif part != "auto":
+                    raise ValueError(f"unknown arm {part!r}")
             models[arm] = m
         xs, dys = T._seq_shards(group, x, dy) if sp else (x, dy)
         row = dict(model=model, sequence_parallel=sp)
@@ -164,18 +172,6 @@ def rank_main(rank, world, port, out, rounds):
     dist.destroy_process_group()
 
 
-def main():
-    import torch.multiprocessing as mp
-    out = sys.argv[1]
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 15
-    t = time.time()
-    mp.spawn(rank_main, args=(2, 29513, out, rounds), nprocs=2, join=True)
-    print(f"done in {time.time() - t:.0f} s")
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    from tp_nccl_ctas_ab import run_two_ranks  # benchmarks/, the script's own directory
+    run_two_ranks(rank_main, 29513, 15)

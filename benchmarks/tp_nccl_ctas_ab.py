@@ -88,18 +88,21 @@ def rank_main(rank, world, port, out, rounds):
     dist.destroy_process_group()
 
 
-def main():
+def run_two_ranks(rank_main, port: int, default_rounds: int) -> None:
+    """The 2-GPU lab scripts' entry point: ``rank_main(rank, 2, port, OUT_JSON, rounds)`` on two
+    spawned ranks, from ``argv`` ``OUT_JSON [rounds]``; exit status 1 with the traceback on
+    failure."""
     import torch.multiprocessing as mp
-    out = sys.argv[1]
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 9
-    t = time.time()
-    mp.spawn(rank_main, args=(2, 29511, out, rounds), nprocs=2, join=True)
-    print(f"done in {time.time() - t:.0f} s")
-
-
-if __name__ == "__main__":
     try:
-        main()
+        out = sys.argv[1]
+        rounds = int(sys.argv[2]) if len(sys.argv) > 2 else default_rounds
+        t = time.time()
+        mp.spawn(rank_main, args=(2, port, out, rounds), nprocs=2, join=True)
+        print(f"done in {time.time() - t:.0f} s")
     except Exception:
         traceback.print_exc()
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    run_two_ranks(rank_main, 29511, 9)
