@@ -5,7 +5,10 @@ Two GPUs. For the ``gpu2`` preset's MLP and HybridBlock, with and without sequen
    so efficiency ``t1 / (2 t2)`` comes from one run; under SP, TP=1 is timed in its own
    interleaved group on the full input;
 2. a torch-profiler pass per arm: NCCL time with no compute kernel beside it ("exposed"),
-   by NCCL kernel name, and GEMM time by operator and input shapes.
+   by NCCL kernel name, and GEMM time by operator and input shapes;
+3. the mean SM clock and board power of rank 0's GPU while each arm runs (``clocks``): the
+   GEMMs ran 3-8% slower beside the transfers than with no communication, even those with no
+   collective beside them, which the power cap would explain.
 
 Arms (TP=2): ``auto`` (the library's default); ``outK``: the attention output projection
 (row-parallel) with ``comm_chunks=K`` (under SP, 1 is the plain reduce-scatter, the auto choice
@@ -53,6 +56,41 @@ def _no_comm(m, solo):
         if isinstance(lin, _ParallelLinear):
             lin.world_size, lin.group = 1, solo
     return m
+
+
+def _clocks(m, x, dy, gpu: int, steps: int) -> dict | None:
+    """Mean SM clock (MHz) and board power (W) of GPU ``gpu`` while ``m`` runs ``steps`` fwd+bwd
+    steps back to back (``nvidia-smi`` sampled every 50 ms; the first 0.5 s dropped). Every
+    rank runs the same steps (their collectives pair up); only the caller's GPU is read. None
+    without nvidia-smi."""
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    x = x.detach().requires_grad_(True)
+    params = list(m.parameters())
+    log = subprocess.Popen(["nvidia-smi", "-i", str(gpu), "--query-gpu=clocks.sm,power.draw",
+                            "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=subprocess.PIPE, text=True)
+    for i in range(steps):
+        for q in params:
+            q.grad = None
+        x.grad = None
+        m(x).backward(dy)
+        if i % 4 == 3:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    log.terminate()
+    lines = log.communicate()[0].strip().splitlines()[10:]
+    vals = [[float(v) for v in ln.split(",")] for ln in lines if ln.count(",") == 1]
+    if not vals:
+        return None
+    return dict(sm_mhz=round(sum(v[0] for v in vals) / len(vals), 1),
+                watts=round(sum(v[1] for v in vals) / len(vals), 1), samples=len(vals),
+                steps=steps)
 
 
 def _profile(m, x, dy, steps=4):
@@ -153,6 +191,12 @@ def rank_main(rank, world, port, out, rounds):
                 t1 = row[mode][f"tp1_{mode}_ms"]
             row[mode + "_efficiency"] = {a: round(t1 / (2 * row[mode][f"{a}_{mode}_ms"]), 4)
                                          for a in arms}
+        # About 2.5 s of steps per arm, counted on rank 0 so both ranks run the same steps.
+        ms = dict(row["fwd_bwd"], **row.get("fwd_bwd_tp1", {}))
+        counts = [{a: max(8, int(2500 / ms[f"{a}_fwd_bwd_ms"])) for a in [*arms, "tp1"]}]
+        dist.broadcast_object_list(counts, src=0, group=group)
+        row["clocks"] = {a: _clocks(m, xs, dys, rank, counts[0][a]) for a, m in models.items()}
+        row["clocks"]["tp1"] = _clocks(tp1, x, dy, rank, counts[0]["tp1"])
         row["profile"] = {a: _profile(m, xs, dys) for a, m in models.items()}
         row["profile"]["tp1"] = _profile(tp1, x, dy)
         rows.append(row)

@@ -1,0 +1,225 @@
+"""JAX tensor parallelism against its no-communication ceiling (issue #26), 2 devices.
+
+The torch runs of session 27 (``tp_block_ab.py``) showed #26's targets sitting at what TP=2
+reaches with no communication at all. This is the same measurement for the JAX frontend: the
+``gpu2`` preset's MLP and hybrid block (T = 8192, d = 8192, ff = 32768, 64 heads of 128,
+BigBird, bf16), fwd+bwd (``jax.vjp``, the output returned too), arms timed in interleaved
+rounds (a burst of 4 calls each, median per call):
+
+- ``tp1``: every device runs the whole unsharded model on its own copy (so both devices are
+  busy, as in the TP arms: the same power and clocks);
+- ``nocomm``: every device runs its TP=2 shard (half the heads and hidden columns, the
+  replicated layer norms) with no collective (inputs stacked per device, so autodiff adds none);
+  the ceiling of any schedule;
+- ``plain``, ``overlap``, ``sp``, ``sp_overlap``: ``hybrid_block`` / ``parallel_mlp`` at TP=2
+  with ``overlap_comm`` and ``sequence_parallel`` as named.
+
+Efficiency ``t(tp1) / (2 t(arm))``. Also checks that ``plain`` and ``nocomm`` compiled to as
+many / no all-reduces. ``--preset=cpu`` runs tiny shapes on 2 host devices (a functional check).
+
+    PYTHONPATH=$PWD python benchmarks/tp_jax_ab.py --out=OUT.json [--rounds=15]
+
+On the GPU machine jax-triton comes from the carried wheels (carry ``.whl``, BUILD.md)::
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site:$PWD \
+        python3 benchmarks/tp_jax_ab.py --out=$OUT/tp_jax_ab.json
+
+Compiled and run here on 2 host devices only (``--preset=cpu``); not yet on GPUs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("preset", "gpu2", ["gpu2", "cpu"], "shapes: the TP bench's gpu2, or tiny")
+flags.DEFINE_integer("rounds", 15, "interleaved rounds")
+flags.DEFINE_list("models", ["mlp", "block"], "mlp, block")
+flags.DEFINE_string("out", None, "write the result here as JSON")
+
+ARMS = {"plain": {}, "overlap": dict(overlap_comm=True), "sp": dict(sequence_parallel=True),
+        "sp_overlap": dict(sequence_parallel=True, overlap_comm=True)}
+
+
+def _spec():
+    from sparsetp.bench import tp as T  # noqa: PLC0415
+    if FLAGS.preset == "cpu":
+        return dict(batch=1, seq_len=256, d_model=128, num_heads=4, d_ff=512, block_size=32,
+                    dtype="float32")
+    return T.resolve_spec("gpu2", 2, "cuda")
+
+
+def _stacked(a, mesh):
+    """``a`` once per device: ``[2, ...]`` split over ``tp`` (a mapped input, so the
+    transpose of ``shard_map`` adds no collective for it)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+    return jax.device_put(jnp.stack([a, a]), NamedSharding(mesh, P("tp")))
+
+
+def _fwd_bwd(f):
+    import jax  # noqa: PLC0415
+
+    def step(params, x, dy):
+        y, vjp = jax.vjp(f, params, x)
+        return y, vjp(dy)
+    return jax.jit(step)
+
+
+def _block_arms(spec, mesh):
+    """``{arm: (jitted fwd+bwd, args)}`` for the hybrid block."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    from sparsetp.backends.jax.attention import layout_arrays  # noqa: PLC0415
+    from sparsetp.backends.jax.block import (  # noqa: PLC0415
+        _block_local,
+        block_layout,
+        hybrid_block,
+        param_specs,
+        shard_params,
+    )
+    from sparsetp.bench import tp as T  # noqa: PLC0415
+
+    cfg = T._config(spec)
+    rng = np.random.default_rng(0)
+    full = T._jax_block_params(cfg, rng)
+    shape = (spec["batch"], spec["seq_len"], spec["d_model"])
+    x = jax.numpy.asarray(rng.standard_normal(shape, dtype=np.float32), cfg.dtype)
+    dy = jax.numpy.asarray(rng.standard_normal(shape, dtype=np.float32), cfg.dtype)
+    lay = layout_arrays(block_layout(cfg, spec["seq_len"]), head_dim=cfg.head_dim,
+                        dtype=cfg.dtype, static_widths=True)
+    specs = param_specs(cfg, "tp")
+    arms = {}
+
+    def per_device(params, lay_spec, replicated):
+        # Every input mapped over the stacked axis or split as TP splits it; no collective.
+        in_specs = ({n: P("tp") if n in replicated else specs[n] for n in params}, P("tp"),
+                    lay_spec)
+
+        def local(p, xs, lay_):
+            p = {n: (a[0] if n in replicated else a) for n, a in p.items()}
+            return _block_local(p, xs[0], lay_, cfg, None)[None]
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P("tp"))
+
+    everything = set(full)
+    tp1 = per_device(full, lay.partition_specs(None), everything)
+    arms["tp1"] = (_fwd_bwd(lambda p, xs: tp1(p, xs, lay)),
+                   ({n: _stacked(a, mesh) for n, a in full.items()}, _stacked(x, mesh),
+                    _stacked(dy, mesh)))
+    sharded = shard_params(full, cfg, mesh)
+    replicated = {n for n in full if all(ax is None for ax in specs[n])}
+    nocomm = per_device(full, lay.partition_specs("tp"), replicated)
+    arms["nocomm"] = (_fwd_bwd(lambda p, xs: nocomm(p, xs, lay)),
+                      ({n: (_stacked(full[n], mesh) if n in replicated else a)
+                        for n, a in sharded.items()}, _stacked(x, mesh), _stacked(dy, mesh)))
+    for arm, kw in ARMS.items():
+        arms[arm] = (_fwd_bwd(lambda p, x_, kw=kw: hybrid_block(p, x_, cfg, mesh=mesh, **kw)),
+                     (sharded, x, dy))
+    return arms
+
+
+def _mlp_arms(spec, mesh):
+    """``{arm: (jitted fwd+bwd, args)}`` for the MLP (fc1 column, fc2 row)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    from sparsetp.backends.jax.layers import parallel_mlp  # noqa: PLC0415
+
+    d, ff = spec["d_model"], spec["d_ff"]
+    dtype = jnp.dtype(spec["dtype"])
+    k = jax.random.split(jax.random.PRNGKey(0), 6)
+    full = {"w1": (jax.random.normal(k[0], (d, ff)) * d ** -0.5).astype(dtype),
+            "b1": (0.1 * jax.random.normal(k[1], (ff,))).astype(dtype),
+            "w2": (jax.random.normal(k[2], (ff, d)) * ff ** -0.5).astype(dtype),
+            "b2": (0.1 * jax.random.normal(k[3], (d,))).astype(dtype)}
+    specs = {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None), "b2": P()}
+    shape = (spec["batch"], spec["seq_len"], d)
+    x = jax.random.normal(k[4], shape).astype(dtype)
+    dy = jax.random.normal(k[5], shape).astype(dtype)
+
+    def mlp(p, x_, **kw):
+        return parallel_mlp(x_, p["w1"], p["b1"], p["w2"], p["b2"], **kw)
+
+    def per_device(in_param_specs, replicated):
+        def local(p, xs):
+            p = {n: (a[0] if n in replicated else a) for n, a in p.items()}
+            return mlp(p, xs[0], axis_name=None)[None]
+        return jax.shard_map(local, mesh=mesh, in_specs=(in_param_specs, P("tp")),
+                             out_specs=P("tp"))
+
+    arms = {"tp1": (_fwd_bwd(per_device({n: P("tp") for n in full}, set(full))),
+                    ({n: _stacked(a, mesh) for n, a in full.items()}, _stacked(x, mesh),
+                     _stacked(dy, mesh)))}
+    sharded = {n: jax.device_put(a, NamedSharding(mesh, specs[n])) for n, a in full.items()}
+    arms["nocomm"] = (_fwd_bwd(per_device({n: (P("tp") if n == "b2" else specs[n])
+                                           for n in full}, {"b2"})),
+                      ({n: (_stacked(full[n], mesh) if n == "b2" else a)
+                        for n, a in sharded.items()}, _stacked(x, mesh), _stacked(dy, mesh)))
+    for arm, kw in ARMS.items():
+        xspec = P(None, "tp", None) if kw.get("sequence_parallel") else P()
+        f = jax.shard_map(lambda p, x_, kw=kw: mlp(p, x_, axis_name="tp", **kw), mesh=mesh,
+                          in_specs=(specs, xspec), out_specs=xspec)
+        put = lambda a, s=xspec: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+        arms[arm] = (_fwd_bwd(f), (sharded, put(x), put(dy)))
+    return arms
+
+
+def _all_reduces(fn, args) -> int:
+    """All-reduces in the compiled step (async start/done pairs counted once)."""
+    text = fn.lower(*args).compile().as_text()
+    return text.count("all-reduce-start(") + text.count(" all-reduce(")
+
+
+def _interleaved(arms, rounds, burst=4):
+    import jax  # noqa: PLC0415
+    compiled = {}
+    for name, (fn, args) in arms.items():
+        compiled[name] = (fn.lower(*args).compile(), args)
+        jax.block_until_ready(compiled[name][0](*args))
+    per = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, (fn, args) in compiled.items():
+            t = time.perf_counter()
+            for _ in range(burst):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            per[name].append((time.perf_counter() - t) / burst * 1e3)
+    return {name: sorted(v)[len(v) // 2] for name, v in per.items()}
+
+
+def main(argv):
+    del argv
+    if FLAGS.preset == "cpu":
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    import jax  # noqa: PLC0415
+
+    from sparsetp.backends.jax.block import make_mesh  # noqa: PLC0415
+
+    spec = _spec()
+    mesh = make_mesh(2)
+    result = dict(preset=FLAGS.preset, rounds=FLAGS.rounds, jax=jax.__version__,
+                  devices=[str(d) for d in jax.devices()], models={})
+    for model in FLAGS.models:
+        arms = (_mlp_arms if model == "mlp" else _block_arms)(spec, mesh)
+        reduces = {a: _all_reduces(*arms[a]) for a in ("tp1", "nocomm", "plain")}
+        ms = _interleaved(arms, FLAGS.rounds)
+        eff = {a: round(ms["tp1"] / (2 * t), 4) for a, t in ms.items() if a != "tp1"}
+        result["models"][model] = dict(ms=ms, efficiency=eff, all_reduces=reduces)
+        print(model, json.dumps(result["models"][model]), flush=True)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
