@@ -20,6 +20,7 @@ from sparsetp.backends.torch.attention import (
 from sparsetp.backends.torch.block import HybridBlock
 from sparsetp.backends.torch.comm import (
     all_gather_to_region,
+    copy_many_to_region,
     copy_to_region,
     gather_from_region,
     gather_from_sequence_region,
@@ -49,7 +50,8 @@ from sparsetp.core import GPTConfig, HybridConfig, init_gpt_params, init_params,
 __all__ = [
     "sparse_attention", "forward_kernel", "backward_kernel", "SparseAttention",
     "naive_sparse_attention", "dense_attention",
-    "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
+    "copy_to_region", "copy_many_to_region", "reduce_from_region", "gather_from_region",
+    "scatter_to_region",
     "all_gather_to_region", "reduce_scatter_from_region", "scatter_to_sequence_region",
     "gather_from_sequence_region",
     "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSparseAttention",

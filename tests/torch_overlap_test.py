@@ -29,12 +29,14 @@ pieces interleaved with asynchronous collectives.
 from __future__ import annotations
 
 import types
+from unittest import mock
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from absl.testing import absltest, parameterized
 
+from sparsetp.backends.torch import layers as layers_module
 from sparsetp.backends.torch.block import HybridBlock
 from sparsetp.backends.torch.layers import (
     ColumnParallelLinear,
@@ -379,6 +381,10 @@ class OverlapTest(parameterized.TestCase):
         self.assertFalse(_sp_ring(layer(4096, 8192, comm_chunks=1), x(8192, 4096)))
         self.assertTrue(_sp_ring(layer(2048, 4096, comm_chunks=2), x(8192, 2048)))
         self.assertFalse(_sp_ring(layer(4096, 8192, world=1), x(8192, 4096)))
+        # Under torch.compile (no async collectives) every layer takes the plain path.
+        with mock.patch.object(layers_module, "_can_overlap", lambda: False):
+            self.assertFalse(_sp_ring(layer(4096, 8192), x(8192, 4096)))
+            self.assertFalse(_sp_ring(layer(4096, 8192, comm_chunks=2), x(8192, 4096)))
 
     def test_single_process_is_a_plain_linear(self):
         # No process group: the overlap option changes nothing and needs no collective.

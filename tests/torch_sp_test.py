@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import unittest
 
 import numpy as np
@@ -164,8 +165,10 @@ def _check_comm(rank, world):
     ts = [ints(40 + i, shp).to(dt).requires_grad_(True) for i, (shp, dt) in enumerate(
         [((3,), torch.float64), ((2, 2), torch.float32), ((4, 1), torch.float64),
          ((2,), torch.float32)])]
+    frozen = ints(49, (5,))  # no grad: returned as is, not reduced
     with _recording() as calls:
-        views = copy_many_to_region(ts)
+        *views, same = copy_many_to_region([*ts, frozen])
+        assert same is frozen
         assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(views, ts, strict=True))
         cots = [[ints(50 + 10 * r + i, t.shape).to(t.dtype) for i, t in enumerate(ts)]
                 for r in range(world)]
@@ -174,6 +177,15 @@ def _check_comm(rank, world):
         assert torch.equal(t.grad, sum(c[i] for c in cots)), f"tensor {i}: the sum over ranks"
     assert torch.equal(ts[3].grad, torch.zeros(2)), "an unused tensor's gradient is zero"
     assert sorted(calls) == [("all_reduce", 6), ("all_reduce", 7)], calls
+    # Each gradient owns its storage (not a view of the all-reduced buffer).
+    ptrs = {t.grad.untyped_storage().data_ptr() for t in ts}
+    assert len(ptrs) == len(ts), "gradients share a buffer"
+    try:
+        copy_many_to_region([ts[0], None])
+    except ValueError as e:
+        assert "tensors[1] must be a torch.Tensor" in str(e), e
+    else:
+        raise AssertionError("None in tensors was accepted")
     return True
 
 
@@ -410,6 +422,7 @@ def _count_collectives(rank, world):
     """Collectives of the SP MLP and SP block forward and backward, both overlap modes;
     returns ``{(layer, overlap, pass): [(kind, elements), ...]}``."""
     cfg = HybridConfig(d_model=64, num_heads=4, d_ff=128, pattern=P.causal(), block_size=16)
+    nobias = dataclasses.replace(cfg, bias=False)
     params = init_params(cfg, 5)
     g = dist_utils.generator(3)
     x0, dy = (torch.randn(1, 32 // world, 64, generator=g) for _ in range(2))
@@ -418,7 +431,10 @@ def _count_collectives(rank, world):
         layers = {"mlp": ParallelMLP(64, 128, seed=1, overlap_comm=overlap,
                                      sequence_parallel=True),
                   "block": HybridBlock.from_params(cfg, params, overlap_comm=overlap,
-                                                   sequence_parallel=True)}
+                                                   sequence_parallel=True),
+                  "block_nobias": HybridBlock.from_params(
+                      nobias, init_params(nobias, 5), overlap_comm=overlap,
+                      sequence_parallel=True)}
         for name, layer in layers.items():
             x = x0.clone().requires_grad_(True)
             with _recording() as fwd:
@@ -484,6 +500,23 @@ class SingleProcessTest(parameterized.TestCase):
                 _agree(u, v, dtype, f"{what} param grad {i}", grad=True, reduced=tokens)
         self.assertIn("sequence_parallel=True", repr(a))
 
+    def test_synced_bias_errors_name_the_argument(self):
+        sp = RowParallelLinear(8, 4, sequence_parallel=True, seed=0)
+        x = torch.randn(1, 3, 8)
+        self.assertTrue(torch.equal(sp(x, synced_bias=sp.bias), sp(x)))
+        cases = [(sp, torch.ones(1), "must have the bias's shape"),
+                 (sp, sp.bias.double(), "must have the bias's shape"),
+                 (sp, 3.0, "must be a torch.Tensor"),
+                 (RowParallelLinear(8, 4, seed=0), torch.ones(4), "sequence_parallel=True"),
+                 (RowParallelLinear(8, 4, bias=False, sequence_parallel=True, seed=0),
+                  torch.ones(4), "has no bias")]
+        for layer, bad, msg in cases:
+            with self.assertRaisesRegex(ValueError, "synced_bias.*" + msg):
+                layer(x, synced_bias=bad)
+        mlp = ParallelMLP(8, 16, sequence_parallel=True, seed=0)
+        with self.assertRaisesRegex(ValueError, "synced_bias must have"):
+            mlp(x, synced_bias=torch.ones(2))
+
     def test_row_sp_needs_parallel_input(self):
         with self.assertRaisesRegex(ValueError, "sequence_parallel=True needs "
                                                 "input_is_parallel=True"):
@@ -530,6 +563,11 @@ class CollectivesTest(absltest.TestCase):
             ("block", "fwd"): {False: [ag, rs] * 2, True: [ag, rs] * 2},
             ("block", "bwd"): {False: [ar6] + [ag, rs] * 2,
                                True: [ar6] + [ag, ag_async, rs_async] * 2},
+            # bias=False: only the four layer-norm parameters, 4 d elements.
+            ("block_nobias", "fwd"): {False: [ag, rs] * 2, True: [ag, rs] * 2},
+            ("block_nobias", "bwd"): {False: [("all_reduce", 4 * d)] + [ag, rs] * 2,
+                                      True: [("all_reduce", 4 * d)]
+                                      + [ag, ag_async, rs_async] * 2},
         }
         for (layer, pass_), per_mode in want.items():
             for overlap, calls in per_mode.items():

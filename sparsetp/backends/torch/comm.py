@@ -375,7 +375,9 @@ class _CopyManyToRegion(torch.autograd.Function):
             flat = torch.cat([grads[i].reshape(-1) for i in idx])
             _named("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=ctx.group)
             for i, part in zip(idx, flat.split([grads[i].numel() for i in idx]), strict=True):
-                out[i] = part.view_as(grads[i])
+                # Own storage each: autograd keeps these as .grad, and views of one buffer
+                # would tie the six gradients' lifetimes (and torch.save sizes) together.
+                out[i] = part.view_as(grads[i]).clone()
         return (None, *out)
 
 
@@ -468,13 +470,24 @@ def copy_many_to_region(tensors, group=None) -> tuple[torch.Tensor, ...]:
     known. For replicated parameters that each rank uses on its own tokens (layer norms and
     biases under sequence parallelism), so every rank's ``.grad`` is the full sum.
 
+    Tensors that do not require grad are returned as they are (no all-reduce for them); one
+    that requires grad but is not used gets a zero gradient, not None (all ranks reduce the
+    same buffer either way).
+
     >>> w, b = copy_many_to_region([ln.weight, ln.bias], group)   # doctest: +SKIP
     >>> y = F.layer_norm(x_shard, ln.normalized_shape, w, b)      # doctest: +SKIP
     """
     tensors = tuple(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
     if group_size(group) == 1:
         return tensors
-    return apply_function(_CopyManyToRegion, group, *tensors)
+    grad = [i for i, t in enumerate(tensors) if t.requires_grad]
+    if not grad:
+        return tensors
+    got = iter(apply_function(_CopyManyToRegion, group, *(tensors[i] for i in grad)))
+    return tuple(next(got) if t.requires_grad else t for t in tensors)
 
 
 def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -158,6 +158,10 @@ def _autocast_backward(backward):
 # lost up to 2x below it (d = 2048-4096; benchmarks/KERNEL_NOTES.md, "TP overlap").
 MIN_PIECE_FLOPS = 2 ** 39
 MAX_CHUNKS = 4
+# A sequence-parallel ring's pieces are the tp token shards, so it adds no collective, only
+# smaller GEMMs: it paid (0.4-1.1% fwd+bwd) for a whole GEMM of 2**39 FLOPs, pieces of 2**38,
+# measured at TP=2 and 8192 tokens only (benchmarks/KERNEL_NOTES.md, "TP overlap", session 27).
+MIN_SP_RING_FLOPS = 2 ** 39
 
 
 def _check_comm_chunks(comm_chunks):
@@ -197,14 +201,13 @@ def _pieces(layer, x: torch.Tensor, shards: int = 1) -> int:
 def _sp_ring(layer, x: torch.Tensor, shards: int = 1) -> bool:
     """Whether sequence-parallel ``layer`` runs its collective as a ring under the GEMM
     (:mod:`.collective_matmul`). Auto: when the whole GEMM has at least
-    :data:`MIN_PIECE_FLOPS`. The ring's pieces are the ``tp`` token shards, so unlike the
-    all-reduce waves it adds no collective, only smaller GEMMs; on 2 GPUs at ``d = 8192`` the
-    attention output projection (2**39 FLOPs) was 0.4-1.1% faster fwd+bwd as a ring than with
-    its reduce-scatter and backward all-gather exposed."""
+    :data:`MIN_SP_RING_FLOPS` (on 2 GPUs, 8192 tokens at ``d = 8192``, that takes in the
+    attention output projection, whose reduce-scatter and backward all-gather were exposed);
+    an explicit ``comm_chunks`` above 1 rings; never on one rank or under torch.compile."""
     if layer.comm_chunks is not None or layer.world_size == 1 or not _can_overlap():
         return _pieces(layer, x, shards) > 1
     tokens = x.numel() // x.shape[-1] * shards
-    return 2.0 * tokens * layer.weight.shape[0] * layer.weight.shape[1] >= MIN_PIECE_FLOPS
+    return 2.0 * tokens * layer.weight.shape[0] * layer.weight.shape[1] >= MIN_SP_RING_FLOPS
 
 
 def _waves(layer, x: torch.Tensor) -> int:
@@ -632,8 +635,7 @@ class RowParallelLinear(_ParallelLinear):
         caller's :func:`.copy_many_to_region`, which then sums its gradient over the group
         together with its other replicated parameters' (one all-reduce for all of them, as
         :class:`~sparsetp.backends.torch.block.HybridBlock` does); None: the layer does it."""
-        if synced_bias is not None and not (self.sequence_parallel and self.bias is not None):
-            raise ValueError("synced_bias is only for a sequence-parallel layer with a bias")
+        self._check_synced_bias(synced_bias)
         if self.sequence_parallel:
             if self.overlap_comm and _sp_ring(self, x):
                 y_shard = apply_function(_RowLinearSequenceParallel, x, self.weight, self.group)
@@ -656,6 +658,24 @@ class RowParallelLinear(_ParallelLinear):
             return _matmul_bias(x_local, self.weight, self.bias)
         return apply_function(_RowLinear, x_local, self.weight, self.bias, self.group,
                               self.rank == 0, _waves(self, x_local) if self.overlap_comm else 0)
+
+
+    def _check_synced_bias(self, synced_bias) -> None:
+        """ValueError naming ``synced_bias`` unless it is None or stands for this layer's bias
+        (a tensor of its shape and dtype, on a sequence-parallel layer that has a bias)."""
+        if synced_bias is None:
+            return
+        if not self.sequence_parallel:
+            raise ValueError("synced_bias is only for a sequence_parallel=True layer")
+        if self.bias is None:
+            raise ValueError("synced_bias was given but the layer has no bias (bias=False)")
+        if not isinstance(synced_bias, torch.Tensor):
+            raise ValueError(f"synced_bias must be a torch.Tensor, got "
+                             f"{type(synced_bias).__name__}")
+        if synced_bias.shape != self.bias.shape or synced_bias.dtype != self.bias.dtype:
+            raise ValueError(f"synced_bias must have the bias's shape {tuple(self.bias.shape)} "
+                             f"and dtype {self.bias.dtype}, got {tuple(synced_bias.shape)} "
+                             f"{synced_bias.dtype}")
 
 
 class ParallelMLP(nn.Module):
@@ -695,6 +715,7 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor, *, synced_bias: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``synced_bias``: fc2's, as :meth:`RowParallelLinear.forward` takes it."""
+        self.fc2._check_synced_bias(synced_bias)  # before any collective
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"), synced_bias=synced_bias)
 
 
@@ -777,6 +798,7 @@ class ParallelSparseAttention(PatternModule):
                 synced_bias: torch.Tensor | None = None) -> torch.Tensor:
         """``synced_bias``: the output projection's, as :meth:`RowParallelLinear.forward`
         takes it."""
+        self.out._check_synced_bias(synced_bias)  # before any collective
         # [B, N, Hk_l * (G + 2) * hd] (under SP, gathered from N / tp tokens); group-major columns
         qkv_local = self.qkv(x)
         b, n, _ = qkv_local.shape
