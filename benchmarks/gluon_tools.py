@@ -35,21 +35,17 @@ def run_cases(measure, seq_lens, patterns, out: str | None = None,
     return records
 
 
-def tma_desc(t, rows: int, cols: int | None = None, width: int | None = None, layout=None):
-    """A host TMA descriptor of the contiguous ``t`` viewed as ``[numel / width, width]``
-    (``width`` D, its last dimension, by default: the library's kernels read ``[B * H * N, D]``
-    this way), boxes of ``rows`` x ``cols`` (all columns by default), in ``layout`` (the
-    default NVMMA layout of the box by default)."""
+def tma_desc(t, rows: int):
+    """A host TMA descriptor of the contiguous ``t`` viewed as ``[numel / D, D]``, boxes of
+    ``rows`` rows (the library's kernels read ``[B * H * N, D]`` this way)."""
     from triton.experimental.gluon import language as gl  # noqa: PLC0415
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
 
-    width = width or t.shape[-1]
-    cols = cols or width
-    gdt = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16,
-           "torch.float32": gl.float32}[str(t.dtype)]
-    t2 = t.reshape(-1, width)
-    lay = layout or gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)
-    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [rows, cols], lay)
+    d = t.shape[-1]
+    gdt = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}[str(t.dtype)]
+    t2 = t.reshape(-1, d)
+    lay = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
+    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [rows, d], lay)
 
 
 def list_args(meta) -> tuple:

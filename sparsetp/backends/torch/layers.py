@@ -190,11 +190,16 @@ def forward_chunks(comm_chunks: int | None, tokens: int, world: int, flops: floa
     return max(1, min(comm_chunks, tokens))
 
 
-def _pieces(layer, x: torch.Tensor, shards: int = 1) -> int:
-    """:func:`forward_chunks` of ``layer`` for input ``x`` (``shards``: its tokens are a
+def _gemm(layer, x: torch.Tensor, shards: int = 1) -> tuple[int, float]:
+    """``(tokens, FLOPs)`` of ``layer``'s GEMM on input ``x`` (``shards``: its tokens are a
     sequence shard of that many)."""
     tokens = x.numel() // x.shape[-1] * shards
-    flops = 2.0 * tokens * layer.weight.shape[0] * layer.weight.shape[1]
+    return tokens, 2.0 * tokens * layer.weight.shape[0] * layer.weight.shape[1]
+
+
+def _pieces(layer, x: torch.Tensor, shards: int = 1) -> int:
+    """:func:`forward_chunks` of ``layer`` for input ``x``."""
+    tokens, flops = _gemm(layer, x, shards)
     return forward_chunks(layer.comm_chunks, tokens, layer.world_size, flops)
 
 
@@ -206,8 +211,7 @@ def _sp_ring(layer, x: torch.Tensor, shards: int = 1) -> bool:
     an explicit ``comm_chunks`` above 1 rings; never on one rank or under torch.compile."""
     if layer.comm_chunks is not None or layer.world_size == 1 or not _can_overlap():
         return _pieces(layer, x, shards) > 1
-    tokens = x.numel() // x.shape[-1] * shards
-    return 2.0 * tokens * layer.weight.shape[0] * layer.weight.shape[1] >= MIN_SP_RING_FLOPS
+    return _gemm(layer, x, shards)[1] >= MIN_SP_RING_FLOPS
 
 
 def _waves(layer, x: torch.Tensor) -> int:
