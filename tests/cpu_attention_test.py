@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from sparsetp.backends.jax import attention as jattn  # noqa: E402
+from sparsetp.backends.jax import compat  # noqa: E402
 from sparsetp.backends.jax import cpu as jcpu  # noqa: E402
 from sparsetp.backends.torch import attention as tattn  # noqa: E402
 from sparsetp.backends.torch import cpu as tcpu  # noqa: E402
@@ -237,6 +238,37 @@ class JaxNativeTransformsTest(absltest.TestCase):
         for name, g, r in zip(("dq", "dk", "dv"), grads,
                               reference.attention_grad(q, k, v, layout, d_out), strict=True):
             tu.assert_close(np.asarray(g), r, "float32", grad=True, reduced=2, what=name)
+
+    def test_loop_steps_inside_shard_map(self):
+        """The loop's carry inside ``shard_map`` (``check_vma=True``) with the heads split over
+        two devices: it must start varying like the steps' results, or tracing fails (on a GPU
+        too: ``platform_dependent`` traces this branch there). The oracle's numbers per shard."""
+        layout, q, k, v, d_out = _case("bigbird", 216, 216, 16, 2, 1)  # one shard's heads
+        q, d_out = (np.concatenate([x, -0.5 * x], axis=1) for x in (q, d_out))  # H = 4
+        k, v = (np.concatenate([x, 2.0 * x], axis=1) for x in (k, v))  # H_kv = 2
+        lay = jattn.layout_arrays(layout)
+        mesh = compat.auto_mesh((2,), ("tp",), devices=jax.devices("cpu")[:2])
+        heads = jax.sharding.PartitionSpec(None, "tp")
+
+        def loss(q, k, v):
+            def local(q, k, v, d_out):
+                return jax.lax.psum(jnp.vdot(jattn.sparse_attention(q, k, v, lay), d_out), "tp")
+            return jax.shard_map(local, mesh=mesh, in_specs=(heads,) * 4,
+                                 out_specs=jax.sharding.PartitionSpec(),
+                                 check_vma=True)(q, k, v, d_out)
+
+        with mock.patch.object(jcpu, "CHUNK_ELEMENTS", 16 * 16 * 5 * 8):
+            jax.clear_caches()
+            self.addCleanup(jax.clear_caches)
+            plan = jcpu._plan(1, 2, layout.num_blocks, 16, D, lay.widest_row, lay.row_widths)
+            self.assertTrue(any((t1 - t0) // ct * (2 // hc) > 1 for t0, t1, _, ct, hc in plan))
+            grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        for shard in range(2):
+            hq, hk = slice(2 * shard, 2 * shard + 2), slice(shard, shard + 1)
+            want = reference.attention_grad(q[:, hq], k[:, hk], v[:, hk], layout, d_out[:, hq])
+            for name, g, r, sl in zip(("dq", "dk", "dv"), grads, want, (hq, hk, hk), strict=True):
+                tu.assert_close(np.asarray(g)[:, sl], r, "float32", grad=True, reduced=2,
+                                what=f"shard {shard} {name}")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sparsetp.backends.jax import compat
+
 __all__ = ["forward", "backward", "CHUNK_ELEMENTS"]
 
 # Elements of the largest temporary of one loop step (2 MiB of fp32). Small, because XLA's CPU
@@ -114,11 +116,15 @@ def _plan(b, h, nt, bs, d, w, widths):
     return runs
 
 
-def _steps(runs, h: int, step, carry):
+def _steps(runs, h: int, step, carry, operands):
     """``carry = step(carry, t0, ct, w_c, h0, hc)`` for query tiles ``[t0, t0 + ct)`` of heads
     ``[h0, h0 + hc)`` over every run: a ``fori_loop`` over a run's whole steps (starts traced:
     one small set of temporaries that every step reuses, where a program's large temporaries
-    are mapped and zeroed afresh by each call), then one step of the rest."""
+    are mapped and zeroed afresh by each call), then one step of the rest. Inside
+    ``shard_map`` the carry starts varying over every mesh axis an array of ``operands`` (a
+    pytree) varies over, as the steps' results do: a loop's carry must keep its type."""
+    axes = frozenset().union(*map(compat.varying_axes, jax.tree.leaves(operands)))
+    carry = tuple(compat.mark_varying(c, axes) for c in carry)
     for t0, t1, w_c, ct, hc in runs:
         groups, whole = h // hc, (t1 - t0) // ct
 
@@ -214,7 +220,8 @@ def forward(q, k, v, meta, scale: float, *, widest: int | tuple = 0):
         return _put(out, o, h0, t0), _put(lse, (m + jnp.log(denom))[..., 0], h0, t0)
 
     out, lse = _steps(_plan(b, h, nt, bs, d, w, _bounds(widest)[2]), h, step,
-                      (jnp.zeros((b, h, nt, bs, d), cdt), jnp.zeros((b, h, nt, bs), cdt)))
+                      (jnp.zeros((b, h, nt, bs, d), cdt), jnp.zeros((b, h, nt, bs), cdt)),
+                      (q, k, v, meta))
     out = out.reshape(b, h, nt * bs, d)[:, :, :n]
     lse = lse.reshape(b, h, nt * bs)[:, :, :n]
     return out.astype(q.dtype), lse
@@ -266,7 +273,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, meta, scale: float, *, widest: int
     dq, dk_t, dv_t = _steps(_plan(b, h, nt, bs, d, w, _bounds(widest)[2]), h, step,
                             (jnp.zeros((b, h, nt, bs, d), cdt),
                              jnp.zeros((b, h_kv * kt_n, d, bs), cdt),
-                             jnp.zeros((b, h_kv * kt_n, d, bs), cdt)))
+                             jnp.zeros((b, h_kv * kt_n, d, bs), cdt)),
+                            (q, k, v, out, lse, d_out, d_lse, meta))
     dq = dq.reshape(b, h, nt * bs, d)[:, :, :n]
     dk = dk_t.swapaxes(-1, -2).reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]
     dv = dv_t.swapaxes(-1, -2).reshape(b, h_kv, kt_n * bs, d)[:, :, :n_k]
