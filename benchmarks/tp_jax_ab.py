@@ -29,8 +29,10 @@ Compiled and run here on 2 host devices only (``--preset=cpu``); not yet on GPUs
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import time
 
 from absl import app, flags
@@ -40,6 +42,9 @@ flags.DEFINE_enum("preset", "gpu2", ["gpu2", "cpu"], "shapes: the TP bench's gpu
 flags.DEFINE_integer("rounds", 15, "interleaved rounds")
 flags.DEFINE_list("models", ["mlp", "block"], "mlp, block")
 flags.DEFINE_string("out", None, "write the result here as JSON")
+flags.DEFINE_bool("profile", False, "also trace each arm (GPU): kernel time by kind, NCCL with "
+                  "no compute beside it, and what XLA scheduled between each collective's "
+                  "start and done")
 
 ARMS = {"plain": {}, "overlap": dict(overlap_comm=True), "sp": dict(sequence_parallel=True),
         "sp_overlap": dict(sequence_parallel=True, overlap_comm=True)}
@@ -121,8 +126,9 @@ def _block_arms(spec, mesh):
                       ({n: (_stacked(full[n], mesh) if n in replicated else a)
                         for n, a in sharded.items()}, _stacked(x, mesh), _stacked(dy, mesh)))
     for arm, kw in ARMS.items():
+        sp = kw.get("sequence_parallel", False)
         arms[arm] = (_fwd_bwd(lambda p, x_, kw=kw: hybrid_block(p, x_, cfg, mesh=mesh, **kw)),
-                     (sharded, x, dy))
+                     (sharded, *(T._jax_block_input(a, cfg, mesh, sp) for a in (x, dy))))
     return arms
 
 
@@ -180,6 +186,81 @@ def _all_reduces(fn, args) -> int:
     return text.count("all-reduce-start(") + text.count(" all-reduce(")
 
 
+def _schedule(text: str) -> list:
+    """For each async collective of the compiled step's entry computation (in XLA's schedule
+    order): its kind, its result shape and how many GEMMs and other ops run between its start
+    and its done, which is all the overlap XLA can give it."""
+    entry = text[text.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    open_, rows = {}, []
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\(", line)
+        if not m:
+            continue
+        name, shape, op = m.groups()
+        kind = op[:-6] if op.endswith("-start") else ""
+        if kind == "async":  # a collective XLA wraps in an async computation
+            kind = next((c for c in _COLLECTIVES if c in line), "")
+        if kind in _COLLECTIVES:
+            open_[name] = dict(op=kind, shape=shape[:60], gemms=0, ops=0)
+        elif op.endswith("-done"):
+            start = re.search(r"-done\(%?([\w.\-]+)", line)
+            if start and start.group(1) in open_:
+                rows.append(open_.pop(start.group(1)))
+        else:
+            gemm = "gemm" in line or "__cublas" in line or "dot(" in line
+            for row in open_.values():
+                row["ops"] += 1
+                row["gemms"] += gemm
+    return rows
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def _trace(fn, args, steps=3) -> dict:
+    """Kernel ms per step by kind on the first GPU, and NCCL ms with no other kernel running
+    beside it, from a JAX profiler trace (Perfetto JSON)."""
+    import gzip  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    from tp_profile import _covered, cat  # noqa: PLC0415
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        path = next(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs
+                    if f == "perfetto_trace.json.gz")
+        events = json.load(gzip.open(path))["traceEvents"]
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and e["args"]["name"].startswith("/device:GPU:0")}
+    kern = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur")]
+    sums, comp, nccl = collections.Counter(), [], []
+    copies = collections.Counter()  # copies and fills by kernel and XLA op: none in nocomm
+    for e in kern:
+        c = cat(e["name"])
+        sums[c] += e["dur"] / steps / 1e3
+        if c == "copy":
+            args = e.get("args", {})
+            op = args.get("hlo_op") or args.get("long_name") or ""
+            copies[f"{e['name'][:40]} {op[:60]}"] += e["dur"] / steps / 1e3
+        (nccl if c == "nccl" else comp).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    comp_iv = sorted((a, b) for a, b, _ in comp)
+    exposed = collections.Counter()
+    for s_, e_, name in nccl:
+        cover = _covered([(max(s_, a), min(e_, b)) for a, b in comp_iv if a < e_ and b > s_])
+        exposed[name.split("(")[0][:48]] += (e_ - s_ - cover) / steps / 1e3
+    return dict(by_cat={k: round(v, 3) for k, v in sums.most_common()},
+                nccl_exposed_ms=round(sum(exposed.values()), 3),
+                nccl_exposed_by_kernel={k: round(v, 3) for k, v in exposed.most_common(6)},
+                copies={k: round(v, 3) for k, v in copies.most_common(8)},
+                event_args=sorted({k for e in kern for k in e.get("args", {})})[:20])
+
+
 def _interleaved(arms, rounds, burst=4):
     import jax  # noqa: PLC0415
     compiled = {}
@@ -215,6 +296,12 @@ def main(argv):
         ms = _interleaved(arms, FLAGS.rounds)
         eff = {a: round(ms["tp1"] / (2 * t), 4) for a, t in ms.items() if a != "tp1"}
         result["models"][model] = dict(ms=ms, efficiency=eff, all_reduces=reduces)
+        if FLAGS.profile:
+            result["models"][model]["schedule"] = {
+                a: _schedule(fn.lower(*args).compile().as_text())
+                for a, (fn, args) in arms.items() if a not in ("tp1", "nocomm")}
+            result["models"][model]["trace"] = {a: _trace(fn, args)
+                                                for a, (fn, args) in arms.items()}
         print(model, json.dumps(result["models"][model]), flush=True)
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:

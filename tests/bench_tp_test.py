@@ -124,6 +124,24 @@ class BenchTpTest(absltest.TestCase):
         self.assertEqual({str(a.dtype) for a in params.values()}, {"bfloat16"})
         self.assertEqual(float(params["ln1.weight"].astype("float32").min()), 1.0)
 
+    def test_jax_block_inputs_sit_on_the_mesh(self):
+        """The JAX block stages give hybrid_block x and dy laid out as a previous block leaves
+        them (replicated; split along the tokens under SP), so no timed call copies its input
+        from one device to the others (a cost a model pays once, not per block)."""
+        import jax_test_utils as jtu
+        import numpy as np
+
+        mesh = jtu.mesh(2)
+        cfg = tp._config({**self.spec, "dtype": "float32"})
+        a = np.arange(2 * 8 * 4, dtype=np.float32).reshape(2, 8, 4)
+        for sp, shard_shape in ((False, (2, 8, 4)), (True, (2, 4, 4))):
+            x = tp._jax_block_input(a, cfg, mesh, sp)
+            self.assertEqual(set(x.sharding.device_set), set(mesh.devices.flat), msg=f"sp={sp}")
+            self.assertEqual({s.data.shape for s in x.addressable_shards}, {shard_shape},
+                             msg=f"sp={sp}")
+            self.assertEqual(x.sharding.is_fully_replicated, not sp)
+            np.testing.assert_array_equal(np.asarray(x), a)
+
     def test_comm_table_and_volumes(self):
         comm = self.res["stages"]["comm"]["data"]
         self.assertEqual([c["bytes"] for c in comm], self.spec["comm_sizes"])

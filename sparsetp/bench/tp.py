@@ -953,6 +953,19 @@ def _jax_block_params(cfg, rng) -> dict:
     return full
 
 
+def _jax_block_input(a, cfg, mesh, sequence_parallel=False):
+    """``a`` (host) laid out on ``mesh`` as a block's output leaves it for the next block:
+    replicated, or split along the tokens under sequence parallelism. An array on one device
+    would be copied to the others inside every timed call (a cost a model pays once, at its
+    first layer, not per block)."""
+    import jax  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    spec = P(None, "tp" if sequence_parallel else None, None)
+    return jax.device_put(jax.numpy.asarray(a, cfg.dtype), NamedSharding(mesh, spec))
+
+
 def _jax_stage_block(spec, world):
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -967,8 +980,8 @@ def _jax_stage_block(spec, world):
     for p in tp_sizes(world):
         mesh = make_mesh(p)
         params = shard_params(full, cfg, mesh)
-        x = jax.numpy.asarray(rng.standard_normal(shape, dtype=np.float32), cfg.dtype)
-        dy = jax.numpy.asarray(rng.standard_normal(shape, dtype=np.float32), cfg.dtype)
+        x, dy = (_jax_block_input(rng.standard_normal(shape, dtype=np.float32), cfg, mesh)
+                 for _ in range(2))
 
         def fwd(params, x, mesh=mesh):
             return hybrid_block(params, x, cfg, mesh=mesh)
@@ -1010,7 +1023,8 @@ def _jax_stage_overlap(spec, world):
 
 def _jax_stage_block_overlap(spec, world):
     """The block at TP = world, overlap_comm off and on, without and with sequence
-    parallelism (the caller's global x and dy; hybrid_block splits them as SP needs)."""
+    parallelism (x and dy laid out as the previous block leaves them:
+    :func:`_jax_block_input`)."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -1021,10 +1035,12 @@ def _jax_stage_block_overlap(spec, world):
     mesh = make_mesh(world)
     params = shard_params(_jax_block_params(cfg, rng), cfg, mesh)
     shape = (spec["batch"], spec["seq_len"], spec["d_model"])
-    x = jax.numpy.asarray(rng.standard_normal(shape, dtype=np.float32), cfg.dtype)
-    dy = jax.numpy.asarray(rng.standard_normal(shape, dtype=np.float32), cfg.dtype)
+    x_host, dy_host = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
     rows = []
     for variant, kw in JAX_OVERLAP_VARIANTS.items():
+        sp = kw.get("sequence_parallel", False)
+        x, dy = (_jax_block_input(a, cfg, mesh, sp) for a in (x_host, dy_host))
+
         def fwd(params, x, kw=kw):
             return hybrid_block(params, x, cfg, mesh=mesh, **kw)
 
