@@ -1,6 +1,8 @@
 """Plot ``benchmarks/tp_block_ab.py``'s fwd+bwd efficiencies ``t1 / (2 t2)``: per case (MLP,
 block; plain TP and sequence parallel) one bar per TP=2 arm, the ``nocomm`` arm (no
-collectives: the ceiling of any schedule) hatched, the issue's target as a tick.
+collectives: the ceiling of any schedule) hatched, the issue's target as a tick; where the run
+recorded clocks, each arm's mean SM clock (rank 0's GPU, at the board's power cap) under its
+efficiency.
 
     python benchmarks/plot_tp_ceiling.py --json=benchmarks/results/tp_block_ab_h200x2.json \\
         --out=docs/tp_ceiling_h200x2.png
@@ -34,11 +36,13 @@ def main(argv):
     for row in res["rows"]:
         key = (row["model"], row["sequence_parallel"])
         eff = row["fwd_bwd_efficiency"]
+        clocks = row.get("clocks") or {}
         start = x
         for arm, e in eff.items():
             ax.bar(x, e, 0.8, color="0.75" if arm == "nocomm" else "C0",
                    hatch="//" if arm == "nocomm" else None, edgecolor="k", linewidth=0.5)
-            ax.text(x, e - 0.003, f"{arm}\n{e:.3f}", ha="center", va="top", fontsize=7,
+            mhz = f"\n{clocks[arm]['sm_mhz']:.0f} MHz" if arm in clocks else ""
+            ax.text(x, e - 0.003, f"{arm}\n{e:.3f}{mhz}", ha="center", va="top", fontsize=7,
                     bbox=dict(facecolor="white", edgecolor="none", pad=1), zorder=3)
             x += 1
         ax.hlines(TARGETS[key], start - 0.45, x - 0.55, colors="C3", linestyles="--", zorder=4)

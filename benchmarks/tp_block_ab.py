@@ -6,9 +6,9 @@ Two GPUs. For the ``gpu2`` preset's MLP and HybridBlock, with and without sequen
    interleaved group on the full input;
 2. a torch-profiler pass per arm: NCCL time with no compute kernel beside it ("exposed"),
    by NCCL kernel name, and GEMM time by operator and input shapes;
-3. the mean SM clock and board power of rank 0's GPU while each arm runs (``clocks``): the
-   GEMMs ran 3-8% slower beside the transfers than with no communication, even those with no
-   collective beside them, which the power cap would explain.
+3. the mean SM clock and board power of rank 0's GPU while each arm runs (``clocks``): every
+   arm runs at the 700 W cap, and the TP=2 arms' clocks sit 1.7-2.5% below ``nocomm``'s
+   (session 28), which is why their GEMMs run slower even with no collective beside them.
 
 Arms (TP=2): ``auto`` (the library's default); ``outK``: the attention output projection
 (row-parallel) with ``comm_chunks=K`` (under SP, 1 is the plain reduce-scatter, the auto choice

@@ -15,7 +15,11 @@ rounds (a burst of 4 calls each, median per call):
   with ``overlap_comm`` and ``sequence_parallel`` as named.
 
 Efficiency ``t(tp1) / (2 t(arm))``. Also checks that ``plain`` and ``nocomm`` compiled to as
-many / no all-reduces. ``--preset=cpu`` runs tiny shapes on 2 host devices (a functional check).
+many / no all-reduces. ``--profile`` adds per arm a JAX profiler trace (kernel ms by kind on the
+first GPU, NCCL ms with no other kernel beside it, copies by XLA op) and, per collective of the
+compiled step, the GEMMs and ops XLA scheduled between its start and done. The block's x and dy
+sit on the mesh as a previous block leaves them (``sparsetp.bench.tp._jax_block_input``).
+``--preset=cpu`` runs tiny shapes on 2 host devices (a functional check).
 
     PYTHONPATH=$PWD python benchmarks/tp_jax_ab.py --out=OUT.json [--rounds=15]
 
@@ -25,7 +29,7 @@ On the GPU machine jax-triton comes from the carried wheels (carry ``.whl``, BUI
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site:$PWD \
         python3 benchmarks/tp_jax_ab.py --out=$OUT/tp_jax_ab.json
 
-Compiled and run here on 2 host devices only (``--preset=cpu``); not yet on GPUs.
+Run on 2 H200s in session 28 (``results/tp_jax_ab_h200x2.json``, KERNEL_NOTES "Session 28").
 """
 from __future__ import annotations
 
