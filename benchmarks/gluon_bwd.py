@@ -21,6 +21,8 @@ dQ pass with each half's dQ MMA under the next half's mask and exp (``n2e+dq_asy
 Measured and removed (KERNEL_NOTES, "Session 26" and "Session 27"; their code is at commit
 26ff178): the one-pass backward (form ``f``: the ``n`` program also computes dQ and a writer
 warp adds it by TMA in a fixed turn order; ``w2d``/``w2u``/``w2f``/``w2fu``).
+``--gqa_mha_form`` (KERNEL_NOTES, "Session 28: where GQA's causal backward loses"): GQA's
+dK/dV pass as MHA's, a program per query head, the group's dK, dV summed after.
 
 Compile for sm_90 without a GPU (Triton 3.6 beside the local one)::
 
@@ -60,6 +62,8 @@ flags.DEFINE_integer("heads", 16, "H")
 flags.DEFINE_integer("kv_heads", 0, "H_kv (0: H)")
 flags.DEFINE_integer("rounds", 3, "interleaved timing rounds")
 flags.DEFINE_string("out", None, "write the records here as JSON")
+flags.DEFINE_bool("gqa_mha_form", False, "GQA: also time the dK/dV pass as MHA (one program "
+                  "per query head on K, V repeated per head; the group's dK, dV summed after)")
 
 BLOCK = 128
 SUB = 64  # queries per step (one TMA box of Q and of dO)
@@ -390,6 +394,9 @@ def _measure(spec, q, k, v, d_out):
     rec["bwd_kernel"] = backward_kernel(q, k, v, layout).name
     arms = {"portable": portable_bwd, "library": library_bwd,
             **{v_: (lambda v_=v_: gluon_bwd(v_)) for v_ in FLAGS.variants}}
+    if FLAGS.gqa_mha_form and h_kv < h:
+        arms["mha_form"] = _mha_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout)
+        rec["check"]["mha_form"] = diffs(arms["mha_form"]())
     times = {name: [] for name in arms}
     for _ in range(FLAGS.rounds):
         for name, fn in arms.items():
@@ -397,6 +404,37 @@ def _measure(spec, q, k, v, d_out):
     rec["ms"] = {k_: sorted(t)[len(t) // 2] for k_, t in times.items()}
     rec["kernel_ms"] = {name: _kernel_ms(fn) for name, fn in arms.items()}
     return rec
+
+
+def _mha_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout):
+    """The GQA backward with its dK/dV pass in MHA's form (question: is GQA's causal dK/dV
+    pass slower than MHA's because a program walks its group's heads one after another?): the
+    library's dQ pass, then the library's dK/dV kernel with one program per (key tile, query
+    head) on K, V repeated per query head (made once, outside the timed call: a library form
+    would read kv head h // G instead), then each group's dK, dV summed in float32 in head
+    order (deterministic; the partials are rounded to bf16 first, the library's are not)."""
+    import torch  # noqa: PLC0415
+
+    from sparsetp.kernels import schedule  # noqa: PLC0415
+
+    b, h, n, d = q.shape
+    g = h // k.shape[1]
+    k_x, v_x = (t.repeat_interleave(g, dim=1).contiguous() for t in (k, v))
+    kernel, constexprs = _dkdv_launch(*VARIANTS["n2e"])
+    grid = schedule.list_grid(b, h, n // BLOCK, schedule.grid_group(
+        {"k_head_group": schedule.head_groups(layout)[1]}, "k", b, h))
+
+    def run():
+        dq, delta = torch.empty_like(q), torch.empty_like(lse)
+        dk_h, dv_h = torch.empty_like(q), torch.empty_like(q)
+        hopper._attn_bwd_dq_kernel_sm90[q_grid](
+            *_dq_args(q, k, v, d_out, out, lse, meta, scale, dq, delta), ORDERED=True,
+            **DQ_CONSTEXPRS, num_warps=hopper.NUM_WARPS)
+        kernel[grid](*_dkdv_args(q, k_x, v_x, d_out, lse, delta, meta, scale, dk_h, dv_h),
+                     ORDERED=True, **constexprs, num_warps=4)
+        dk, dv = (t.view(b, h // g, g, n, d).float().sum(2).to(q.dtype) for t in (dk_h, dv_h))
+        return dq, dk, dv
+    return run
 
 
 def main(argv):
