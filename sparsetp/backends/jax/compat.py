@@ -33,8 +33,8 @@ from types import ModuleType
 
 import jax
 
-__all__ = ["jax_triton", "buffer_callback", "varying_axes", "mark_varying", "auto_mesh",
-           "TESTED_JAX_TRITON"]
+__all__ = ["jax_triton", "buffer_callback", "varying_axes", "mark_varying", "mark_varying_like",
+           "auto_mesh", "TESTED_JAX_TRITON"]
 
 # jax-triton versions the GPU path was run with (the GPU suite, BUILD.md).
 # 0.4.x needs Python >= 3.12 and triton >= 3.7 and breaks on jax 0.12 (GPU.md).
@@ -97,6 +97,15 @@ def mark_varying(x, axes: Iterable[str]) -> jax.Array:
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, missing, to="varying")
     return jax.lax.pvary(x, missing)  # JAX before pcast
+
+
+def mark_varying_like(values, operands) -> tuple:
+    """``values`` (a sequence of arrays) each typed as varying over every mesh axis that an
+    array of ``operands`` (a pytree) varies over: what a computation's results are typed as
+    when JAX cannot see that they come from its operands (an opaque call, a loop's carry
+    started from constants)."""
+    axes = frozenset().union(*map(varying_axes, jax.tree.leaves(operands)))
+    return tuple(mark_varying(v, axes) for v in values)
 
 
 def auto_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...],

@@ -123,8 +123,7 @@ def _steps(runs, h: int, step, carry, operands):
     are mapped and zeroed afresh by each call), then one step of the rest. Inside
     ``shard_map`` the carry starts varying over every mesh axis an array of ``operands`` (a
     pytree) varies over, as the steps' results do: a loop's carry must keep its type."""
-    axes = frozenset().union(*map(compat.varying_axes, jax.tree.leaves(operands)))
-    carry = tuple(compat.mark_varying(c, axes) for c in carry)
+    carry = compat.mark_varying_like(carry, operands)
     for t0, t1, w_c, ct, hc in runs:
         groups, whole = h // hc, (t1 - t0) // ct
 

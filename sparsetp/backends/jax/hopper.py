@@ -325,10 +325,9 @@ def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
     rows = {n: operands[n].size // head_dim for n, _ in launch.boxes}
     key = _plan(launch, compiled, operand, array_operand, rows, head_dim)
     ins = [operands[n] for n in in_names] + [launch.args[i] for i in array_pos]
-    axes = frozenset().union(*(compat.varying_axes(a) for a in ins))
     outs = jax.ffi.ffi_call(_TARGET, [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype))
                                       for s in outputs.values()])(*ins, plan=np.int64(key))
-    return {n: compat.mark_varying(o, axes) for n, o in zip(out_names, outs, strict=True)}
+    return dict(zip(out_names, compat.mark_varying_like(outs, ins), strict=True))
 
 
 def warn_fallback(what: str, exc: BaseException) -> None:

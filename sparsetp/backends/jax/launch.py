@@ -178,14 +178,13 @@ def call_kernel(kernel, args: Sequence[Any], *, device_kind: str,
         raise ValueError(f"grid must have 1 to 3 dims, got {grid}")
     out_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes)
     args = [(_normalise_scalar(a) if _is_scalar(a) else jax.numpy.asarray(a)) for a in args]
-    axes = frozenset().union(*(compat.varying_axes(a) for a in args if not _is_scalar(a)))
     if device_kind == "interpreter":
         outs = _call_interpreted(kernel, args, out_shapes, grid, constexprs)
     else:
         outs = compat.jax_triton().triton_call(
             *args, kernel=kernel, out_shape=out_shapes, grid=grid, name=name,
             num_warps=num_warps, num_stages=num_stages, **constexprs)
-    return tuple(compat.mark_varying(o, axes) for o in outs)
+    return compat.mark_varying_like(outs, [a for a in args if not _is_scalar(a)])
 
 
 def _call_interpreted(kernel, args, out_shapes, grid, constexprs):
