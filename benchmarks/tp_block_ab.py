@@ -67,19 +67,16 @@ def _clocks(m, x, dy, gpu: int, steps: int) -> dict | None:
     import subprocess  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
+    from tp_profile import fwd_bwd_step  # noqa: PLC0415
 
     if shutil.which("nvidia-smi") is None:
         return None
-    x = x.detach().requires_grad_(True)
-    params = list(m.parameters())
+    step = fwd_bwd_step(m, x, dy)
     log = subprocess.Popen(["nvidia-smi", "-i", str(gpu), "--query-gpu=clocks.sm,power.draw",
                             "--format=csv,noheader,nounits", "-lms", "50"],
                            stdout=subprocess.PIPE, text=True)
     for i in range(steps):
-        for q in params:
-            q.grad = None
-        x.grad = None
-        m(x).backward(dy)
+        step()
         if i % 4 == 3:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
@@ -97,16 +94,9 @@ def _profile(m, x, dy, steps=4):
     """GEMM ms, NCCL ms and exposed NCCL ms by kernel name, per fwd+bwd step."""
     import torch  # noqa: PLC0415
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-    from tp_profile import _covered, cat  # noqa: PLC0415
+    from tp_profile import cat, exposed_ms, fwd_bwd_step  # noqa: PLC0415
 
-    x = x.detach().requires_grad_(True)
-    params = list(m.parameters())
-
-    def step():
-        for q in params:
-            q.grad = None
-        x.grad = None
-        m(x).backward(dy)
+    step = fwd_bwd_step(m, x, dy)
     for _ in range(2):
         step()
     torch.cuda.synchronize()
@@ -123,14 +113,11 @@ def _profile(m, x, dy, steps=4):
             continue
         c = cat(ev.name)
         sums[c] += ev.device_time_total / steps / 1e3
-        iv = (ev.time_range.start, ev.time_range.end)
-        (nccl if c == "nccl" else comp).append((iv, ev.name.split("(")[0]))
-    comp_iv = sorted(iv for iv, _ in comp)
-    exposed = collections.Counter()
-    for (s, e), name in nccl:
-        # The part of this NCCL kernel with no compute kernel running beside it.
-        cover = _covered([(max(s, a), min(e, b)) for a, b in comp_iv if a < e and b > s])
-        exposed[name] += (e - s - cover) / steps / 1e3
+        if c == "nccl":
+            nccl.append((ev.time_range.start, ev.time_range.end, ev.name.split("(")[0]))
+        else:
+            comp.append((ev.time_range.start, ev.time_range.end))
+    exposed = exposed_ms(comp, nccl, steps)
     gemms = collections.Counter()
     for ev in prof.key_averages(group_by_input_shape=True):
         if ev.key in ("aten::mm", "aten::addmm", "aten::bmm"):  # leaf GEMM ops

@@ -229,7 +229,7 @@ def _trace(fn, args, steps=3) -> dict:
     import tempfile  # noqa: PLC0415
 
     import jax  # noqa: PLC0415
-    from tp_profile import _covered, cat  # noqa: PLC0415
+    from tp_profile import cat, exposed_ms  # noqa: PLC0415
 
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
@@ -252,12 +252,11 @@ def _trace(fn, args, steps=3) -> dict:
             args = e.get("args", {})
             op = args.get("hlo_op") or args.get("long_name") or ""
             copies[f"{e['name'][:40]} {op[:60]}"] += e["dur"] / steps / 1e3
-        (nccl if c == "nccl" else comp).append((e["ts"], e["ts"] + e["dur"], e["name"]))
-    comp_iv = sorted((a, b) for a, b, _ in comp)
-    exposed = collections.Counter()
-    for s_, e_, name in nccl:
-        cover = _covered([(max(s_, a), min(e_, b)) for a, b in comp_iv if a < e_ and b > s_])
-        exposed[name.split("(")[0][:48]] += (e_ - s_ - cover) / steps / 1e3
+        if c == "nccl":
+            nccl.append((e["ts"], e["ts"] + e["dur"], e["name"].split("(")[0][:48]))
+        else:
+            comp.append((e["ts"], e["ts"] + e["dur"]))
+    exposed = exposed_ms(comp, nccl, steps)
     return dict(by_cat={k: round(v, 3) for k, v in sums.most_common()},
                 nccl_exposed_ms=round(sum(exposed.values()), 3),
                 nccl_exposed_by_kernel={k: round(v, 3) for k, v in exposed.most_common(6)},
