@@ -137,51 +137,32 @@ def _block_arms(spec, mesh):
 
 
 def _mlp_arms(spec, mesh):
-    """``{arm: (jitted fwd+bwd, args)}`` for the MLP (fc1 column, fc2 row)."""
+    """``{arm: (jitted fwd+bwd, args)}`` for the MLP (fc1 column, fc2 row): the TP=2 arms are
+    the TP bench's own (:func:`sparsetp.bench.tp._jax_mlp_fns`); ``tp1`` and ``nocomm`` run
+    their weights and inputs."""
     import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    from jax.sharding import NamedSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
     from sparsetp.backends.jax.layers import parallel_mlp  # noqa: PLC0415
+    from sparsetp.bench import tp as T  # noqa: PLC0415
 
-    d, ff = spec["d_model"], spec["d_ff"]
-    dtype = jnp.dtype(spec["dtype"])
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    full = {"w1": (jax.random.normal(k[0], (d, ff)) * d ** -0.5).astype(dtype),
-            "b1": (0.1 * jax.random.normal(k[1], (ff,))).astype(dtype),
-            "w2": (jax.random.normal(k[2], (ff, d)) * ff ** -0.5).astype(dtype),
-            "b2": (0.1 * jax.random.normal(k[3], (d,))).astype(dtype)}
-    specs = {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None), "b2": P()}
-    shape = (spec["batch"], spec["seq_len"], d)
-    x = jax.random.normal(k[4], shape).astype(dtype)
-    dy = jax.random.normal(k[5], shape).astype(dtype)
+    tp2 = {arm: T._jax_mlp_fns(spec, mesh, "tp", dp=False, **kw)[1:] for arm, kw in ARMS.items()}
+    params, x, dy = tp2["plain"][1]
+    full = dict(zip(("w1", "b1", "w2", "b2"), params, strict=True))
+    split = {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None)}  # as TP splits them
 
-    def mlp(p, x_, **kw):
-        return parallel_mlp(x_, p["w1"], p["b1"], p["w2"], p["b2"], **kw)
-
-    def per_device(in_param_specs, replicated):
+    def per_device(kept):
+        """Every device runs the MLP alone: the parameters in ``kept`` as TP splits them, the
+        others (and x, dy) stacked once per device; no collective."""
         def local(p, xs):
-            p = {n: (a[0] if n in replicated else a) for n, a in p.items()}
-            return mlp(p, xs[0], axis_name=None)[None]
-        return jax.shard_map(local, mesh=mesh, in_specs=(in_param_specs, P("tp")),
-                             out_specs=P("tp"))
+            p = {n: (a if n in kept else a[0]) for n, a in p.items()}
+            return parallel_mlp(xs[0], p["w1"], p["b1"], p["w2"], p["b2"], axis_name=None)[None]
+        f = jax.shard_map(local, mesh=mesh, in_specs=(
+            {n: split[n] if n in kept else P("tp") for n in full}, P("tp")), out_specs=P("tp"))
+        return _fwd_bwd(f), ({n: (a if n in kept else _stacked(a, mesh)) for n, a in full.items()},
+                            _stacked(x, mesh), _stacked(dy, mesh))
 
-    arms = {"tp1": (_fwd_bwd(per_device({n: P("tp") for n in full}, set(full))),
-                    ({n: _stacked(a, mesh) for n, a in full.items()}, _stacked(x, mesh),
-                     _stacked(dy, mesh)))}
-    sharded = {n: jax.device_put(a, NamedSharding(mesh, specs[n])) for n, a in full.items()}
-    arms["nocomm"] = (_fwd_bwd(per_device({n: (P("tp") if n == "b2" else specs[n])
-                                           for n in full}, {"b2"})),
-                      ({n: (_stacked(full[n], mesh) if n == "b2" else a)
-                        for n, a in sharded.items()}, _stacked(x, mesh), _stacked(dy, mesh)))
-    for arm, kw in ARMS.items():
-        xspec = P(None, "tp", None) if kw.get("sequence_parallel") else P()
-        f = jax.shard_map(lambda p, x_, kw=kw: mlp(p, x_, axis_name="tp", **kw), mesh=mesh,
-                          in_specs=(specs, xspec), out_specs=xspec)
-        put = lambda a, s=xspec: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
-        arms[arm] = (_fwd_bwd(f), (sharded, put(x), put(dy)))
-    return arms
+    return {"tp1": per_device(set()), "nocomm": per_device(set(split)), **tp2}
 
 
 def _all_reduces(fn, args) -> int:
