@@ -12,7 +12,9 @@ Several arms on a command line: ``--arms='A;B'`` or ``--arms=A --arms=B``.
 
 * ``block=B``: the layout block the pattern is laid out at (default 128, the targets');
 * ``kernel_tile=auto|layout|16|32|64|128``, ``work_order=...``, ``head_group=G``,
-  ``direct_launch=0|1``, ``parallel_compile=0|1``: :class:`sparsetp.kernels.options.LaunchOptions`;
+  ``fwd_kernel=auto|portable|hopper``, ``bwd_kernel=...``, ``direct_launch=0|1``,
+  ``parallel_compile=0|1``, ``native_autograd=0|1``:
+  :class:`sparsetp.kernels.options.LaunchOptions`;
 * ``fwd=SUB/WARPS/STAGES``, ``bwd_dq=...``, ``bwd_dkdv=...``, ``bwd=...`` (both backward list
   kernels): explicit :class:`~sparsetp.kernels.tiles.TileConfig` s. Explicit configs pin the
   kernel tile to the layout block unless ``kernel_tile`` names one (the default policy may run a
@@ -112,8 +114,9 @@ def parse_arm(spec: str) -> Arm:
     if "kernel_tile" in fields:
         kt = fields.pop("kernel_tile")
         opts["kernel_tile"] = int(kt) if kt.isdigit() else kt
-    if "work_order" in fields:
-        opts["work_order"] = fields.pop("work_order")
+    for opt in ("work_order", "fwd_kernel", "bwd_kernel"):
+        if opt in fields:
+            opts[opt] = fields.pop(opt)
     if "head_group" in fields:
         opts["head_group"] = int(fields.pop("head_group"))
     for flag in ("direct_launch", "parallel_compile", "native_autograd"):

@@ -10,6 +10,8 @@ a C++ autograd node launching the same compiled Triton kernels.
   output gradients of other strides (a transposed view, a broadcast from ``.sum()``),
   outputs left in reused NaN-filled memory, a dropped layout before the backward, CUDA-graph
   capture; and the cases that must stay on the Python path do.
+* On an sm_90 GPU: the same node launching the sm_90 kernels, whose TMA descriptors it encodes
+  per call (and their packing checked on every machine against a stand-in compiled kernel).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import gc
 import os
 import struct
 import unittest
+import warnings
 from types import SimpleNamespace
 from unittest import mock
 
@@ -33,10 +36,13 @@ from sparsetp.backends.torch import launch as tlaunch
 from sparsetp.backends.torch import native
 from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
+from sparsetp.kernels import hopper as hopper_kernels
 from sparsetp.kernels import options
 
 CUDA = torch.cuda.is_available()
 NEEDS_CUDA = "needs a CUDA GPU"
+SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
+NEEDS_SM90 = "needs an sm_90 (Hopper) GPU"
 
 
 def _fake_compiled(desc, *, scratch=0, one_is_constexpr=None):
@@ -115,6 +121,77 @@ class NativeCellsTest(absltest.TestCase):
         compiled.src.signature = dict(reversed(list(compiled.src.signature.items())))
         with self.assertRaisesRegex(ValueError, "argument order"):
             native.plan_cells(self.desc, compiled)
+
+
+def _fake_sm90_compiled(launch, one_is_constexpr=None):
+    """A stand-in for Triton's CompiledKernel of sm_90 ``launch``: the Gluon kernel's own
+    parameter names typed as Triton types them (descriptors, pointers, fp32 and i32 scalars,
+    then constexprs), and one TMA record per descriptor."""
+    names = getattr(hopper_kernels, launch.kernel).arg_names
+    values = ([("box", n) for n, _ in launch.boxes] + [("arg", a) for a in launch.args]
+              + [("ptr", n) for n in launch.pointers])
+    signature = {}
+    for i, name in enumerate(names):
+        what, value = values[i] if i < len(values) else ("constexpr", None)
+        signature[name] = ("constexpr" if what == "constexpr" or name == one_is_constexpr
+                           else "tensordesc" if what == "box"
+                           else "*bf16" if what == "ptr" or isinstance(value, torch.Tensor)
+                           else "fp32" if isinstance(value, float) else "i32")
+    metadata = SimpleNamespace(
+        name=launch.kernel, num_warps=4, shared=2048, num_ctas=1, global_scratch_size=0,
+        profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=False,
+        tensordesc_meta=[dict(block_size=[rows, 128], elem_type=9, elem_size=2, swizzle=3)
+                         for _, rows in launch.boxes])
+    return SimpleNamespace(function=777, src=SimpleNamespace(signature=signature),
+                           metadata=metadata)
+
+
+class NativeSm90CellsTest(absltest.TestCase):
+    """``native.sm90_kernel``: the cells, per-call tensors and TMA records handed to C++ for
+    an sm_90 launch (Triton 3.6's packing, ``sparsetp.kernels.hopper.parameters``)."""
+
+    def test_cells_per_call_tensors_and_descriptors(self):
+        lay = make_layout(P.causal(), 256, 2, 128)
+        meta = tlaunch.device_metadata(lay, torch.device("cpu"))
+        launches = hopper_kernels.launches(meta, 1, 2, 1, 256, 256, 0.125, False, 128)
+        fake = SimpleNamespace(Kernel=lambda **kw: kw)  # what the C++ Kernel is handed
+        rows = {"q": 512, "d_out": 512, "k": 256, "v": 256}
+        for which in ("fwd", "dq", "dkdv"):
+            with self.subTest(which):
+                launch = launches[which]
+                k = native.sm90_kernel(fake, which, launch, _fake_sm90_compiled(launch), rows,
+                                       128)
+                names = native.TENSORS[which]
+                # Each descriptor: its tensor, rows, d, box and dtype; the cell after it holds
+                # the view's rows (i32), then d, then the strides d and 1 (i64).
+                self.assertEqual([(names[t[1]], t[2], t[3], t[4], t[5], t[6], t[7])
+                                  for t in k["tma"]],
+                                 [(n, rows[n], 128, r, 128, 8, 2) for n, r in launch.boxes])
+                for t in k["tma"]:
+                    self.assertEqual(k["cells"][t[0]:t[0] + 5], [0, t[2], 128, 128, 1])
+                self.assertEqual([names[i] for _, i in k["per_call"]], list(launch.pointers))
+                arrays = [a.data_ptr() for a in launch.args if isinstance(a, torch.Tensor)]
+                self.assertEqual([c for c in k["cells"] if c in arrays], arrays)
+                self.assertEqual(k["cells"][-2:], [0, 0])  # the scratch pointers
+                self.assertEqual((k["grid"], k["threads"], k["shared"], k["function"]),
+                                 (list(launch.grid), 128, 2048, 777))
+                scale_bits = struct.unpack("<I", struct.pack("<f", 0.125 * 1.4426950408889634))
+                self.assertIn(scale_bits[0], k["cells"])
+
+    def test_refuses_what_it_cannot_pass(self):
+        lay = make_layout(P.causal(), 256, 1, 128)
+        meta = tlaunch.device_metadata(lay, torch.device("cpu"))
+        launch = hopper_kernels.launches(meta, 1, 1, 1, 256, 256, 0.125, False, 128)["fwd"]
+        fake = SimpleNamespace(Kernel=lambda **kw: kw)
+        rows = {"q": 256, "k": 256, "v": 256}
+        compiled = _fake_sm90_compiled(launch)
+        compiled.metadata.global_scratch_size = 64
+        with self.assertRaisesRegex(ValueError, "scratch"):
+            native.sm90_kernel(fake, "fwd", launch, compiled, rows, 128)
+        compiled = _fake_sm90_compiled(launch)
+        compiled.function = None
+        with self.assertRaisesRegex(ValueError, "not loaded"):
+            native.sm90_kernel(fake, "fwd", launch, compiled, rows, 128)
 
 
 class DistinctDenseTest(absltest.TestCase):
@@ -200,8 +277,8 @@ def _grad_fn_name(out) -> str:
     return out.grad_fn.name() if out.grad_fn is not None else "None"
 
 
-@unittest.skipUnless(CUDA, NEEDS_CUDA)
-class NativeCudaTest(parameterized.TestCase):
+class _NativeCase(parameterized.TestCase):
+    """Runs a call signature on the Python path and then natively, and compares."""
 
     @classmethod
     def setUpClass(cls):
@@ -234,6 +311,54 @@ class NativeCudaTest(parameterized.TestCase):
             self.assertTrue(torch.equal(a, b), f"{tag} {what}: max diff "
                             f"{(a.float() - b.float()).abs().max().item()}")
 
+    def _check_gradient_strides(self, layout, q, k, v, d_out):
+        """Output gradients as a transposed view and as a broadcast from .sum(): the Python
+        path's gradients."""
+        transposed = d_out.transpose(1, 2).contiguous().transpose(1, 2)
+        for tag, grad_of in (("transposed", lambda out, g: (out, transposed)),
+                             ("sum", lambda out, g: (out.float().sum(), None))):
+            with self.subTest(tag):
+                ref, got = self._both(layout, q, k, v, d_out, grad_of=grad_of)
+                self._assert_bitwise(ref, got, tag)
+
+    def _check_graph_capture(self, layout, q, k, v, d_out, options_used=contextlib.nullcontext):
+        """A forward + backward captured in a CUDA graph (the node's launches, under
+        ``options_used()``) and replayed: the Python path's results."""
+        ref, _ = self._both(layout, q, k, v, d_out)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with options_used(), torch.cuda.stream(stream):
+            out = tattn.sparse_attention(*leaves, layout)  # warm-up on the capture stream
+            out.backward(d_out)
+            for t in leaves:
+                t.grad = None
+            with torch.cuda.graph(graph, stream=stream):
+                out = tattn.sparse_attention(*leaves, layout)
+                self.assertEqual(_grad_fn_name(out), "SparseAttentionBackward")
+                out.backward(d_out)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        self._assert_bitwise(ref, (out.detach(), *(t.grad for t in leaves)), "graph replay")
+
+    def _check_oracle(self, layout, q, k, v, d_out, dtype):
+        """The native results against the float64 oracle, not only against the Python path."""
+        from sparsetp.core import reference  # noqa: PLC0415
+
+        _, got = self._both(layout, q, k, v, d_out)
+        arrays = [t.double().cpu().numpy() for t in (q, k, v, d_out)]
+        ref_out, _ = reference.attention(*arrays[:3], layout)
+        refs = reference.attention_grad(*arrays[:3], layout, arrays[3])
+        tu.assert_close(got[0].float().cpu().numpy(), ref_out, dtype, what="native out")
+        for what, g, r in zip(("dq", "dk", "dv"), got[1:], refs, strict=True):
+            tu.assert_close(g.float().cpu().numpy(), r, dtype, what=f"native {what}", grad=True)
+
+
+@unittest.skipUnless(CUDA, NEEDS_CUDA)
+class NativeCudaTest(_NativeCase):
+
     @parameterized.named_parameters(
         ("causal_bf16", "causal", 256, 256, 64, 2, 2, 64, "bfloat16"),
         ("bigbird_fp16_ragged", "bigbird", 300, 300, 64, 2, 2, 64, "float16"),
@@ -252,13 +377,7 @@ class NativeCudaTest(parameterized.TestCase):
     def test_other_output_gradient_strides(self):
         """The plan keeps the first backward's d_out strides; a transposed view and a broadcast
         from .sum() are copied to them, with the Python path's gradients."""
-        layout, q, k, v, d_out = _inputs("causal", 192, 192, 64, 2, 2, 64, "bfloat16", seed=1)
-        transposed = d_out.transpose(1, 2).contiguous().transpose(1, 2)
-        for tag, grad_of in (("transposed", lambda out, g: (out, transposed)),
-                             ("sum", lambda out, g: (out.float().sum(), None))):
-            with self.subTest(tag):
-                ref, got = self._both(layout, q, k, v, d_out, grad_of=grad_of)
-                self._assert_bitwise(ref, got, tag)
+        self._check_gradient_strides(*_inputs("causal", 192, 192, 64, 2, 2, 64, "bfloat16", 1))
 
     def test_outputs_in_nan_filled_memory(self):
         """Outputs are allocated in C++: reused NaN-filled blocks must be overwritten."""
@@ -286,25 +405,7 @@ class NativeCudaTest(parameterized.TestCase):
         self._assert_bitwise(ref, (out.detach(), *(t.grad for t in leaves)), "dropped layout")
 
     def test_cuda_graph_capture(self):
-        layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 4)
-        ref, _ = self._both(layout, q, k, v, d_out)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out = tattn.sparse_attention(*leaves, layout)  # warm-up on the capture stream
-            out.backward(d_out)
-            for t in leaves:
-                t.grad = None
-            with torch.cuda.graph(graph, stream=stream):
-                out = tattn.sparse_attention(*leaves, layout)
-                self.assertEqual(_grad_fn_name(out), "SparseAttentionBackward")
-                out.backward(d_out)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
-        self._assert_bitwise(ref, (out.detach(), *(t.grad for t in leaves)), "graph replay")
+        self._check_graph_capture(*_inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 4))
 
     def test_cases_that_stay_on_the_python_path(self):
         layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 5)
@@ -428,17 +529,71 @@ class NativeCudaTest(parameterized.TestCase):
             self.assertFalse(tattn._native_ready(q, k, v))
 
     def test_matches_the_oracle(self):
-        """The native results against the float64 oracle, not only against the Python path."""
-        from sparsetp.core import reference  # noqa: PLC0415
+        self._check_oracle(*_inputs("bigbird", 200, 200, 32, 2, 2, 32, "float32", 7), "float32")
 
-        layout, q, k, v, d_out = _inputs("bigbird", 200, 200, 32, 2, 2, 32, "float32", 7)
-        _, got = self._both(layout, q, k, v, d_out)
-        arrays = [t.double().cpu().numpy() for t in (q, k, v, d_out)]
-        ref_out, _ = reference.attention(*arrays[:3], layout)
-        refs = reference.attention_grad(*arrays[:3], layout, arrays[3])
-        tu.assert_close(got[0].cpu().numpy(), ref_out, "float32", what="native out")
-        for what, g, r in zip(("dq", "dk", "dv"), got[1:], refs, strict=True):
-            tu.assert_close(g.cpu().numpy(), r, "float32", what=f"native {what}", grad=True)
+
+@unittest.skipUnless(SM90, NEEDS_SM90)
+class NativeSm90Test(_NativeCase):
+    """The C++ node launching the sm_90 kernels (:mod:`sparsetp.kernels.hopper`), their TMA
+    descriptors encoded in C++ per call: bitwise the Python path's sm_90 results. The fast paths
+    are forced (the auto rule takes them from 1024 programs), and a fast path that failed would
+    warn and fall back, which is an error here."""
+
+    bwd_kernel = "hopper"
+
+    def _run(self, *args, **kw):
+        with options.launch_options(fwd_kernel="hopper", bwd_kernel=self.bwd_kernel), \
+                warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            return super()._run(*args, **kw)
+
+    def _kernels(self, layout, q, k, v):
+        with options.launch_options(fwd_kernel="hopper", bwd_kernel=self.bwd_kernel):
+            return (tattn.forward_kernel(q, k, v, layout).name,
+                    tattn.backward_kernel(q, k, v, layout).name)
+
+    @parameterized.named_parameters(
+        ("causal_bf16", "causal", 512, 512, 128, 2, 2, 128, "bfloat16", "hopper"),
+        ("bigbird_fp16", "bigbird", 384, 384, 128, 2, 2, 128, "float16", "hopper"),
+        ("gqa_more_keys", "causal", 256, 512, 128, 4, 2, 128, "bfloat16", "hopper"),
+        ("masked_rows", "masked_rows", 256, 256, 128, 2, 2, 128, "bfloat16", "hopper"),
+        ("per_head_mix_block_64", "per_head_mix", 256, 256, 64, 3, 3, 128, "bfloat16",
+         "hopper"),
+        # The sm_90 forward with the portable backward (head dim 256): one node, both kinds.
+        ("d256_portable_backward", "local", 256, 256, 128, 2, 1, 256, "bfloat16", "auto"),
+    )
+    def test_bitwise_equal_to_python_path(self, name, n, n_kv, bs, h, h_kv, d, dtype, bwd):
+        self.bwd_kernel = bwd
+        layout, q, k, v, d_out = _inputs(name, n, n_kv, bs, h, h_kv, d, dtype)
+        ref, got = self._both(layout, q, k, v, d_out)
+        self._assert_bitwise(ref, got, name)
+        self.assertEqual(self._kernels(layout, q, k, v),
+                         ("hopper", "hopper" if bwd == "hopper" else "portable"))
+        again = self._run(layout, q, k, v, d_out, want_native=True)
+        self._assert_bitwise(got, again, f"{name} deterministic")
+
+    def test_pointers_and_descriptors_are_read_per_call(self):
+        layout, q, k, v, d_out = _inputs("causal", 256, 256, 128, 2, 2, 128, "bfloat16", 1)
+        self._both(layout, q, k, v, d_out)
+        q2, k2, d_out2 = (torch.randn_like(t) for t in (q, k, d_out))  # new storage, values
+        with options.launch_options(native_autograd=False):
+            ref = self._run(layout, q2, k2, v, d_out2, want_native=False)
+        self._assert_bitwise(ref, self._run(layout, q2, k2, v, d_out2, want_native=True),
+                             "new inputs")
+
+    def test_other_output_gradient_strides(self):
+        """The sm_90 passes read a contiguous d_out: the node copies a transposed view and a
+        broadcast from .sum() to it."""
+        self._check_gradient_strides(*_inputs("causal", 256, 256, 128, 2, 2, 128, "bfloat16", 2))
+
+    def test_cuda_graph_capture(self):
+        self._check_graph_capture(
+            *_inputs("causal", 256, 256, 128, 2, 2, 128, "bfloat16", 3),
+            lambda: options.launch_options(fwd_kernel="hopper", bwd_kernel="hopper"))
+
+    def test_matches_the_oracle(self):
+        self._check_oracle(*_inputs("bigbird", 384, 384, 128, 2, 2, 128, "bfloat16", 4),
+                           "bfloat16")
 
 
 if __name__ == "__main__":

@@ -310,6 +310,94 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     return out
 
 
+# Triton's TMA element-type enum in compiled metadata -> the driver's CUtensorMapDataType
+# (Triton's NVIDIA driver maps them the same way before encoding a descriptor).
+TMA_DTYPE_TO_DRIVER = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaSpec:
+    """One TMA descriptor a launch encodes from an operand's address: the ``[rows, d]`` view of
+    operand ``name`` (contiguous), its box, and the driver's element type, size and swizzle
+    (``cuTensorMapEncodeTiled``'s arguments)."""
+
+    name: str
+    rows: int
+    d: int
+    box_rows: int
+    box_cols: int
+    elem_type: int
+    elem_size: int
+    swizzle: int
+
+
+def parameters(launch: Sm90Launch, compiled, rows: dict, head_dim: int):
+    """``(params, specs)``: the kernel parameters of ``launch`` as Triton 3.6's launcher packs
+    them for ``compiled`` (its CompiledKernel), which both C++ launchers (torch's native node,
+    JAX's FFI handler) replay. ``params`` holds one ``(kind, value)`` per parameter:
+    ``("lit32", bits)`` and ``("lit64", bits)`` literals, ``("pointer", operand name)``,
+    ``("array", index into launch.args)`` (a layout array's address) and ``("tma", index into
+    specs)``; a descriptor is followed by its shape (i32 x 2) and strides (i64 x 2), and the
+    last two parameters are the null scratch pointers. ``rows``: each boxed operand's rows of
+    its ``[rows, head_dim]`` view. Raises ValueError for a kernel these launchers cannot pass
+    (:func:`sparsetp.kernels.abi.unlaunchable`, a parameter type they do not pack).
+
+        >>> from types import SimpleNamespace as NS
+        >>> launch = Sm90Launch("k", (1, 1, 1), (("q", 64),), (0.5, 7), ("out",), {})
+        >>> md = NS(tensordesc_meta=[dict(block_size=[64, 128], elem_type=9, elem_size=2,
+        ...                               swizzle=3)], name="k")
+        >>> sig = {"q_desc": "tensordesc", "s": "fp32", "n": "i32", "out": "*bf16"}
+        >>> params, specs = parameters(launch, NS(src=NS(signature=sig), metadata=md),
+        ...                            {"q": 256}, 128)
+        >>> params[:5], params[5:]
+        ([('tma', 0), ('lit32', 256), ('lit32', 128), ('lit64', 128), ('lit64', 1)], \
+[('lit32', 1056964608), ('lit32', 7), ('pointer', 'out'), ('lit64', 0), ('lit64', 0)])
+        >>> specs[0].elem_type, specs[0].box_rows
+        (8, 64)
+    """
+    import struct  # noqa: PLC0415
+
+    md = compiled.metadata
+    needs = abi.unlaunchable(md)
+    if needs:
+        raise ValueError(f"sm_90 {launch.kernel}: needs {', '.join(needs)}")
+    values_of = ([("box", n) for n, _ in launch.boxes]
+                 + [("arg", i) for i in range(len(launch.args))]
+                 + [("ptr", n) for n in launch.pointers])
+    # The kernel's parameters in order, each with its value; a value Triton specialised into
+    # the binary (an int equal to 1) is "constexpr" there and passes nothing. The kernel's own
+    # constexprs come after every value.
+    signature = list(compiled.src.signature.items())
+    if len(signature) < len(values_of):
+        raise ValueError(f"sm_90 {launch.kernel}: {len(signature)} parameters, "
+                         f"{len(values_of)} values")
+    params: list[tuple[str, object]] = []
+    specs: list[TmaSpec] = []
+    for (name, ty), (what, ref) in zip(signature, values_of, strict=False):
+        if ty == "constexpr":
+            continue
+        if what == "box":  # descriptor, shape (i32 x 2), strides (i64 x 2)
+            meta = md.tensordesc_meta[len(specs)]
+            specs.append(TmaSpec(ref, rows[ref], head_dim, *meta["block_size"],
+                                 TMA_DTYPE_TO_DRIVER[meta["elem_type"]], meta["elem_size"],
+                                 meta["swizzle"]))
+            params += [("tma", len(specs) - 1), ("lit32", rows[ref]), ("lit32", head_dim),
+                       ("lit64", head_dim), ("lit64", 1)]
+        elif what == "ptr":
+            params.append(("pointer", ref))
+        elif ty.startswith("*"):
+            params.append(("array", ref))
+        elif ty == "fp32":
+            params.append(("lit32", struct.unpack("<I", struct.pack("<f", float(
+                launch.args[ref])))[0]))
+        elif ty in ("i32", "i64"):
+            bits = 32 if ty == "i32" else 64
+            params.append((f"lit{bits}", int(launch.args[ref]) & ((1 << bits) - 1)))
+        else:
+            raise ValueError(f"sm_90 {launch.kernel}: parameter {name} of type {ty}")
+    return params + [("lit64", 0), ("lit64", 0)], specs  # scratch: none (abi.unlaunchable)
+
+
 class LaunchBox:
     """What Triton's launcher reads of a host TMA descriptor argument (``make_tensordesc_arg``:
     base pointer, shape, strides, padding): the ``[rows, d]`` view of the contiguous buffer at

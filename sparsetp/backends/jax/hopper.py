@@ -36,7 +36,6 @@ import functools
 import hashlib
 import os
 import shutil
-import struct
 import subprocess
 import tempfile
 import threading
@@ -241,52 +240,22 @@ def _compile(kernel, backend, target, kwargs, bound, specialization, options):
 
 
 # Parameter kinds of a plan (sm90_launch.cc).
-_LIT32, _LIT64, _POINTER, _TMA = 0, 1, 2, 3
-# Triton's TMA element-type enum in compiled metadata -> the driver's CUtensorMapDataType
-# (Triton's NVIDIA driver maps them the same way before encoding a descriptor).
-_TMA_DTYPE_TO_DRIVER = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
+_KINDS = {"lit32": 0, "lit64": 1, "pointer": 2, "array": 2, "tma": 3}
 
 
 def _plan(launch, compiled, operand: dict, array_operand: dict, rows: dict,
           head_dim: int) -> int:
     """Register ``launch``'s plan (``compiled``'s cubin, grid and parameters in Triton 3.6's
-    packing; operands by index: ``operand`` by name, ``array_operand`` by position in
-    ``launch.args``) with the handler; returns its key, a hash of its contents."""
+    packing, :func:`sparsetp.kernels.hopper.parameters`; operands by index: ``operand`` by
+    name, ``array_operand`` by position in ``launch.args``) with the handler; returns its key,
+    a hash of its contents."""
     md = compiled.metadata  # launchable here: _compile checked abi.unlaunchable
-    kinds, values, tma = [], [], []
-    values_of = ([("box", n) for n, _ in launch.boxes]
-                 + [("arg", i) for i in range(len(launch.args))]
-                 + [("ptr", n) for n in launch.pointers])
-    # The kernel's parameters in order, each with its value; a value Triton specialised into
-    # the binary (an int equal to 1) is "constexpr" there and passes nothing. The kernel's own
-    # constexprs come after every value.
-    signature = list(compiled.src.signature.items())
-    if len(signature) < len(values_of):
-        raise ValueError(f"sm_90 {launch.kernel}: {len(signature)} parameters, "
-                         f"{len(values_of)} values")
-    for (name, ty), (what, ref) in zip(signature, values_of, strict=False):
-        if ty == "constexpr":
-            continue
-        if what == "box":  # descriptor, shape (i32 x 2), strides (i64 x 2)
-            meta = md.tensordesc_meta[len(tma)]
-            tma.append([operand[ref], rows[ref], head_dim, *meta["block_size"],
-                        _TMA_DTYPE_TO_DRIVER[meta["elem_type"]], meta["elem_size"],
-                        meta["swizzle"]])
-            kinds += [_TMA, _LIT32, _LIT32, _LIT64, _LIT64]
-            values += [len(tma) - 1, rows[ref], head_dim, head_dim, 1]
-        elif what == "ptr" or ty.startswith("*"):
-            kinds.append(_POINTER)
-            values.append(operand[ref] if what == "ptr" else array_operand[ref])
-        elif ty == "fp32":
-            kinds.append(_LIT32)
-            values.append(struct.unpack("<i", struct.pack("<f", float(launch.args[ref])))[0])
-        elif ty in ("i32", "i64"):
-            kinds.append(_LIT32 if ty == "i32" else _LIT64)
-            values.append(int(launch.args[ref]))
-        else:
-            raise ValueError(f"sm_90 {launch.kernel}: parameter {name} of type {ty}")
-    kinds += [_LIT64, _LIT64]  # global and profile scratch: none (abi.unlaunchable)
-    values += [0, 0]
+    params, specs = hopper.parameters(launch, compiled, rows, head_dim)
+    kinds = [_KINDS[kind] for kind, _ in params]
+    values = [operand[v] if kind == "pointer" else array_operand[v] if kind == "array" else v
+              for kind, v in params]
+    tma = [[operand[t.name], t.rows, t.d, t.box_rows, t.box_cols, t.elem_type, t.elem_size,
+            t.swizzle] for t in specs]
     cubin, name = compiled.asm["cubin"], md.name.encode()
     geometry = [*launch.grid, 32 * md.num_warps, md.shared]
     flat_tma = [x for t in tma for x in t]

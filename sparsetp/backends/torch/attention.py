@@ -207,10 +207,13 @@ class _Plan:
                         (dq, delta), kind)
         if not (sm90 and self._sm90_pass("dK/dV pass", self.sm90.dkdv, q, k, v, lse, delta,
                                          d_out, dk, dv)):
+            sm90_dq, sm90 = sm90, False
             descs = portable()
             _launch.run(descs[1], (q, k, v, d_out, lse, delta), (dk, dv), kind)
-        if descs is not None and self.native is None and kind == "cuda" and d_lse is None:
-            self._make_native(q, k, v, out, lse, d_out, *descs)
+            if sm90_dq:  # this call mixed the paths (a failed sm_90 pass): no native plan yet
+                return dq, dk, dv
+        if self.native is None and kind == "cuda" and d_lse is None:
+            self._make_native(q, k, v, out, lse, d_out, None if sm90 else descs)
         return dq, dk, dv
 
     def _sm90_pass(self, what: str, launch, *tensors) -> bool:
@@ -227,25 +230,38 @@ class _Plan:
                           stacklevel=3)
             return False
 
-    def _make_native(self, q, k, v, out, lse, d_out, dq_desc, dkdv_desc) -> None:
+    def _make_native(self, q, k, v, out, lse, d_out, descs) -> None:
         """Hand this key's compiled kernels to the C++ extension, once it is built (a build
-        starts in the background on the first call here). Kept to output gradients with
-        distinct elements: the native backward copies any other gradient to these strides."""
-        if (self.native_failed  # the C++ node runs the portable kernels only
-                or "hopper" in (self.fwd_choice.name, self.bwd_choice.name)
-                or self.fwd is None  # a backward before this plan's first forward
-                # (``_backward`` called alone): no forward description to hand over
+        starts in the background on the first call here): the backward passes this call ran
+        (``descs``: the portable dQ and dK/dV descriptions, None: the sm_90 passes) and the
+        plan's forward. The portable kernels were compiled for ``d_out``'s strides, so they are
+        kept to output gradients with distinct elements; the sm_90 ones read a contiguous
+        ``d_out`` (as ``tma_ready`` makes it here). The native backward copies any other
+        gradient to the planned strides."""
+        if (self.native_failed
                 or not _options.current().native_autograd
-                or not _launch.direct_launch_enabled() or not _distinct_dense(d_out)):
+                or not _launch.direct_launch_enabled()
+                or (descs is not None and not _distinct_dense(d_out))):
             return
         module = _native.load()
         if module is None:
             return
         try:
-            plan = _native.make_plan(module, self.fwd, dq_desc, dkdv_desc,
+            fwd = self._native_forward(module, q, k)
+            if descs is None:
+                bwd = [self._native_sm90(module, name, q, k) for name in ("dq", "dkdv")]
+            else:
+                bwd = [_native.portable_kernel(module, d) for d in descs]
+            keep = [t for d in (self.fwd, *(descs or ())) if d is not None for t in d.tail
+                    if isinstance(t, torch.Tensor)]
+            if self.sm90 is not None:
+                keep += [a for launch in self.sm90.launches.values() for a in launch.args
+                         if isinstance(a, torch.Tensor)]
+            plan = _native.make_plan(module, fwd, *bwd,
                                      lse_double=_stats_dtype(q.dtype) == torch.float64,
                                      d_out_strides=d_out.stride(),
-                                     saved_strides=[t.stride() for t in (q, k, v, out, lse)])
+                                     saved_strides=[t.stride() for t in (q, k, v, out, lse)],
+                                     keep=keep)
         except (ValueError, RuntimeError) as exc:  # a kernel C++ cannot pass: say so, once
             self.native_failed = True
             warnings.warn(f"sparsetp: this attention call keeps the Python autograd path: "
@@ -253,6 +269,24 @@ class _Plan:
             return
         if plan is not None:
             self.native = (module.attention, plan)
+
+    def _native_forward(self, module, q, k):
+        """The C++ kernel of this plan's forward (the sm_90 one where the plan runs it), or None
+        before its first forward (``_backward`` called alone) or compile."""
+        if self.fwd_choice.name == "hopper":
+            return self._native_sm90(module, "fwd", q, k)
+        return None if self.fwd is None else _native.portable_kernel(module, self.fwd)
+
+    def _native_sm90(self, module, name: str, q, k):
+        """The C++ kernel of sm_90 launch ``name`` ("fwd", "dq", "dkdv"), or None before it
+        has compiled (its first launch)."""
+        compiled = self.sm90.compiled.get(name)
+        if compiled is None:
+            return None
+        d = q.shape[-1]
+        rows = {"q": q.numel() // d, "d_out": q.numel() // d, "k": k.numel() // d,
+                "v": k.numel() // d}
+        return _native.sm90_kernel(module, name, self.sm90.launches[name], compiled, rows, d)
 
     def _backward_descriptions(self, q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv):
         """The dQ and dK/dV descriptions, their kernels compiled together (in threads) on their

@@ -47,6 +47,15 @@ typedef CUresult (*CtxGetCurrentFn)(void**);
 typedef CUresult (*DeviceGetFn)(int*, int);
 typedef CUresult (*PrimaryCtxRetainFn)(void**, int);
 typedef CUresult (*CtxSetCurrentFn)(void*);
+// CUtensorMap: 128 opaque bytes, 64-byte aligned; the enums are C ints.
+struct alignas(64) TensorMap {
+  uint64_t opaque[16];
+};
+typedef CUresult (*TensorMapEncodeTiledFn)(TensorMap*, int dtype, unsigned rank, void* address,
+                                           const uint64_t* dims, const uint64_t* strides,
+                                           const unsigned* box, const unsigned* element_strides,
+                                           int interleave, int swizzle, int l2_promotion,
+                                           int oob_fill);
 
 struct Driver {
   LaunchKernelFn launch = nullptr;
@@ -55,6 +64,7 @@ struct Driver {
   DeviceGetFn device_get = nullptr;
   PrimaryCtxRetainFn primary_ctx_retain = nullptr;
   CtxSetCurrentFn ctx_set_current = nullptr;
+  TensorMapEncodeTiledFn encode_tiled = nullptr;  // CUDA 12+ drivers
 };
 
 const Driver& driver() {
@@ -69,6 +79,8 @@ const Driver& driver() {
     out.primary_ctx_retain =
         reinterpret_cast<PrimaryCtxRetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain_v2"));
     out.ctx_set_current = reinterpret_cast<CtxSetCurrentFn>(dlsym(lib, "cuCtxSetCurrent"));
+    out.encode_tiled =
+        reinterpret_cast<TensorMapEncodeTiledFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
     TORCH_CHECK(out.launch != nullptr, "sparsetp native: no cuLaunchKernel in libcuda.so.1");
     return out;
   }();
@@ -77,6 +89,16 @@ const Driver& driver() {
 
 // ------------------------------------------------------------------ one kernel's launch
 constexpr size_t kMaxParams = 160;
+constexpr size_t kMaxTma = 8;
+
+// A TMA descriptor parameter (the sm_90 kernels): encoded at each launch from a per-call
+// tensor's address, as Triton's launcher does (sparsetp.kernels.hopper.parameters).
+struct Tma {
+  int cell = 0, tensor = 0;
+  int64_t rows = 0, d = 0;  // the tensor's [rows, d] contiguous view
+  unsigned box_rows = 0, box_cols = 0;
+  int elem_type = 0, elem_size = 0, swizzle = 0;  // CUtensorMapDataType, bytes, swizzle
+};
 
 struct Kernel {
   void* function = nullptr;  // CUfunction of a Triton CompiledKernel (loaded, attributes set)
@@ -85,10 +107,12 @@ struct Kernel {
   unsigned shared = 0;
   std::vector<uint64_t> cells;                  // every parameter's value
   std::vector<std::pair<int, int>> per_call;    // (cell, tensor index) filled at each launch
+  std::vector<Tma> tma;                         // descriptor cells, encoded at each launch
 
   Kernel() = default;
   Kernel(uint64_t fn, std::vector<int64_t> grid_, int64_t threads_, int64_t shared_,
-         std::vector<uint64_t> cells_, std::vector<std::pair<int, int>> per_call_)
+         std::vector<uint64_t> cells_, std::vector<std::pair<int, int>> per_call_,
+         const std::vector<std::vector<int64_t>>& tma_)
       : function(reinterpret_cast<void*>(fn)),
         threads(static_cast<unsigned>(threads_)),
         shared(static_cast<unsigned>(shared_)),
@@ -97,10 +121,29 @@ struct Kernel {
     TORCH_CHECK(grid_.size() == 3, "sparsetp native: grid needs 3 dimensions");
     TORCH_CHECK(cells.size() <= kMaxParams, "sparsetp native: ", cells.size(),
                 " kernel parameters, at most ", kMaxParams);
+    TORCH_CHECK(tma_.size() <= kMaxTma, "sparsetp native: ", tma_.size(),
+                " TMA descriptors, at most ", kMaxTma);
     for (int i = 0; i < 3; ++i) grid[i] = static_cast<unsigned>(grid_[i]);
     for (const auto& [cell, tensor] : per_call) {
       TORCH_CHECK(cell >= 0 && static_cast<size_t>(cell) < cells.size() && tensor >= 0,
                   "sparsetp native: per-call cell out of range");
+    }
+    for (const auto& t : tma_) {
+      TORCH_CHECK(t.size() == 9, "sparsetp native: a TMA entry has 9 fields");
+      Tma m;
+      m.cell = static_cast<int>(t[0]);
+      m.tensor = static_cast<int>(t[1]);
+      m.rows = t[2];
+      m.d = t[3];
+      m.box_rows = static_cast<unsigned>(t[4]);
+      m.box_cols = static_cast<unsigned>(t[5]);
+      m.elem_type = static_cast<int>(t[6]);
+      m.elem_size = static_cast<int>(t[7]);
+      m.swizzle = static_cast<int>(t[8]);
+      TORCH_CHECK(m.cell >= 0 && static_cast<size_t>(m.cell) < cells.size() && m.tensor >= 0 &&
+                      m.rows > 0 && m.d > 0 && m.elem_size > 0,
+                  "sparsetp native: TMA entry out of range");
+      tma.push_back(m);
     }
   }
 
@@ -109,21 +152,50 @@ struct Kernel {
       TORCH_CHECK(static_cast<size_t>(tensor) < count, "sparsetp native: per-call tensor ",
                   tensor, " of a launch with ", count);
     }
+    for (const auto& t : tma) {
+      TORCH_CHECK(static_cast<size_t>(t.tensor) < count, "sparsetp native: TMA tensor ",
+                  t.tensor, " of a launch with ", count);
+    }
   }
 
   void launch(const std::vector<const at::Tensor*>& tensors, void* stream) const {
     uint64_t values[kMaxParams];
     void* params[kMaxParams];
+    TensorMap maps[kMaxTma];
     std::memcpy(values, cells.data(), cells.size() * sizeof(uint64_t));
     for (const auto& [cell, tensor] : per_call) {
       values[cell] = reinterpret_cast<uint64_t>(tensors[tensor]->data_ptr());
     }
     for (size_t i = 0; i < cells.size(); ++i) params[i] = &values[i];
-    const CUresult rc = driver().launch(function, grid[0], grid[1], grid[2], threads, 1, 1,
-                                        shared, stream, params, nullptr);
+    const Driver& d = driver();
+    for (size_t s = 0; s < tma.size(); ++s) {
+      const Tma& t = tma[s];
+      const at::Tensor& x = *tensors[t.tensor];
+      // The plan's key fixes shapes; this guards the descriptor against a mismatched tensor.
+      TORCH_CHECK(x.numel() == t.rows * t.d && x.is_contiguous() && x.element_size() == t.elem_size,
+                  "sparsetp native: a TMA operand is not the planned contiguous [", t.rows,
+                  ", ", t.d, "] view");
+      TORCH_CHECK(d.encode_tiled != nullptr,
+                  "sparsetp native: this driver has no cuTensorMapEncodeTiled");
+      const uint64_t dims[2] = {static_cast<uint64_t>(t.d), static_cast<uint64_t>(t.rows)};
+      const uint64_t strides[1] = {static_cast<uint64_t>(t.d * t.elem_size)};
+      const unsigned box[2] = {t.box_cols, t.box_rows};
+      const unsigned element_strides[2] = {1, 1};
+      // No interleave, 128-byte L2 promotion, zero fill out of bounds: Triton's choices.
+      const CUresult rc = d.encode_tiled(&maps[s], t.elem_type, 2, x.data_ptr(), dims, strides,
+                                         box, element_strides, 0, t.swizzle, 2, 0);
+      if (rc != 0) {
+        const char* what = "unknown error";
+        if (d.error_string != nullptr) d.error_string(rc, &what);
+        TORCH_CHECK(false, "sparsetp native: cuTensorMapEncodeTiled failed (", rc, "): ", what);
+      }
+      params[t.cell] = &maps[s];
+    }
+    const CUresult rc = d.launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared,
+                                 stream, params, nullptr);
     if (rc != 0) {
       const char* what = "unknown error";
-      if (driver().error_string != nullptr) driver().error_string(rc, &what);
+      if (d.error_string != nullptr) d.error_string(rc, &what);
       TORCH_CHECK(false, "sparsetp native: cuLaunchKernel failed (", rc, "): ", what);
     }
   }
@@ -264,9 +336,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sparsetp's eager CUDA attention: autograd node and launches in C++";
   py::class_<Kernel>(m, "Kernel")
       .def(py::init<uint64_t, std::vector<int64_t>, int64_t, int64_t, std::vector<uint64_t>,
-                    std::vector<std::pair<int, int>>>(),
+                    std::vector<std::pair<int, int>>, const std::vector<std::vector<int64_t>>&>(),
            py::arg("function"), py::arg("grid"), py::arg("threads"), py::arg("shared"),
-           py::arg("cells"), py::arg("per_call"));
+           py::arg("cells"), py::arg("per_call"),
+           py::arg("tma") = std::vector<std::vector<int64_t>>());
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
       .def(py::init([](Kernel fwd, Kernel dq, Kernel dkdv, bool lse_double,
                        std::vector<int64_t> d_out_strides,

@@ -5,7 +5,10 @@ Why: at small N the host decides the speed of an eager forward + backward, and a
 forward + backward (``benchmarks/KERNEL_NOTES.md``, host time). With this extension, once a
 call signature's kernels are compiled (its first forward + backward through the Python path),
 later calls with that signature create a C++ autograd node and launch the same compiled Triton
-kernels through ``cuLaunchKernel``, with no Python in the backward.
+kernels through ``cuLaunchKernel``, with no Python in the backward: the portable kernels and,
+on sm_90, the Gluon ones (:mod:`sparsetp.kernels.hopper`), whose TMA descriptors it encodes
+per call from the tensors' addresses as Triton's launcher does (in Python, its descriptors
+and launches cost more host time than the portable kernels': KERNEL_NOTES, host time).
 
 * The numbers are the Python path's, bit for bit: same kernels, same arguments, same order.
 * It is used when all of these hold, else the Python path runs (same results):
@@ -41,11 +44,10 @@ import struct
 import threading
 import warnings
 
-import torch
+from sparsetp.kernels import abi, hopper
 
-from sparsetp.kernels import abi
-
-__all__ = ["status", "load", "wait", "make_plan", "plan_cells"]
+__all__ = ["status", "load", "wait", "make_plan", "plan_cells", "portable_kernel",
+           "sm90_kernel", "TENSORS"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
 _LOCK = threading.Lock()
@@ -175,7 +177,20 @@ def plan_cells(desc, compiled) -> tuple[list[int], list[tuple[int, int]]]:
     return cells, per_call
 
 
-def _kernel(module, desc, compiled):
+# The per-call tensors of each C++ launch, in order (native.cpp: attention() and apply(); the
+# dQ pass's "d_lse" slot holds lse, as the Python path passes it when there is no cotangent).
+TENSORS = {"fwd": ("q", "k", "v", "out", "lse"),
+           "dq": ("q", "k", "v", "d_out", "lse", "out", "d_lse", "dq", "delta"),
+           "dkdv": ("q", "k", "v", "d_out", "lse", "delta", "dk", "dv")}
+
+
+def portable_kernel(module, desc):
+    """The C++ ``Kernel`` of a portable launch description (``launch._Description``), its
+    kernel compiled for 16-byte-aligned tensors; None while it is not compiled yet. Raises
+    ValueError (:func:`plan_cells`) for a kernel the C++ launcher cannot pass."""
+    compiled = desc.compiled.get((True,) * (desc.n_tensors + len(desc.call.outputs)))
+    if compiled is None:
+        return None
     cells, per_call = plan_cells(desc, compiled)
     if compiled.function is None:
         raise ValueError(f"{compiled.name}: not loaded")
@@ -184,17 +199,42 @@ def _kernel(module, desc, compiled):
                          shared=compiled.metadata.shared, cells=cells, per_call=per_call)
 
 
-def make_plan(module, fwd, dq, dkdv, *, lse_double: bool, d_out_strides, saved_strides):
-    """A native plan from the forward, dQ and dK/dV descriptions (``launch._Description``)
-    and their kernels compiled for 16-byte-aligned tensors; None while one of those kernels is
-    not compiled yet. Raises ValueError (:func:`plan_cells`) for a kernel the C++ launcher
-    cannot pass. The caller decides whether the direct launch is enabled
+def sm90_kernel(module, which: str, launch, compiled, rows: dict, head_dim: int):
+    """The C++ ``Kernel`` of an sm_90 launch (``sparsetp.kernels.hopper.Sm90Launch``; ``which``
+    one of :data:`TENSORS`) with its Triton-compiled kernel (loaded): the parameters of
+    :func:`sparsetp.kernels.hopper.parameters`, the TMA descriptors encoded per call from the
+    boxed tensors' addresses (``rows`` of each boxed operand's ``[rows, head_dim]`` view).
+    Raises ValueError for a kernel the C++ launcher cannot pass."""
+    params, specs = hopper.parameters(launch, compiled, rows, head_dim)
+    if compiled.function is None:
+        raise ValueError(f"{compiled.metadata.name}: not loaded")
+    index = {name: i for i, name in enumerate(TENSORS[which])}
+    cells: list[int] = []
+    per_call: list[tuple[int, int]] = []
+    tma: list[list[int]] = []
+    for kind, value in params:
+        if kind == "pointer":
+            per_call.append((len(cells), index[value]))
+        elif kind == "tma":
+            t = specs[value]
+            tma.append([len(cells), index[t.name], t.rows, t.d, t.box_rows, t.box_cols,
+                        t.elem_type, t.elem_size, t.swizzle])
+        cells.append(int(launch.args[value].data_ptr()) if kind == "array"
+                     else int(value) if kind.startswith("lit") else 0)
+    return module.Kernel(function=int(compiled.function), grid=list(launch.grid),
+                         threads=32 * compiled.metadata.num_warps,
+                         shared=compiled.metadata.shared, cells=cells, per_call=per_call,
+                         tma=tma)
+
+
+def make_plan(module, fwd, dq, dkdv, *, lse_double: bool, d_out_strides, saved_strides,
+              keep):
+    """A native plan from the forward's, dQ pass's and dK/dV pass's C++ kernels
+    (:func:`portable_kernel`, :func:`sm90_kernel`; any None: not compiled yet, no plan).
+    ``keep``: the tensors whose addresses sit in the kernels' cells (the layout's metadata),
+    kept alive by the plan. The caller decides whether the direct launch is enabled
     (``launch.direct_launch_enabled``)."""
-    compiled = [d.compiled.get((True,) * (d.n_tensors + len(d.call.outputs)))
-                for d in (fwd, dq, dkdv)]
-    if any(c is None for c in compiled):
+    if fwd is None or dq is None or dkdv is None:
         return None
-    kernels = [_kernel(module, d, c) for d, c in zip((fwd, dq, dkdv), compiled, strict=True)]
-    keep = [t for d in (fwd, dq, dkdv) for t in d.tail if isinstance(t, torch.Tensor)]
-    return module.Plan(*kernels, lse_double=lse_double, d_out_strides=list(d_out_strides),
-                       saved_strides=[list(x) for x in saved_strides], keep=keep)
+    return module.Plan(fwd, dq, dkdv, lse_double=lse_double, d_out_strides=list(d_out_strides),
+                       saved_strides=[list(x) for x in saved_strides], keep=list(keep))
