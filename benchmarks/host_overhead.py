@@ -13,9 +13,9 @@ decides those rows. With a small problem (default: window, N=1024, one head, D=1
 
 for each arm (``attention_common``'s arm spec; default: the C++ autograd node and launches,
 ``sparsetp.backends.torch.native``, against the Python autograd Function, ``native_autograd=0``),
-interleaved over ``--rounds``. Then a cProfile of 50 direct backward calls (the top functions by
-own time), and with ``--trace`` a Chrome trace of 20 forward+backward calls
-(``torch.profiler``, both threads, Python stacks).
+interleaved over ``--rounds``. Then a cProfile of 50 direct backward calls under
+``--profile_arm`` (default: the first arm; the top functions by own time), and with ``--trace``
+a Chrome trace of 20 forward+backward calls (``torch.profiler``, both threads, Python stacks).
 
 Believe it only if ``python -m pytest -q tests/torch_attention_test.py tests/torch_native_test.py``
 passes; host times move with the machine's load, so compare arms of one run only::
@@ -57,6 +57,8 @@ flags.DEFINE_integer("calls", 200, "back-to-back calls per measurement")
 flags.DEFINE_integer("warmup", 20, "calls before each measurement")
 flags.DEFINE_integer("rounds", 2, "interleaved rounds")
 flags.DEFINE_string("trace", None, "write a Chrome trace of 20 fwd+bwd calls here")
+flags.DEFINE_string("profile_arm", None, "the arm whose direct backward is profiled "
+                    "(default: the first)")
 flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu: the interpreter (smoke test only)")
 flags.DEFINE_string("plot", None, "also draw the medians as a bar chart (PNG) here")
 flags.DEFINE_string("from_json", None, "do not measure: draw --plot from this run's JSON")
@@ -194,12 +196,16 @@ def main(argv):
     if FLAGS.plot:
         plot(rec.data, FLAGS.plot)
 
+    profiled = {a.name: a for a in arms}.get(FLAGS.profile_arm or arms[0].name)
+    if profiled is None:
+        raise app.UsageError(f"--profile_arm={FLAGS.profile_arm} names no arm")
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(50 if dev == "cuda" else 2):
-        direct_backward()
-    C.sync(dev)
-    prof.disable()
+    with profiled.context():
+        prof.enable()
+        for _ in range(50 if dev == "cuda" else 2):
+            direct_backward()
+        C.sync(dev)
+        prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     rec.data["profile_direct_backward"] = buf.getvalue()[-6000:]

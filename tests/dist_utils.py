@@ -39,6 +39,21 @@ Example::
         return t.numpy()
 
     results = run_distributed(_work, 2, 3)   # [array([1., 1., 1.]), array([1., 1., 1.])]
+
+Spawning costs more than most checks on a CPU host (each rank imports torch and the library:
+~4 s for 2 ranks on 2 cores), so a test class whose tests would each spawn the same process
+group registers them in a :class:`SharedLaunches` instead: every check of one (world size,
+backend) runs in ONE launch, in registration order, on the first test that needs one of them::
+
+    launches = SharedLaunches()
+    launches.add("mlp", 2, _check_mlp, "float32")     # at class set-up: nothing spawns yet
+    launches.add("block", 2, _check_block, timeout=180)
+    launches.result("block")                          # spawns 2 ranks running both; per-rank
+
+A check that fails fails every test of its launch, with the check's name and the rank's
+traceback (a rank that raises leaves the others blocked in collectives: the launch cannot go
+on). Before each check, torch's global generator is reseeded to a fresh process's seed, so a
+check draws what it drew in a launch of its own.
 """
 
 from __future__ import annotations
@@ -54,7 +69,7 @@ import time
 import traceback
 
 __all__ = ["run_distributed", "backend_for", "gpu_count", "generator", "RankFailedError",
-           "RankTimeoutError", "free_port"]
+           "RankTimeoutError", "free_port", "SharedLaunches"]
 
 
 class RankFailedError(AssertionError):
@@ -202,3 +217,65 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
         results.join_thread()
         shutil.rmtree(store_dir, ignore_errors=True)
 
+
+
+def _run_checks(rank, world_size, checks):
+    """Rank function of a :class:`SharedLaunches` launch: ``{name: fn(rank, world, *args)}``,
+    each check started from a fresh process's torch generator state."""
+    import torch
+
+    seed = torch.initial_seed()  # a fresh process's default seed (this one is fresh)
+    out = {}
+    for name, fn, args in checks:
+        torch.manual_seed(seed)
+        try:
+            out[name] = fn(rank, world_size, *args)
+        except BaseException as err:
+            raise RuntimeError(f"check {name!r} ({fn.__name__}) failed on rank {rank} of "
+                               f"{world_size}") from err
+    return out
+
+
+class SharedLaunches:
+    """Checks run together: one :func:`run_distributed` launch per (world size, backend).
+
+    ``add(name, world, fn, *args, timeout=, backend=, pg_timeout=)`` registers
+    ``fn(rank, world, *args)`` (``backend=None``: :func:`backend_for` ``(world)``, resolved at
+    launch); ``result(name)`` returns its per-rank results, as ``run_distributed`` would, running
+    the launch of its (world, backend) first if it has not run. A launch's timeout is the sum of
+    its checks' timeouts, its ``pg_timeout`` the largest of theirs (each defaulting to its
+    timeout, as in ``run_distributed``). A failed launch raises, for each of its checks, the
+    harness's error (the failing check named in it)."""
+
+    def __init__(self):
+        self._checks: dict[str, tuple] = {}
+        self._done: dict[tuple[int, str], object] = {}
+
+    def add(self, name: str, world: int, fn, *args, timeout: float = 120.0,
+            backend: str | None = None, pg_timeout: float | None = None) -> None:
+        if name in self._checks:
+            raise ValueError(f"check {name!r} is already registered")
+        self._checks[name] = (world, backend, fn, args, timeout,
+                              timeout if pg_timeout is None else pg_timeout)
+
+    def _key(self, name: str) -> tuple[int, str]:
+        world, backend = self._checks[name][:2]
+        return world, backend or backend_for(world)
+
+    def result(self, name: str) -> list:
+        key = self._key(name)
+        if key not in self._done:
+            members = [n for n in self._checks if self._key(n) == key]
+            specs = [self._checks[n] for n in members]
+            try:
+                self._done[key] = run_distributed(
+                    _run_checks, key[0], [(n, s[2], s[3]) for n, s in zip(members, specs)],
+                    timeout=sum(s[4] for s in specs), backend=key[1],
+                    pg_timeout=max(s[5] for s in specs))
+            except (RankFailedError, RankTimeoutError) as err:
+                self._done[key] = (type(err), f"shared launch of {members} on {key[0]} "
+                                              f"{key[1]} ranks: {err}")
+        done = self._done[key]
+        if isinstance(done, tuple):
+            raise done[0](done[1])
+        return [per_rank[name] for per_rank in done]

@@ -318,16 +318,33 @@ def _backward_schedule(rank, world, overlap):
 
 
 class OverlapTest(parameterized.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        """Every multi-process check of one size (and backend) runs in one launch
+        (``dist_utils.SharedLaunches``): spawning costs more than most of these checks."""
+        super().setUpClass()
+        cls.launches = launches = dist_utils.SharedLaunches()
+        for world in (2, 4):
+            launches.add(f"layers_bitwise_{world}", world, _check_layers_bitwise)
+        launches.add("block_bitwise", 2, _check_block_bitwise, timeout=180)
+        for overlap in (True, False):
+            launches.add(f"backward_schedule_{overlap}", 2, _backward_schedule, overlap)
+        for world in (2, 4):
+            launches.add(f"forward_linears_{world}", world, _check_forward_overlap_linears,
+                         timeout=180)
+        launches.add("forward_models", 2, _check_forward_overlap_models, timeout=240)
+        launches.add("forward_schedule", 2, _forward_schedule)
+
     @parameterized.parameters(2, 4)
     def test_layers_bitwise_equal_to_plain_path(self, world):
-        dist_utils.run_distributed(_check_layers_bitwise, world)
+        self.assertEqual(self.launches.result(f"layers_bitwise_{world}"), [True] * world)
 
     def test_block_bitwise_equal_to_plain_path(self):
-        dist_utils.run_distributed(_check_block_bitwise, 2, timeout=180)
+        self.assertEqual(self.launches.result("block_bitwise"), [True] * 2)
 
     def test_all_reduce_starts_before_weight_gradient(self):
-        overlapped = dist_utils.run_distributed(_backward_schedule, 2, True)[0]
-        plain = dist_utils.run_distributed(_backward_schedule, 2, False)[0]
+        overlapped = self.launches.result("backward_schedule_True")[0]
+        plain = self.launches.result("backward_schedule_False")[0]
         # d(x) GEMM, then the asynchronous all-reduce, then the d(W) GEMM it overlaps with.
         self.assertEqual(overlapped, ["gemm", "all_reduce_async", "gemm"])
         # Plain path: autograd's matmul backward (in ATen, so not recorded) finishes both GEMMs,
@@ -336,13 +353,13 @@ class OverlapTest(parameterized.TestCase):
 
     @parameterized.parameters(2, 4)
     def test_forward_overlap_layers_match_plain_and_oracle(self, world):
-        dist_utils.run_distributed(_check_forward_overlap_linears, world, timeout=180)
+        self.assertEqual(self.launches.result(f"forward_linears_{world}"), [True] * world)
 
     def test_forward_overlap_models_match_plain_and_oracle(self):
-        dist_utils.run_distributed(_check_forward_overlap_models, 2, timeout=240)
+        self.assertEqual(self.launches.result("forward_models"), [True] * 2)
 
     def test_forward_collectives_run_between_gemm_pieces(self):
-        got = dist_utils.run_distributed(_forward_schedule, 2)[0]
+        got = self.launches.result("forward_schedule")[0]
         # Two waves, each: the other rank's partial sum, sent while this rank's own piece
         # multiplies, then the summed piece's all-gather (under the next wave's GEMMs).
         self.assertEqual(got["row"], ["gemm", "send/recv", "gemm", "send/recv"] * 2)

@@ -332,6 +332,10 @@ def _default_device(rank, world):
     return torch.empty(()).device.type
 
 
+def _draw(rank, world):
+    return torch.rand(3)  # torch's global generator
+
+
 def _sleep_forever(rank, world):
     import time
     time.sleep(3600)
@@ -410,22 +414,46 @@ class SingleProcessTest(parameterized.TestCase):
         self.assertTrue(torch.equal(a(x), b(x)))
 
 
-class DistributedLayersTest(parameterized.TestCase):
-    """One spawn per TP size runs every layer check (spawning costs ~1-5 s on 2 cores)."""
+class DistributedTest(parameterized.TestCase):
+    """The layer, collective-count and block checks on 1, 2 and 4 ranks. Spawning costs ~4 s
+    per launch on 2 cores, more than most checks: every check of one (TP size, backend) runs in
+    one launch (``dist_utils.SharedLaunches``), started by the first test that needs it."""
+
+    _DOCUMENT_CASES = (  # (name, TP size, document_lengths)
+        ("per_row_tp1", 1, ((10, 90, 28), (128,))),
+        ("per_row_tp2", 2, ((10, 90, 28), (128,))),
+        ("shared_tp2", 2, (64, 1, 63)),
+    )
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.launches = launches = dist_utils.SharedLaunches()
+        for world in (1, 2, 4):
+            launches.add(f"layers_tp{world}", world, _check_layers)
+        launches.add("count", 2, _count_collectives, timeout=120)
+        # All sizes of the invariance check on one backend, the one TP 4 gets (see its test).
+        for world in (1, 2, 4):
+            launches.add(f"block_tp{world}", world, _check_block, True, timeout=180,
+                         backend=dist_utils.backend_for(4))
+        launches.add("block_without_bias", 2, _check_block, False, timeout=180)
+        launches.add("block_gqa", 2, _check_block, True, 2, timeout=180)
+        for name, world, lengths in cls._DOCUMENT_CASES:
+            launches.add(f"documents_{name}", world, _check_block, True, 2, lengths,
+                         timeout=180)
 
     @parameterized.parameters(1, 2, 4)
     def test_layers(self, world):
-        results = dist_utils.run_distributed(_check_layers, world)
+        results = self.launches.result(f"layers_tp{world}")
+        self.assertLen(results, world)
         for mlp_out in results[1:]:  # every rank holds the same (replicated) output, bitwise
             np.testing.assert_array_equal(mlp_out, results[0])
 
-
-class CollectiveCountTest(absltest.TestCase):
     def test_all_reduces_per_forward_and_backward(self):
         """Megatron's budget at TP 2: ParallelMLP all-reduces once forward (fc2's output) and
         once backward (fc1's input gradient); HybridBlock twice each way (attention and MLP).
         The overlapped backward issues the same reduction asynchronously; nothing else runs."""
-        counts = dist_utils.run_distributed(_count_collectives, 2, timeout=120)
+        counts = self.launches.result("count")
         act = (1, 32, 32)  # every reduction is of a full [B, N, d_model] activation or gradient
         for rank, got in enumerate(counts):
             for overlap in (True, False):
@@ -438,21 +466,19 @@ class CollectiveCountTest(absltest.TestCase):
                     self.assertEqual(got[layer, overlap, pass_], calls,
                                      f"rank {rank} {layer} {pass_} overlap_comm={overlap}")
 
-
-class DistributedBlockTest(parameterized.TestCase):
     def test_block_matches_oracle_and_is_invariant_across_tp(self):
         """TP 1, 2, 4: every rank checks output, dx and its weight-grad shards against the
         float64 oracle; then outputs and dx must agree ACROSS TP sizes much more tightly than
         with the oracle: only float32 summation order differs (K-split matmuls, all-reduce), a
         few ulp of O(1-10) values, so 1e-5 (2e-5 for dx) is 10x tighter than the oracle check.
-        (One spawn per size serves both checks: the interpreter makes each run ~5-15 s.) All
+        (One run per size serves both checks: the interpreter makes each run ~5-15 s.) All
         sizes on one backend, the one TP 4 gets, so that one device type computes them all."""
         base = None
         backend = dist_utils.backend_for(4)
         for world in (1, 2, 4):
             with self.subTest(tp=world, backend=backend):
-                results = dist_utils.run_distributed(_check_block, world, True, timeout=180,
-                                                     backend=backend)
+                results = self.launches.result(f"block_tp{world}")
+                self.assertLen(results, world)
                 if base is None:
                     base = results[0]
                 for rank, (y, dx) in enumerate(results):
@@ -462,26 +488,21 @@ class DistributedBlockTest(parameterized.TestCase):
                                                err_msg=f"tp{world} rank{rank} dx vs tp1")
 
     def test_block_without_bias(self):
-        dist_utils.run_distributed(_check_block, 2, False, timeout=180)
+        self.assertLen(self.launches.result("block_without_bias"), 2)
 
     def test_block_gqa(self):
         """num_kv_heads=2 of 4 query heads at TP 2: each rank holds one whole kv group (two
         query heads, one key and value head: the qkv weight's group-major columns) and checks
         y, dx and its qkv/out weight-grad shards against the float64 oracle."""
-        dist_utils.run_distributed(_check_block, 2, True, 2, timeout=180)
+        self.assertLen(self.launches.result("block_gqa"), 2)
 
-
-    @parameterized.named_parameters(
-        ("per_row_tp1", 1, ((10, 90, 28), (128,))),
-        ("per_row_tp2", 2, ((10, 90, 28), (128,))),
-        ("shared_tp2", 2, (64, 1, 63)),
-    )
-    def test_block_document_lengths(self, world, lengths):
+    @parameterized.named_parameters((name, name, world) for name, world, _ in _DOCUMENT_CASES)
+    def test_block_document_lengths(self, name, world):
         """document_lengths per call (per batch row, or shared) composed with the config's
         BigBird, GQA (2 kv heads of 4): every rank checks y, dx and its weight-grad shards
         against the float64 oracle given the same lengths (at TP 2 each rank's per-row layout
         holds its heads of every row)."""
-        dist_utils.run_distributed(_check_block, world, True, 2, lengths, timeout=180)
+        self.assertLen(self.launches.result(f"documents_{name}"), world)
 
 
 class HarnessTest(absltest.TestCase):
@@ -500,6 +521,54 @@ class HarnessTest(absltest.TestCase):
                                                             f"2 GPUs; torch sees {gpus}"):
                         dist_utils.run_distributed(_sleep_forever, 2, backend="nccl")
         self.assertEqual(multiprocessing.active_children(), [])
+
+    def test_shared_launches_group_by_world_and_backend(self):
+        """One run_distributed per (world, backend), on first need, its checks in registration
+        order; the sum of their timeouts, the largest pg_timeout; a failed launch fails every
+        one of its checks, naming them; duplicate names are refused."""
+        launches = dist_utils.SharedLaunches()
+        launches.add("a", 2, _default_device, 1, timeout=10)
+        launches.add("b", 1, _default_device)
+        launches.add("c", 2, _default_device, timeout=20, pg_timeout=50)
+        launches.add("d", 2, _default_device, backend="nccl")
+        with self.assertRaisesRegex(ValueError, "'a' is already registered"):
+            launches.add("a", 2, _default_device)
+        calls = []
+
+        def fake(fn, world, checks, timeout, backend, pg_timeout):
+            calls.append((world, [(n, a) for n, _, a in checks], timeout, backend, pg_timeout))
+            if backend == "nccl":
+                raise dist_utils.RankFailedError("rank 1 of 2 failed in _run_checks: boom")
+            return [{n: (n, rank) for n, _, _ in checks} for rank in range(world)]
+
+        with unittest.mock.patch.object(dist_utils, "run_distributed", side_effect=fake), \
+                unittest.mock.patch.object(dist_utils, "backend_for", return_value="gloo"):
+            self.assertEqual(launches.result("c"), [("c", 0), ("c", 1)])
+            self.assertEqual(launches.result("a"), [("a", 0), ("a", 1)])
+            self.assertEqual(launches.result("b"), [("b", 0)])
+            for _ in range(2):
+                with self.assertRaisesRegex(dist_utils.RankFailedError,
+                                            r"shared launch of \['d'\] on 2 nccl ranks: rank 1 "
+                                            r"of 2 failed in _run_checks: boom"):
+                    launches.result("d")
+        self.assertEqual(calls, [(2, [("a", (1,)), ("c", ())], 30, "gloo", 50),
+                                 (1, [("b", ())], 120.0, "gloo", 120.0),
+                                 (2, [("d", ())], 120.0, "nccl", 120.0)])
+
+    def test_run_checks_reseeds_and_names_the_failing_check(self):
+        """The launch's rank function: each check from a fresh process's generator state (the
+        same draws as in a launch of its own), results by name, a failure naming its check."""
+        state = torch.get_rng_state()  # _run_checks reseeds this process's generator
+        try:
+            out = dist_utils._run_checks(0, 1, [("x", _draw, ()), ("y", _draw, ())])
+            self.assertEqual(set(out), {"x", "y"})
+            self.assertTrue(torch.equal(out["x"], out["y"]))
+            with self.assertRaisesRegex(RuntimeError, r"check 'bad' \(_fail_on_rank_one\) failed "
+                                                      r"on rank 1 of 2") as cm:
+                dist_utils._run_checks(1, 2, [("bad", _fail_on_rank_one, ())])
+            self.assertRegex(str(cm.exception.__cause__), "deliberate failure on rank 1")
+        finally:
+            torch.set_rng_state(state)
 
     def test_gloo_ranks_compute_on_cpu(self):
         self.assertEqual(dist_utils.run_distributed(_default_device, 2, backend="gloo"),

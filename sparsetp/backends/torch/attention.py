@@ -238,16 +238,22 @@ class _Plan:
         kept to output gradients with distinct elements; the sm_90 ones read a contiguous
         ``d_out`` (as ``tma_ready`` makes it here). The native backward copies any other
         gradient to the planned strides."""
+        sm90_fwd = self.fwd_choice.name == "hopper"
         if (self.native_failed
                 or not _options.current().native_autograd
                 or not _launch.direct_launch_enabled()
-                or (descs is not None and not _distinct_dense(d_out))):
+                or (descs is not None and not _distinct_dense(d_out))
+                # no forward of this plan has compiled yet (``_backward`` called alone)
+                or (self.sm90.compiled.get("fwd") if sm90_fwd else self.fwd) is None):
             return
         module = _native.load()
         if module is None:
             return
         try:
-            fwd = self._native_forward(module, q, k)
+            fwd = (self._native_sm90(module, "fwd", q, k) if sm90_fwd
+                   else _native.portable_kernel(module, self.fwd))
+            if fwd is None:  # compiled for other alignments only: no plan yet
+                return
             if descs is None:
                 bwd = [self._native_sm90(module, name, q, k) for name in ("dq", "dkdv")]
             else:
@@ -269,13 +275,6 @@ class _Plan:
             return
         if plan is not None:
             self.native = (module.attention, plan)
-
-    def _native_forward(self, module, q, k):
-        """The C++ kernel of this plan's forward (the sm_90 one where the plan runs it), or None
-        before its first forward (``_backward`` called alone) or compile."""
-        if self.fwd_choice.name == "hopper":
-            return self._native_sm90(module, "fwd", q, k)
-        return None if self.fwd is None else _native.portable_kernel(module, self.fwd)
 
     def _native_sm90(self, module, name: str, q, k):
         """The C++ kernel of sm_90 launch ``name`` ("fwd", "dq", "dkdv"), or None before it
