@@ -269,7 +269,8 @@ class SharedLaunches:
             specs = [self._checks[n] for n in members]
             try:
                 self._done[key] = run_distributed(
-                    _run_checks, key[0], [(n, s[2], s[3]) for n, s in zip(members, specs)],
+                    _run_checks, key[0], [(n, s[2], s[3]) for n, s in zip(members, specs,
+                                                                            strict=True)],
                     timeout=sum(s[4] for s in specs), backend=key[1],
                     pg_timeout=max(s[5] for s in specs))
             except (RankFailedError, RankTimeoutError) as err:
