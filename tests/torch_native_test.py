@@ -123,17 +123,19 @@ class NativeCellsTest(absltest.TestCase):
             native.plan_cells(self.desc, compiled)
 
 
-def _fake_sm90_compiled(launch, one_is_constexpr=None):
+def _fake_sm90_compiled(launch):
     """A stand-in for Triton's CompiledKernel of sm_90 ``launch``: the Gluon kernel's own
     parameter names typed as Triton types them (descriptors, pointers, fp32 and i32 scalars,
-    then constexprs), and one TMA record per descriptor."""
+    an int equal to 1 specialised into a constexpr, then the constexprs), and one TMA record per
+    descriptor."""
     names = getattr(hopper_kernels, launch.kernel).arg_names
     values = ([("box", n) for n, _ in launch.boxes] + [("arg", a) for a in launch.args]
               + [("ptr", n) for n in launch.pointers])
     signature = {}
     for i, name in enumerate(names):
         what, value = values[i] if i < len(values) else ("constexpr", None)
-        signature[name] = ("constexpr" if what == "constexpr" or name == one_is_constexpr
+        signature[name] = ("constexpr" if what == "constexpr" or (
+                               type(value) is int and value == 1)
                            else "tensordesc" if what == "box"
                            else "*bf16" if what == "ptr" or isinstance(value, torch.Tensor)
                            else "fp32" if isinstance(value, float) else "i32")
@@ -159,9 +161,14 @@ class NativeSm90CellsTest(absltest.TestCase):
         for which in ("fwd", "dq", "dkdv"):
             with self.subTest(which):
                 launch = launches[which]
-                k = native.sm90_kernel(fake, which, launch, _fake_sm90_compiled(launch), rows,
-                                       128)
+                compiled = _fake_sm90_compiled(launch)
+                k = native.sm90_kernel(fake, which, launch, compiled, rows, 128)
                 names = native.TENSORS[which]
+                types = list(compiled.src.signature.values())
+                self.assertIn("constexpr", types[:len(launch.args)])  # kv_heads = 1 is one
+                # Every non-constexpr parameter a cell, a descriptor five, two scratch cells.
+                self.assertLen(k["cells"], sum(t != "constexpr" for t in types)
+                               + 4 * len(launch.boxes) + 2)
                 # Each descriptor: its tensor, rows, d, box and dtype; the cell after it holds
                 # the view's rows (i32), then d, then the strides d and 1 (i64).
                 self.assertEqual([(names[t[1]], t[2], t[3], t[4], t[5], t[6], t[7])
@@ -192,6 +199,17 @@ class NativeSm90CellsTest(absltest.TestCase):
         compiled.function = None
         with self.assertRaisesRegex(ValueError, "not loaded"):
             native.sm90_kernel(fake, "fwd", launch, compiled, rows, 128)
+        compiled = _fake_sm90_compiled(launch)
+        compiled.metadata.tensordesc_meta = None  # host-side descriptors: another packing
+        with self.assertRaisesRegex(ValueError, "device-side descriptors"):
+            native.sm90_kernel(fake, "fwd", launch, compiled, rows, 128)
+        compiled = _fake_sm90_compiled(launch)
+        compiled.src.signature["added"] = "i32"  # a parameter no value is given for
+        with self.assertRaisesRegex(ValueError, "no value"):
+            native.sm90_kernel(fake, "fwd", launch, compiled, rows, 128)
+        compiled = _fake_sm90_compiled(launch)
+        with self.assertRaisesRegex(ValueError, "not among"):
+            native.sm90_kernel(fake, "dkdv", launch, compiled, rows, 128)  # no "out" there
 
 
 class DistinctDenseTest(absltest.TestCase):
@@ -539,38 +557,83 @@ class NativeSm90Test(_NativeCase):
     are forced (the auto rule takes them from 1024 programs), and a fast path that failed would
     warn and fall back, which is an error here."""
 
-    bwd_kernel = "hopper"
+    fwd_kernel = bwd_kernel = "hopper"
 
     def _run(self, *args, **kw):
-        with options.launch_options(fwd_kernel="hopper", bwd_kernel=self.bwd_kernel), \
+        with options.launch_options(fwd_kernel=self.fwd_kernel, bwd_kernel=self.bwd_kernel), \
                 warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             return super()._run(*args, **kw)
 
     def _kernels(self, layout, q, k, v):
-        with options.launch_options(fwd_kernel="hopper", bwd_kernel=self.bwd_kernel):
+        with options.launch_options(fwd_kernel=self.fwd_kernel, bwd_kernel=self.bwd_kernel):
             return (tattn.forward_kernel(q, k, v, layout).name,
                     tattn.backward_kernel(q, k, v, layout).name)
 
     @parameterized.named_parameters(
-        ("causal_bf16", "causal", 512, 512, 128, 2, 2, 128, "bfloat16", "hopper"),
-        ("bigbird_fp16", "bigbird", 384, 384, 128, 2, 2, 128, "float16", "hopper"),
-        ("gqa_more_keys", "causal", 256, 512, 128, 4, 2, 128, "bfloat16", "hopper"),
-        ("masked_rows", "masked_rows", 256, 256, 128, 2, 2, 128, "bfloat16", "hopper"),
-        ("per_head_mix_block_64", "per_head_mix", 256, 256, 64, 3, 3, 128, "bfloat16",
+        ("causal_bf16", "causal", 512, 512, 128, 2, 2, 128, "bfloat16", "hopper", "hopper"),
+        ("bigbird_fp16", "bigbird", 384, 384, 128, 2, 2, 128, "float16", "hopper", "hopper"),
+        ("gqa_more_keys", "causal", 256, 512, 128, 4, 2, 128, "bfloat16", "hopper", "hopper"),
+        ("masked_rows", "masked_rows", 256, 256, 128, 2, 2, 128, "bfloat16", "hopper",
          "hopper"),
-        # The sm_90 forward with the portable backward (head dim 256): one node, both kinds.
-        ("d256_portable_backward", "local", 256, 256, 128, 2, 1, 256, "bfloat16", "auto"),
+        ("per_head_mix_block_64", "per_head_mix", 256, 256, 64, 3, 3, 128, "bfloat16",
+         "hopper", "hopper"),
+        # One node, both kinds: the sm_90 forward with the portable backward (head dim 256),
+        # and the portable forward with the sm_90 backward.
+        ("d256_portable_backward", "local", 256, 256, 128, 2, 1, 256, "bfloat16", "hopper",
+         "auto"),
+        ("portable_forward", "bigbird", 256, 256, 128, 2, 2, 128, "bfloat16", "portable",
+         "hopper"),
     )
-    def test_bitwise_equal_to_python_path(self, name, n, n_kv, bs, h, h_kv, d, dtype, bwd):
-        self.bwd_kernel = bwd
+    def test_bitwise_equal_to_python_path(self, name, n, n_kv, bs, h, h_kv, d, dtype, fwd,
+                                          bwd):
+        self.fwd_kernel, self.bwd_kernel = fwd, bwd
         layout, q, k, v, d_out = _inputs(name, n, n_kv, bs, h, h_kv, d, dtype)
         ref, got = self._both(layout, q, k, v, d_out)
         self._assert_bitwise(ref, got, name)
         self.assertEqual(self._kernels(layout, q, k, v),
-                         ("hopper", "hopper" if bwd == "hopper" else "portable"))
+                         (fwd, "hopper" if bwd == "hopper" else "portable"))
         again = self._run(layout, q, k, v, d_out, want_native=True)
         self._assert_bitwise(got, again, f"{name} deterministic")
+
+    def test_a_failed_sm90_pass_drops_the_native_plan(self):
+        """A call that stays on the Python path (an LSE with gradients) fails its sm_90 dQ
+        compile: the plan turns portable, and so does its native plan, rebuilt by the next
+        backward from the portable passes."""
+        layout, q, k, v, d_out = _inputs("causal", 256, 256, 128, 2, 2, 128, "bfloat16", 5)
+        self._both(layout, q, k, v, d_out)  # native, on the sm_90 kernels
+        broken = mock.MagicMock()
+        broken.__getitem__.side_effect = RuntimeError("compile failed (simulated)")
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with options.launch_options(fwd_kernel="hopper", bwd_kernel="hopper"), \
+                mock.patch.object(hopper_kernels, "_attn_bwd_dq_kernel_sm90", broken), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out, lse = tattn.sparse_attention(*leaves, layout, return_lse=True)
+            (out.float().sum() + lse.sum()).backward()  # the dQ pass with an LSE cotangent
+        self.assertTrue(any("sm_90 dQ pass failed" in str(w.message) for w in caught))
+        self.assertEqual(self._kernels(layout, q, k, v), ("hopper", "portable"))
+        with options.launch_options(native_autograd=False, fwd_kernel="hopper",
+                                    bwd_kernel="portable"):
+            ref = _NativeCase._run(self, layout, q, k, v, d_out, want_native=False)
+        self._run(layout, q, k, v, d_out, want_native=False)  # rebuilds the native plan
+        self._assert_bitwise(ref, self._run(layout, q, k, v, d_out, want_native=True),
+                             "portable backward after the failure")
+
+    def test_a_backward_alone_builds_no_native_plan(self):
+        """``_backward`` on a plan that never ran a forward (a benchmark entry) has no forward
+        to pair with: it stays on the Python path, with the Python path's gradients."""
+        layout, q, k, v, d_out = _inputs("causal", 256, 256, 128, 2, 2, 128, "bfloat16", 6)
+        scale = q.shape[-1] ** -0.5
+        with options.launch_options(fwd_kernel="hopper", bwd_kernel="hopper"):
+            with options.launch_options(native_autograd=False):
+                out, lse = tattn._forward(q, k, v, layout, scale)
+                ref = tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
+            got = [tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
+                   for _ in range(2)]
+            self.assertIsNone(tattn._plan(q, k, v, layout, scale).native)
+        for what, a, b, c in zip(("dq", "dk", "dv"), ref, *got, strict=True):
+            self.assertTrue(torch.equal(a, b) and torch.equal(a, c), what)
 
     def test_pointers_and_descriptors_are_read_per_call(self):
         layout, q, k, v, d_out = _inputs("causal", 256, 256, 128, 2, 2, 128, "bfloat16", 1)

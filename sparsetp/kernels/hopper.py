@@ -55,6 +55,7 @@ Example (the rule, without a GPU)::
 from __future__ import annotations
 
 import dataclasses
+import struct
 import weakref
 
 from sparsetp.core.layout import make_layout
@@ -355,8 +356,6 @@ def parameters(launch: Sm90Launch, compiled, rows: dict, head_dim: int):
         >>> specs[0].elem_type, specs[0].box_rows
         (8, 64)
     """
-    import struct  # noqa: PLC0415
-
     md = compiled.metadata
     needs = abi.unlaunchable(md)
     if needs:
@@ -371,13 +370,24 @@ def parameters(launch: Sm90Launch, compiled, rows: dict, head_dim: int):
     if len(signature) < len(values_of):
         raise ValueError(f"sm_90 {launch.kernel}: {len(signature)} parameters, "
                          f"{len(values_of)} values")
+    extra = [name for name, ty in signature[len(values_of):] if ty != "constexpr"]
+    if extra:
+        raise ValueError(f"sm_90 {launch.kernel}: parameters {extra} have no value")
+    boxes = [ty for (_, ty), (what, _) in zip(signature, values_of, strict=False)
+             if what == "box"]
+    descs = list(getattr(md, "tensordesc_meta", None) or ())
+    if (len(descs) != len(launch.boxes) or not all(str(ty).startswith("tensordesc")
+                                                   for ty in boxes)
+            or any(m.get("fp4_padded") for m in descs)):
+        raise ValueError(f"sm_90 {launch.kernel}: its {len(launch.boxes)} TMA operands are not "
+                         "device-side descriptors of the packing these launchers replay")
     params: list[tuple[str, object]] = []
     specs: list[TmaSpec] = []
     for (name, ty), (what, ref) in zip(signature, values_of, strict=False):
         if ty == "constexpr":
             continue
         if what == "box":  # descriptor, shape (i32 x 2), strides (i64 x 2)
-            meta = md.tensordesc_meta[len(specs)]
+            meta = descs[len(specs)]
             specs.append(TmaSpec(ref, rows[ref], head_dim, *meta["block_size"],
                                  TMA_DTYPE_TO_DRIVER[meta["elem_type"]], meta["elem_size"],
                                  meta["swizzle"]))

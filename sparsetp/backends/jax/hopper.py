@@ -252,8 +252,9 @@ def _plan(launch, compiled, operand: dict, array_operand: dict, rows: dict,
     md = compiled.metadata  # launchable here: _compile checked abi.unlaunchable
     params, specs = hopper.parameters(launch, compiled, rows, head_dim)
     kinds = [_KINDS[kind] for kind, _ in params]
-    values = [operand[v] if kind == "pointer" else array_operand[v] if kind == "array" else v
-              for kind, v in params]
+    # The handler's cells are int64: a 64-bit literal's bits as a signed value.
+    values = [operand[v] if kind == "pointer" else array_operand[v] if kind == "array"
+              else v - (1 << 64) if v >= 1 << 63 else v for kind, v in params]
     tma = [[operand[t.name], t.rows, t.d, t.box_rows, t.box_cols, t.elem_type, t.elem_size,
             t.swizzle] for t in specs]
     cubin, name = compiled.asm["cubin"], md.name.encode()

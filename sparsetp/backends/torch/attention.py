@@ -144,6 +144,7 @@ class _Plan:
                 return out, lse
             except Exception as exc:  # noqa: BLE001 (any compile or launch failure falls back)
                 self.fwd_choice = _hopper.failed(exc)
+                self.native = None  # rebuilt from the portable forward by the next backward
                 warnings.warn(f"sparsetp: the sm_90 forward failed ({type(exc).__name__}: "
                               f"{exc}); this call and its plan run the portable forward",
                               RuntimeWarning, stacklevel=2)
@@ -172,6 +173,7 @@ class _Plan:
         key = (q.stride(), k.stride(), v.stride(), d_out.stride(), out.stride(), lse.stride(),
                None if d_lse is None else d_lse.stride())
         sm90 = self.bwd_choice.name == "hopper"
+        per_call_fallback = False
         if sm90:
             # The TMA boxes read 16-byte aligned [rows, D] views: copy what is not (a block's
             # transposed output gradient usually is not; the copy is small beside the kernels).
@@ -184,6 +186,7 @@ class _Plan:
                                      "q, k or v is not a contiguous tensor on a 16-byte "
                                      "boundary (TMA descriptors need it)")
                 sm90 = False
+                per_call_fallback = True  # not the plan's kernels: no native plan from it
             key = (q.stride(), k.stride(), v.stride(), d_out.stride(), out.stride(),
                    lse.stride(), None if d_lse is None else d_lse.stride())
 
@@ -212,7 +215,7 @@ class _Plan:
             _launch.run(descs[1], (q, k, v, d_out, lse, delta), (dk, dv), kind)
             if sm90_dq:  # this call mixed the paths (a failed sm_90 pass): no native plan yet
                 return dq, dk, dv
-        if self.native is None and kind == "cuda" and d_lse is None:
+        if self.native is None and kind == "cuda" and d_lse is None and not per_call_fallback:
             self._make_native(q, k, v, out, lse, d_out, None if sm90 else descs)
         return dq, dk, dv
 
@@ -225,6 +228,7 @@ class _Plan:
             return True
         except Exception as exc:  # noqa: BLE001 (any compile or launch failure falls back)
             self.bwd_choice = _hopper.failed(exc, what)
+            self.native = None  # rebuilt from the portable passes by the next backward
             warnings.warn(f"sparsetp: the sm_90 {what} failed ({type(exc).__name__}: {exc}); "
                           "this call and its plan run the portable backward", RuntimeWarning,
                           stacklevel=3)
@@ -268,7 +272,8 @@ class _Plan:
                                      d_out_strides=d_out.stride(),
                                      saved_strides=[t.stride() for t in (q, k, v, out, lse)],
                                      keep=keep)
-        except (ValueError, RuntimeError) as exc:  # a kernel C++ cannot pass: say so, once
+        # Any failure (a kernel C++ cannot pass) is said once: this call's gradients are done.
+        except Exception as exc:  # noqa: BLE001
             self.native_failed = True
             warnings.warn(f"sparsetp: this attention call keeps the Python autograd path: "
                           f"{exc}", RuntimeWarning, stacklevel=2)

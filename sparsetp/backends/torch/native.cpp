@@ -140,11 +140,20 @@ struct Kernel {
       m.elem_type = static_cast<int>(t[6]);
       m.elem_size = static_cast<int>(t[7]);
       m.swizzle = static_cast<int>(t[8]);
-      TORCH_CHECK(m.cell >= 0 && static_cast<size_t>(m.cell) < cells.size() && m.tensor >= 0 &&
-                      m.rows > 0 && m.d > 0 && m.elem_size > 0,
+      // The descriptor's cell, then its shape (2) and strides (2): all literal cells.
+      TORCH_CHECK(m.cell >= 0 && static_cast<size_t>(m.cell) + 4 < cells.size() &&
+                      m.tensor >= 0 && m.rows > 0 && m.d > 0 && m.elem_size > 0,
                   "sparsetp native: TMA entry out of range");
+      for (const auto& [cell, tensor] : per_call) {
+        TORCH_CHECK(cell < m.cell || cell > m.cell + 4,
+                    "sparsetp native: a TMA cell is also a per-call pointer cell");
+      }
       tma.push_back(m);
     }
+    // Found here, where the plan is built (and the call falls back with a warning), rather
+    // than at a launch.
+    TORCH_CHECK(tma.empty() || driver().encode_tiled != nullptr,
+                "sparsetp native: this CUDA driver has no cuTensorMapEncodeTiled");
   }
 
   void check_tensors(size_t count) const {

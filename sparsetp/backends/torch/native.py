@@ -209,6 +209,11 @@ def sm90_kernel(module, which: str, launch, compiled, rows: dict, head_dim: int)
     if compiled.function is None:
         raise ValueError(f"{compiled.metadata.name}: not loaded")
     index = {name: i for i, name in enumerate(TENSORS[which])}
+    named = {v for kind, v in params if kind == "pointer"} | {t.name for t in specs}
+    unknown = named - set(index)
+    if unknown:
+        raise ValueError(f"{compiled.metadata.name}: operands {sorted(unknown)} are not among "
+                         f"the node's {which} tensors {TENSORS[which]}")
     cells: list[int] = []
     per_call: list[tuple[int, int]] = []
     tma: list[list[int]] = []
