@@ -524,25 +524,30 @@ class SingleProcessTest(parameterized.TestCase):
 
 
 class DistributedSequenceParallelTest(parameterized.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        """Every check of one TP size (and backend) runs in one launch
+        (``dist_utils.SharedLaunches``): spawning costs ~4 s per launch on 2 cores."""
+        super().setUpClass()
+        cls.launches = launches = dist_utils.SharedLaunches()
+        for world in (2, 4):
+            launches.add(f"all_tp{world}", world, _check_all, timeout=240)
+        launches.add("documents", 2, _check_block_documents, timeout=240)
+        launches.add("counts", 2, _sp_and_counts, timeout=120)
+
     @parameterized.parameters(2, 4)
     def test_matches_oracle_and_plain_tp(self, world):
         """Mappings, linears and MLP (fp32, fp64, with/without bias), the hybrid block (fp32)
         and the bad-size errors; overlap vs no overlap bitwise (MLP; block at TP 2)."""
-        results = dist_utils.run_distributed(_check_all, world, timeout=240)
+        results = self.launches.result(f"all_tp{world}")
         self.assertLen(results, world)
-
 
     def test_block_document_lengths(self):
         """Per-row document lengths (over all N tokens) through the SP block at TP 2."""
-        self.assertEqual(dist_utils.run_distributed(_check_block_documents, 2, timeout=240),
-                         [True, True])
+        self.assertEqual(self.launches.result("documents"), [True, True])
 
-
-class CollectivesTest(absltest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.counts, cls.overlapped, cls.plain = \
-            dist_utils.run_distributed(_sp_and_counts, 2, timeout=120)[0]
+    def _counts(self):
+        return self.launches.result("counts")[0]
 
     def test_collective_budget(self):
         """At TP 2 (B=1, N=32, d=64): an SP region opens with one all-gather and closes with
@@ -553,6 +558,7 @@ class CollectivesTest(absltest.TestCase):
         mlp.fc2.bias) one of 6 d elements for all of them. The overlapped column
         backward re-gathers its input (one more all-gather) and issues the gather and the
         reduce-scatter asynchronously. Nothing else runs."""
+        counts = self._counts()[0]
         act, d = 32 * 64, 64
         ag, rs, ar = ("all_gather", act), ("reduce_scatter", act), ("all_reduce", d)
         ar6 = ("all_reduce", 6 * d)
@@ -571,20 +577,21 @@ class CollectivesTest(absltest.TestCase):
         }
         for (layer, pass_), per_mode in want.items():
             for overlap, calls in per_mode.items():
-                got = self.counts[layer, overlap, pass_]
+                got = counts[layer, overlap, pass_]
                 # Compared as multisets: when autograd reaches the replicated parameters'
                 # all-reduce is its business; the order that matters is checked below.
                 self.assertEqual(collections.Counter(got), collections.Counter(calls),
                                  f"{layer} {pass_} overlap_comm={overlap}: {got}")
 
     def test_overlapped_backward_schedule(self):
+        _, overlapped, plain = self._counts()
         # Start the input re-gather, compute d(x) meanwhile; then start the reduce-scatter of
         # d(x) and compute d(W) meanwhile.
-        self.assertEqual(self.overlapped, ["all_gather_async", "gemm", "reduce_scatter_async",
-                                           "gemm"])
+        self.assertEqual(overlapped, ["all_gather_async", "gemm", "reduce_scatter_async",
+                                      "gemm"])
         # Plain path: autograd's matmul backward (in ATen, not recorded) finishes both GEMMs,
         # then all_gather_to_region's backward reduce-scatters synchronously.
-        self.assertEqual(self.plain, ["reduce_scatter"])
+        self.assertEqual(plain, ["reduce_scatter"])
 
 
 if __name__ == "__main__":
