@@ -105,11 +105,18 @@ class DataTensorParallelTest(parameterized.TestCase):
     def setUpClass(cls):
         super().setUpClass()
         cls.ref_loss, cls.ref_grads, cls.ref_params = _reference(config())
+        # The training steps (plain TP and SP) and the bad-mesh errors on the same 4 gloo ranks:
+        # one launch (dist_utils.SharedLaunches; spawning 4 ranks costs ~8 s on 2 cores).
+        cls.launches = launches = dist_utils.SharedLaunches()
+        for sequence_parallel in (False, True):
+            launches.add(f"train_sp{sequence_parallel}", DP * TP, _train_step, sequence_parallel,
+                         backend="gloo", timeout=240.0, pg_timeout=120.0)
+        launches.add("bad_mesh", 4, _bad_mesh_on_ranks, backend="gloo", timeout=120.0,
+                     pg_timeout=60.0)
 
     @parameterized.named_parameters(("tp", False), ("tp_sp", True))
     def test_grads_and_step_equal_one_process(self, sequence_parallel):
-        results = dist_utils.run_distributed(_train_step, DP * TP, sequence_parallel,
-                                             backend="gloo", timeout=240.0, pg_timeout=120.0)
+        results = self.launches.result(f"train_sp{sequence_parallel}")
         self.assertEqual([r["coords"] for r in results], [(0, 0), (0, 1), (1, 0), (1, 1)])
         atol, rtol = tolerance("float32", grad=True, reduced=BATCH * SEQ)
         for rank, r in enumerate(results):
@@ -126,6 +133,19 @@ class DataTensorParallelTest(parameterized.TestCase):
             for name in self.ref_params[i]:
                 np.testing.assert_array_equal(results[0]["params"][i][name],
                                               results[2]["params"][i][name], err_msg=name)
+
+    def test_bad_mesh_errors_name_the_argument(self):
+        """On 4 ranks (the launch of the training steps): see ``_bad_mesh_on_ranks``."""
+        results = self.launches.result("bad_mesh")
+        self.assertLen(results, 4)
+        for errors in results:
+            self.assertRegex(errors["world"], r"dp \* tp = 4 \* 2 = 8 must equal the world size 4")
+            self.assertRegex(errors["heads"], r"num_heads=2 is not divisible by the "
+                                              r"tensor-parallel size 4")
+            self.assertRegex(errors["batch"], r"batch has 3 sequences along dim 0, not divisible "
+                                              r"by the data-parallel size dp=2")
+            self.assertRegex(errors["group"], r"tensor-parallel over a group of 4 ranks, not "
+                                              r"mesh\['tp'\] \(2 ranks\)")
 
 
 # ------------------------------------------------------------------------------- bad input
@@ -197,20 +217,6 @@ def _bad_mesh_on_ranks(rank, world):
     except ValueError as err:
         errors["group"] = str(err)
     return errors
-
-
-class BadMeshOnRanksTest(absltest.TestCase):
-    def test_errors_name_the_argument(self):
-        results = dist_utils.run_distributed(_bad_mesh_on_ranks, 4, backend="gloo",
-                                             timeout=120.0, pg_timeout=60.0)
-        for errors in results:
-            self.assertRegex(errors["world"], r"dp \* tp = 4 \* 2 = 8 must equal the world size 4")
-            self.assertRegex(errors["heads"], r"num_heads=2 is not divisible by the "
-                                              r"tensor-parallel size 4")
-            self.assertRegex(errors["batch"], r"batch has 3 sequences along dim 0, not divisible "
-                                              r"by the data-parallel size dp=2")
-            self.assertRegex(errors["group"], r"tensor-parallel over a group of 4 ranks, not "
-                                              r"mesh\['tp'\] \(2 ranks\)")
 
 
 # --------------------------------------------------------------------------------- dead rank
