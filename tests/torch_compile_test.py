@@ -18,7 +18,7 @@ import numpy as np
 import testing_utils as tu
 import torch
 from absl.testing import absltest, parameterized
-from dist_utils import backend_for, run_distributed
+from dist_utils import SharedLaunches, backend_for
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
 
 from sparsetp.backends.torch import comm
@@ -206,9 +206,20 @@ def _compiled_block_rank(rank, world, sequence_parallel, outside_graph):
     the graph, as on torch < 2.13 (``comm.TRACES_FUNCTIONS``): compiled without fullgraph."""
     from sparsetp.backends.torch import comm, layers  # noqa: PLC0415
 
+    # One launch runs every case (SharedLaunches): each compiles afresh, as the in-process
+    # classes' setUp does, and leaves the Functions as it found them.
+    torch._dynamo.reset()
+    real = comm.apply_function, layers.apply_function
     if outside_graph:
         gated = torch.compiler.disable(comm.apply_function)
         comm.apply_function = layers.apply_function = gated
+    try:
+        return _compiled_block_case(rank, world, sequence_parallel, outside_graph)
+    finally:
+        comm.apply_function, layers.apply_function = real
+
+
+def _compiled_block_case(rank, world, sequence_parallel, outside_graph):
     cfg = HybridConfig(d_model=64, num_heads=2, d_ff=128, pattern=_PATTERN, block_size=32)
     device = torch.get_default_device()
     block = HybridBlock.from_params(cfg, init_params(cfg, seed=0),
@@ -228,13 +239,28 @@ def _compiled_block_rank(rank, world, sequence_parallel, outside_graph):
 
 class DistributedCompileTest(parameterized.TestCase):
 
+    @classmethod
+    def setUpClass(cls):
+        """The four TP=2 cases in one launch of 2 ranks (SharedLaunches): spawning and warming
+        up the compiler cost more than a case."""
+        super().setUpClass()
+        cls.launches = SharedLaunches()
+        for outside_graph in (False, True):
+            if not (outside_graph or comm.TRACES_FUNCTIONS):
+                continue  # the in-graph test skips itself
+            for sequence_parallel in (False, True):
+                cls.launches.add(f"sp{sequence_parallel}_outside{outside_graph}", 2,
+                                 _compiled_block_rank, sequence_parallel, outside_graph,
+                                 backend=backend_for(2), timeout=600)
+
     @parameterized.parameters(False, True)
     def test_tp2_block_is_one_graph_and_bitwise_eager(self, sequence_parallel):
         if not comm.TRACES_FUNCTIONS:
             self.skipTest(f"torch {torch.__version__} runs the TP Functions outside the graph "
                           "(comm.TRACES_FUNCTIONS); test_tp2_functions_outside_the_graph covers it")
-        for frames, equal in run_distributed(_compiled_block_rank, 2, sequence_parallel, False,
-                                             backend=backend_for(2), timeout=600):
+        results = self.launches.result(f"sp{sequence_parallel}_outsideFalse")
+        self.assertLen(results, 2)
+        for frames, equal in results:
             self.assertEqual(frames, 1)
             self.assertTrue(all(equal), equal)
 
@@ -242,8 +268,9 @@ class DistributedCompileTest(parameterized.TestCase):
     def test_tp2_functions_outside_the_graph(self, sequence_parallel):
         """The torch < 2.13 path (forced here on any version): graph breaks around the TP
         Functions, eager numbers."""
-        for frames, equal in run_distributed(_compiled_block_rank, 2, sequence_parallel, True,
-                                             backend=backend_for(2), timeout=600):
+        results = self.launches.result(f"sp{sequence_parallel}_outsideTrue")
+        self.assertLen(results, 2)
+        for frames, equal in results:
             self.assertGreater(frames, 1)
             self.assertTrue(all(equal), equal)
 
