@@ -319,17 +319,28 @@ def _torch_block_rank(rank, world, config, params, x, dy, device, lengths=None):
     return y.detach().float().cpu().numpy(), xt.grad.float().cpu().numpy(), grads, exported
 
 
-def torch_block(config, params, x, dy, tp, dev, lengths=None):
-    backend = "nccl" if dev == "gpu" else "gloo"
+def torch_block_ranks(config, params, x, dy, tp, dev, lengths=None):
+    """Every torch rank's :func:`_torch_block_rank` result (TP 1: this process)."""
     if tp == 1:  # no process group: a single process
-        results = [_torch_block_rank(0, 1, config, params, x, dy, dev, lengths)]
-    else:
-        results = dist_utils.run_distributed(_torch_block_rank, tp, config, params, x, dy,
-                                             dev, lengths, backend=backend, timeout=600)
+        return [_torch_block_rank(0, 1, config, params, x, dy, dev, lengths)]
+    return dist_utils.run_distributed(_torch_block_rank, tp, config, params, x, dy, dev,
+                                      lengths, backend=_torch_backend(dev), timeout=600)
+
+
+def _torch_backend(dev):
+    return "nccl" if dev == "gpu" else "gloo"
+
+
+def torch_block_result(params, results):
+    """y, dx, the unsharded parameter gradients and the exported weights of the ranks' results."""
     y, dx = results[0][0], results[0][1]
     grads = {n: (unshard_param(n, [r[2][n] for r in results]) if partition_dim(n) is not None
                  else results[0][2][n]) for n in params}
     return y, dx, grads, results[0][3]
+
+
+def torch_block(config, params, x, dy, tp, dev, lengths=None):
+    return torch_block_result(params, torch_block_ranks(config, params, x, dy, tp, dev, lengths))
 
 
 def jax_block(config, params, x, dy, tp, dev, lengths=None):
@@ -350,6 +361,24 @@ def jax_block(config, params, x, dy, tp, dev, lengths=None):
     return f32(y), f32(dx), {n: f32(g) for n, g in dp.items()}, jblock.export_params(p)
 
 
+def _block_problem(dev, name, n, heads, hd, bs, dtype, tp, h_kv, docs):
+    """(config, params, x, dy, document lengths) of a HybridBlock case, or None for a case
+    left out (H_kv must divide H and be divisible by the TP size)."""
+    f = _flags()
+    h_kv = h_kv or heads
+    if heads % h_kv or h_kv % tp:
+        return None
+    d = heads * hd
+    config = HybridConfig(d_model=d, num_heads=heads, d_ff=2 * d,
+                          pattern=example_pattern(name, n, bs), block_size=bs,
+                          dtype=dtype, num_kv_heads=h_kv)
+    lengths = document_lengths(docs, n, f.batch, f.seed + n)
+    params = {k: round_to_dtype(v, dtype) for k, v in init_params(config, f.seed).items()}
+    rng = np.random.default_rng(f.seed + 1)
+    x, dy = (round_to_dtype(rng.standard_normal((f.batch, n, d)), dtype) for _ in range(2))
+    return config, params, x, dy, lengths
+
+
 ATTENTION = {"torch": torch_attention, "jax": jax_attention}
 LAYOUT_ARRAYS = {"torch": torch_layout_arrays, "jax": jax_layout_arrays}
 BLOCK = {"torch": torch_block, "jax": jax_block}
@@ -359,6 +388,22 @@ BLOCK = {"torch": torch_block, "jax": jax_block}
 
 
 class ParityTest(absltest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        """The torch ranks of every multi-process HybridBlock case (test_hybrid_block's and
+        test_real_model_block's) of one TP size run in one launch (dist_utils.SharedLaunches:
+        spawning costs ~4 s per launch on 2 CPU cores), started by the first case to need it."""
+        super().setUpClass()
+        cls.torch_launches = dist_utils.SharedLaunches()
+        if "torch" not in _flags().backends:
+            return
+        for args in [*cls._block_cases(), cls._real_model_block_args()]:
+            problem = _block_problem(*args)
+            tp, dev = args[7], args[0]
+            if problem is not None and tp > 1:
+                cls.torch_launches.add(repr(args), tp, _torch_block_rank, *problem[:4], dev,
+                                       problem[4], backend=_torch_backend(dev), timeout=600)
+
     def setUp(self):
         f = _flags()
         unknown = set(f.backends) - set(ATTENTION)
@@ -462,7 +507,8 @@ class ParityTest(absltest.TestCase):
         except AssertionError as e:
             failures.append(str(e))
 
-    def _block_cases(self):
+    @classmethod
+    def _block_cases(cls):
         """(device, pattern, N, heads, head_dim, block, dtype, tp, kv heads, documents): each TP
         size on the device :func:`block_device` gives it, at that device's sizes. The GPU's
         default TP sizes are those its GPUs hold (1 on one GPU: its CPU fallback would add
@@ -485,42 +531,44 @@ class ParityTest(absltest.TestCase):
             self._block_case(*case, failures)
         self.assertEmpty(failures, "\n".join(failures))
 
+    @staticmethod
+    def _real_model_block_args():
+        dev = device()
+        tp = sizes("tp_sizes", dev)[-1] if dev == "cpu" else 1
+        dev = block_device(tp)
+        return (dev, "causal", sizes("seq_lens", dev)[0], 4, sizes("head_dims", dev)[0],
+                sizes("block_sizes", dev)[0], "float32", tp, 2, "per_row")
+
     def test_real_model_block(self):
         """The block with GQA (2 kv heads of 4) and per-row document lengths per call, on CPU
         at the largest of --tp_sizes (default 2), on a GPU at TP 1: torch vs JAX vs the
         oracle."""
         failures = []
-        dev = device()
-        tp = sizes("tp_sizes", dev)[-1] if dev == "cpu" else 1
-        dev = block_device(tp)
-        self._block_case(dev, "causal", sizes("seq_lens", dev)[0], 4, sizes("head_dims", dev)[0],
-                         sizes("block_sizes", dev)[0], "float32", tp, 2, "per_row", failures)
+        self._block_case(*self._real_model_block_args(), failures)
         self.assertEmpty(failures, "\n".join(failures))
 
     def _block_case(self, dev, name, n, heads, hd, bs, dtype, tp, h_kv, docs, failures):
         """One HybridBlock case: every backend's y, dx and parameter gradients vs the float64
         oracle and each other, weights exported bitwise; failures appended."""
         f = _flags()
+        args = (dev, name, n, heads, hd, bs, dtype, tp, h_kv, docs)
         h_kv = h_kv or heads
         case = dict(op="hybrid_block", pattern=name, seq_len=n, num_heads=heads, kv_heads=h_kv,
                     head_dim=hd, block_size=bs, dtype=dtype, tp=tp, documents=docs,
                     batch=f.batch, device=dev)
-        if heads % h_kv or h_kv % tp:
+        problem = _block_problem(*args)
+        if problem is None:
             _REPORT.append(dict(case, left_out=f"H_kv={h_kv} must divide H={heads} and be "
                                                f"divisible by tp={tp}"))
             return
-        d = heads * hd
-        config = HybridConfig(d_model=d, num_heads=heads, d_ff=2 * d,
-                              pattern=example_pattern(name, n, bs), block_size=bs,
-                              dtype=dtype, num_kv_heads=h_kv)
-        lengths = document_lengths(docs, n, f.batch, f.seed + n)
+        config, params, x, dy, lengths = problem
         case["document_lengths"] = lengths
-        params = {k: round_to_dtype(v, dtype) for k, v in init_params(config, f.seed).items()}
-        rng = np.random.default_rng(f.seed + 1)
-        x, dy = (round_to_dtype(rng.standard_normal((f.batch, n, d)), dtype) for _ in range(2))
         y_ref = reference.hybrid_block(params, x, config, lengths)
         dx_ref, dp_ref = reference.hybrid_block_grad(params, x, config, dy, lengths)
-        got = {b: BLOCK[b](config, params, x, dy, tp, dev, lengths) for b in self.backends}
+        got = {b: BLOCK[b](config, params, x, dy, tp, dev, lengths) for b in self.backends
+               if not (b == "torch" and tp > 1)}
+        if "torch" in self.backends and tp > 1:  # its ranks ran in the class's shared launch
+            got["torch"] = torch_block_result(params, self.torch_launches.result(repr(args)))
         tokens = f.batch * n  # every parameter gradient sums over all tokens
         try:
             for b in self.backends:
