@@ -369,15 +369,47 @@ def _torch_load_rank(rank, world, paths, bad):
     return out
 
 
+# GPTs (the cross-framework GPT round trip below, the mismatch checks after it)
+def _gpt_config(**kw):
+    blk = HybridConfig(d_model=32, num_heads=2, d_ff=64, block_size=32,
+                       pattern=P.causal() & P.local(40, 0))
+    return GPTConfig(**dict(dict(vocab_size=24, num_layers=2, max_seq_len=64, block=blk), **kw))
+
+
+def _tokens():
+    return np.random.default_rng(9).integers(0, 24, (2, 64)).astype(np.int64)
+
+
+def _torch_gpt_save_rank(rank, world, path):
+    model = GPT(_gpt_config(), seed=3)  # the default group: TP=2
+    logits = model(torch.from_numpy(_tokens())).detach().numpy()
+    tckpt.save(model, path, metadata={"step": "5"})
+    return model.export_params(), logits
+
+
 class CrossFrameworkTest(absltest.TestCase):
+    """torch TP=2 saves (a block; a GPT), the other framework loads, and back."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        # Both torch TP=2 saves on one launch of the 2 gloo ranks (dist_utils.SharedLaunches:
+        # each spawn costs ~5 s on 2 cores), each into its own file of this class's directory.
+        cls.dir = tempfile.mkdtemp(prefix="sparsetp-ckpt-")
+        cls.addClassCleanup(shutil.rmtree, cls.dir, ignore_errors=True)
+        cls.saved = {n: os.path.join(cls.dir, f"{n}.safetensors") for n in ("block", "gpt")}
+        cls.launches = dist_utils.SharedLaunches()
+        cls.launches.add("block", 2, _torch_save_rank, cls.saved["block"], timeout=240,
+                         backend="gloo")
+        cls.launches.add("gpt", 2, _torch_gpt_save_rank, cls.saved["gpt"], timeout=60,
+                         backend="gloo")
 
     def test_torch_tp2_to_jax_tp4_and_back(self):
         cfg = _config()
         tmp = _tempdir(self)
-        path_torch, path_jax, path_again = (os.path.join(tmp, f"{n}.safetensors")
-                                            for n in ("torch", "jax", "again"))
-        results = dist_utils.run_distributed(_torch_save_rank, 2, path_torch, timeout=240,
-                                             backend="gloo")
+        path_torch = self.saved["block"]
+        path_jax, path_again = (os.path.join(tmp, f"{n}.safetensors") for n in ("jax", "again"))
+        results = self.launches.result("block")
         torch_params, torch_y = results[0]
         _assert_bitwise(self, results[1][0], torch_params, "torch ranks agree")
 
@@ -433,36 +465,12 @@ class CrossFrameworkTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, "missing"):
             jckpt.save({n: a for n, a in params.items() if n != "ln1.weight"}, path, cfg)
 
-
-# ---------------------------------------------------------------------------------------------
-# GPT checkpoints
-
-
-def _gpt_config(**kw):
-    blk = HybridConfig(d_model=32, num_heads=2, d_ff=64, block_size=32,
-                       pattern=P.causal() & P.local(40, 0))
-    return GPTConfig(**dict(dict(vocab_size=24, num_layers=2, max_seq_len=64, block=blk), **kw))
-
-
-def _tokens():
-    return np.random.default_rng(9).integers(0, 24, (2, 64)).astype(np.int64)
-
-
-def _torch_gpt_save_rank(rank, world, path):
-    model = GPT(_gpt_config(), seed=3)  # the default group: TP=2
-    logits = model(torch.from_numpy(_tokens())).detach().numpy()
-    tckpt.save(model, path, metadata={"step": "5"})
-    return model.export_params(), logits
-
-
-class GPTCheckpointTest(absltest.TestCase):
-
-    def test_torch_tp2_to_jax_tp2_and_back_to_torch(self):
+    def test_gpt_torch_tp2_to_jax_tp2_and_back_to_torch(self):
+        """GPTs (GPTConfig in the header): torch TP=2 -> JAX TP=2 -> torch TP=1."""
         cfg = _gpt_config()
         tmp = _tempdir(self)
-        path, path_jax = (os.path.join(tmp, f"{n}.safetensors") for n in ("torch", "jax"))
-        results = dist_utils.run_distributed(_torch_gpt_save_rank, 2, path, timeout=60,
-                                             backend="gloo")
+        path, path_jax = self.saved["gpt"], os.path.join(tmp, "jax.safetensors")
+        results = self.launches.result("gpt")
         torch_params, torch_logits = results[0]
         _assert_bitwise(self, results[1][0], torch_params, "torch ranks agree")
         info = C.checkpoint_info(path)
@@ -492,6 +500,13 @@ class GPTCheckpointTest(absltest.TestCase):
         _assert_bitwise(self, model.export_params(), export_params(updated), "jax -> torch")
         _assert_bitwise(self, export_params(jckpt.load(path_jax, cfg)), export_params(updated),
                         "jax unsharded")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT checkpoints
+
+
+class GPTCheckpointTest(absltest.TestCase):
 
     def test_mismatches_name_fields_and_tensors_and_load_nothing(self):
         cfg = _gpt_config()
