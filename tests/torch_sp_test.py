@@ -25,8 +25,9 @@ so they are compared with ``CROSS_ATOL`` (float32 1e-5, float64 1e-13; rtol atol
 ``tests/torch_tp_test.py`` and ~1000x below the O(0.01-1) error of a wrong shard, a missing
 collective or a bias gradient summed on one shard only.
 
-Runtime on 2 CPU cores: ~15 s (TP 2) + ~15 s (TP 4) + ~8 s (counts), the hybrid blocks in the
-Triton interpreter being most of it; shapes are small for that reason.
+Runtime on 2 CPU cores: ~5 s (one launch of 2 ranks runs every TP 2 check, the collective
+counts included) + ~10 s (TP 4), mostly spawning and importing; shapes are small for the
+hybrid blocks.
 """
 
 from __future__ import annotations
