@@ -295,6 +295,27 @@ def _grad_fn_name(out) -> str:
     return out.grad_fn.name() if out.grad_fn is not None else "None"
 
 
+def _in_new_thread(fn):
+    """``fn()`` run on a new host thread (no current CUDA context yet); its exception re-raised
+    here."""
+    import threading  # noqa: PLC0415
+
+    got, errors = [], []
+
+    def work():
+        try:
+            got.append(fn())
+        except Exception as exc:  # noqa: BLE001 (re-raised on the test's thread)
+            errors.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return got[0]
+
+
 class _NativeCase(parameterized.TestCase):
     """Runs a call signature on the Python path and then natively, and compares."""
 
@@ -520,24 +541,10 @@ class NativeCudaTest(_NativeCase):
 
     def test_first_cuda_work_of_a_new_thread(self):
         """A host thread with no current CUDA context yet: the C++ launch binds one."""
-        import threading  # noqa: PLC0415
-
         layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 10)
         ref, _ = self._both(layout, q, k, v, d_out)
-        got, errors = [], []
-
-        def work():
-            try:
-                got.append(self._run(layout, q, k, v, d_out, want_native=True))
-            except Exception as exc:  # noqa: BLE001 (re-raised on the test's thread)
-                errors.append(exc)
-
-        thread = threading.Thread(target=work)
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
-        self._assert_bitwise(ref, got[0], "new thread")
+        got = _in_new_thread(lambda: self._run(layout, q, k, v, d_out, want_native=True))
+        self._assert_bitwise(ref, got, "new thread")
 
     def test_not_under_jit_trace(self):
         layout, q, k, v, d_out = _inputs("causal", 128, 128, 64, 2, 2, 64, "bfloat16", 11)
@@ -619,6 +626,26 @@ class NativeSm90Test(_NativeCase):
         self._run(layout, q, k, v, d_out, want_native=False)  # rebuilds the native plan
         self._assert_bitwise(ref, self._run(layout, q, k, v, d_out, want_native=True),
                              "portable backward after the failure")
+
+    def test_first_cuda_work_of_a_new_thread(self):
+        """A host thread with no current CUDA context yet, its tensors from the caching
+        allocator: the sm_90 launches bind one on both paths (Triton encodes their TMA
+        descriptors before its launcher would)."""
+        layout, q, k, v, d_out = _inputs("causal", 256, 256, 128, 2, 2, 128, "bfloat16", 7)
+        ref, _ = self._both(layout, q, k, v, d_out)
+        scale = q.shape[-1] ** -0.5
+
+        def python_path():
+            with options.launch_options(native_autograd=False, fwd_kernel="hopper",
+                                        bwd_kernel="hopper"), warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                out, lse = tattn._forward(q, k, v, layout, scale)
+                return (out, *tattn._backward(q, k, v, out, lse, d_out, None, layout, scale))
+
+        self._assert_bitwise(ref, _in_new_thread(python_path), "Python path, new thread")
+        self._assert_bitwise(
+            ref, _in_new_thread(lambda: self._run(layout, q, k, v, d_out, want_native=True)),
+            "native, new thread")
 
     def test_a_backward_alone_builds_no_native_plan(self):
         """``_backward`` on a plan that never ran a forward (a benchmark entry) has no forward

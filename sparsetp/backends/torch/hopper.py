@@ -10,6 +10,9 @@ error.
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import torch
 import triton
 
@@ -48,6 +51,29 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, kind: str,
     fwd = hopper._choice("fwd_kernel", why, **kw)
     bwd = hopper._choice("bwd_kernel", hopper._backward_why(why, q.shape[-1]), **kw)
     return fwd, bwd, (lay if "hopper" in (fwd.name, bwd.name) else None)
+
+
+_THREAD = threading.local()
+
+
+def _ensure_context(device_index: int) -> None:
+    """Make the device's primary CUDA context current on this thread if none is. Triton encodes
+    a launch's TMA descriptors (``cuTensorMapEncodeTiled``) before its launcher binds a context,
+    and a thread may have made no CUDA runtime call yet: autograd's device thread at its first
+    backward, when every tensor comes from the caching allocator. Checked once per thread."""
+    if getattr(_THREAD, "bound", None) == device_index:
+        return
+    lib = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != 0:
+        raise RuntimeError("cuCtxGetCurrent failed")
+    if not ctx.value:
+        dev = ctypes.c_int()
+        if (lib.cuDeviceGet(ctypes.byref(dev), device_index)
+                or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+                or lib.cuCtxSetCurrent(ctx)):
+            raise RuntimeError(f"no CUDA context for cuda:{device_index} on this thread")
+    _THREAD.bound = device_index
 
 
 def failed(exc: BaseException, what: str = "forward") -> hopper.KernelChoice:
@@ -97,6 +123,7 @@ class Sm90Kernels:
         boxed = [(tensors[n], rows) for n, rows in launch.boxes]
         pointers = [tensors[n] for n in launch.pointers]
         device = boxed[0][0].device
+        _ensure_context(device.index)
         c = self.compiled.get(name)
         if (c is not None and _launch.direct_launch_enabled()
                 and torch.cuda.current_device() == device.index
