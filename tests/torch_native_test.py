@@ -36,8 +36,8 @@ from sparsetp.backends.torch import launch as tlaunch
 from sparsetp.backends.torch import native
 from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
+from sparsetp.kernels import abi, options
 from sparsetp.kernels import hopper as hopper_kernels
-from sparsetp.kernels import options
 
 CUDA = torch.cuda.is_available()
 NEEDS_CUDA = "needs a CUDA GPU"
@@ -107,12 +107,12 @@ class NativeCellsTest(absltest.TestCase):
         self.assertNotIn(dropped, kept)
 
     def test_negative_ints_are_twos_complement(self):
-        self.assertEqual(native._cell("i32", -1), 0xFFFFFFFF)
-        self.assertEqual(native._cell("i64", -2), 2**64 - 2)
-        self.assertEqual(native._cell("bf16", 1.0), 0x3F80)
-        self.assertEqual(native._cell("fp64", 0.5), struct.unpack("<Q", struct.pack("<d", 0.5))[0])
+        self.assertEqual(abi.pack_cell("i32", -1), 0xFFFFFFFF)
+        self.assertEqual(abi.pack_cell("i64", -2), 2**64 - 2)
+        self.assertEqual(abi.pack_cell("bf16", 1.0), 0x3F80)
+        self.assertEqual(abi.pack_cell("fp64", 0.5), struct.unpack("<Q", struct.pack("<d", 0.5))[0])
         with self.assertRaisesRegex(ValueError, "no native packing"):
-            native._cell("nvTmaDesc", 0)
+            abi.pack_cell("nvTmaDesc", 0)
 
     def test_refuses_kernels_it_cannot_pass(self):
         with self.assertRaisesRegex(ValueError, "scratch"):

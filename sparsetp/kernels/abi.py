@@ -76,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -119,6 +120,33 @@ def kernel(name: str) -> Any:
         return _KERNELS[name]
     except KeyError:
         raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {name!r}") from None
+
+
+# Kernel parameter types as Triton's CUDA launcher packs them (triton/backends/nvidia/driver.py,
+# 3.6-3.9): one cell each, little-endian, read by cuLaunchKernel at the parameter's size.
+_INT_BITS = {"i1": 8, "i8": 8, "i16": 16, "i32": 32, "i64": 64,
+             "u1": 8, "u8": 8, "u16": 16, "u32": 32, "u64": 64}
+
+
+def pack_cell(ty: str, value) -> int:
+    """The bits (a non-negative int) of a kernel parameter of Triton type ``ty`` as its CUDA
+    launcher packs them, for the library's C++ launchers (torch's native node, JAX's FFI
+    handler). Raises ValueError for a type they do not pack.
+
+        >>> pack_cell("i32", -1), pack_cell("bf16", 1.0), pack_cell("fp32", 0.5)
+        (4294967295, 16256, 1056964608)
+    """
+    if ty in _INT_BITS:
+        return int(value) & ((1 << _INT_BITS[ty]) - 1)
+    if ty in ("fp32", "f32"):
+        return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+    if ty == "fp64":
+        return struct.unpack("<Q", struct.pack("<d", float(value)))[0]
+    if ty == "fp16":
+        return struct.unpack("<H", struct.pack("<e", float(value)))[0]
+    if ty == "bf16":  # Triton truncates the float32 bits
+        return struct.unpack("<I", struct.pack("<f", float(value)))[0] >> 16
+    raise ValueError(f"no native packing for kernel parameter type {ty!r}")
 
 
 def unlaunchable(metadata) -> list[str]:

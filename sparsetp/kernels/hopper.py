@@ -55,7 +55,6 @@ Example (the rule, without a GPU)::
 from __future__ import annotations
 
 import dataclasses
-import struct
 import weakref
 
 from sparsetp.core.layout import make_layout
@@ -397,12 +396,9 @@ def parameters(launch: Sm90Launch, compiled, rows: dict, head_dim: int):
             params.append(("pointer", ref))
         elif ty.startswith("*"):
             params.append(("array", ref))
-        elif ty == "fp32":
-            params.append(("lit32", struct.unpack("<I", struct.pack("<f", float(
-                launch.args[ref])))[0]))
-        elif ty in ("i32", "i64"):
-            bits = 32 if ty == "i32" else 64
-            params.append((f"lit{bits}", int(launch.args[ref]) & ((1 << bits) - 1)))
+        elif ty in ("fp32", "i32", "i64"):
+            params.append(("lit64" if ty == "i64" else "lit32",
+                           abi.pack_cell(ty, launch.args[ref])))
         else:
             raise ValueError(f"sm_90 {launch.kernel}: parameter {name} of type {ty}")
     return params + [("lit64", 0), ("lit64", 0)], specs  # scratch: none (abi.unlaunchable)

@@ -11,6 +11,7 @@ error.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import torch
@@ -56,6 +57,11 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, kind: str,
 _THREAD = threading.local()
 
 
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def _ensure_context(device_index: int) -> None:
     """Make the device's primary CUDA context current on this thread if none is. Triton encodes
     a launch's TMA descriptors (``cuTensorMapEncodeTiled``) before its launcher binds a context,
@@ -63,7 +69,7 @@ def _ensure_context(device_index: int) -> None:
     backward, when every tensor comes from the caching allocator. Checked once per thread."""
     if getattr(_THREAD, "bound", None) == device_index:
         return
-    lib = ctypes.CDLL("libcuda.so.1")
+    lib = _libcuda()
     ctx = ctypes.c_void_p()
     if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != 0:
         raise RuntimeError("cuCtxGetCurrent failed")

@@ -40,7 +40,6 @@ Example::
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import warnings
 
@@ -111,26 +110,6 @@ def wait() -> str:
     return status()
 
 
-# Kernel parameter types as Triton's CUDA launcher packs them (triton/backends/nvidia/driver.py,
-# 3.6-3.9): one cell each, little-endian, read by cuLaunchKernel at the parameter's size.
-_INT_BITS = {"i1": 8, "i8": 8, "i16": 16, "i32": 32, "i64": 64,
-             "u1": 8, "u8": 8, "u16": 16, "u32": 32, "u64": 64}
-
-
-def _cell(ty: str, value) -> int:
-    if ty in _INT_BITS:
-        return int(value) & ((1 << _INT_BITS[ty]) - 1)
-    if ty in ("fp32", "f32"):
-        return struct.unpack("<I", struct.pack("<f", float(value)))[0]
-    if ty == "fp64":
-        return struct.unpack("<Q", struct.pack("<d", float(value)))[0]
-    if ty == "fp16":
-        return struct.unpack("<H", struct.pack("<e", float(value)))[0]
-    if ty == "bf16":  # Triton truncates the float32 bits
-        return struct.unpack("<I", struct.pack("<f", float(value)))[0] >> 16
-    raise ValueError(f"no native packing for kernel parameter type {ty!r}")
-
-
 def plan_cells(desc, compiled) -> tuple[list[int], list[tuple[int, int]]]:
     """``(cells, per_call)`` of one launch description (``launch._Description``) with its
     compiled kernel: every kernel parameter's value in order, constexprs left out and Triton's
@@ -168,9 +147,9 @@ def plan_cells(desc, compiled) -> tuple[list[int], list[tuple[int, int]]]:
             else:
                 raise ValueError(f"{compiled.name}: pointer parameter {name} among constexprs")
         elif n_tensors <= i < n_args:
-            cells.append(_cell(ty, desc.tail[i - n_tensors]))
+            cells.append(abi.pack_cell(ty, desc.tail[i - n_tensors]))
         elif i >= n_args + n_outputs:
-            cells.append(_cell(ty, desc.constexpr_values[i - n_args - n_outputs]))
+            cells.append(abi.pack_cell(ty, desc.constexpr_values[i - n_args - n_outputs]))
         else:
             raise ValueError(f"{compiled.name}: parameter {name} ({ty}) is a per-call tensor")
     cells += [0, 0]  # global and profile scratch
@@ -192,11 +171,17 @@ def portable_kernel(module, desc):
     if compiled is None:
         return None
     cells, per_call = plan_cells(desc, compiled)
+    return _module_kernel(module, compiled, desc.call.grid, cells, per_call)
+
+
+def _module_kernel(module, compiled, grid, cells, per_call, tma=()):
+    """The C++ ``Kernel`` of a loaded Triton-compiled kernel with its parameter cells."""
     if compiled.function is None:
-        raise ValueError(f"{compiled.name}: not loaded")
-    return module.Kernel(function=int(compiled.function), grid=list(desc.call.grid),
+        raise ValueError(f"{compiled.metadata.name}: not loaded")
+    return module.Kernel(function=int(compiled.function), grid=list(grid),
                          threads=32 * compiled.metadata.num_warps,
-                         shared=compiled.metadata.shared, cells=cells, per_call=per_call)
+                         shared=compiled.metadata.shared, cells=cells, per_call=per_call,
+                         tma=list(tma))
 
 
 def sm90_kernel(module, which: str, launch, compiled, rows: dict, head_dim: int):
@@ -206,8 +191,6 @@ def sm90_kernel(module, which: str, launch, compiled, rows: dict, head_dim: int)
     boxed tensors' addresses (``rows`` of each boxed operand's ``[rows, head_dim]`` view).
     Raises ValueError for a kernel the C++ launcher cannot pass."""
     params, specs = hopper.parameters(launch, compiled, rows, head_dim)
-    if compiled.function is None:
-        raise ValueError(f"{compiled.metadata.name}: not loaded")
     index = {name: i for i, name in enumerate(TENSORS[which])}
     named = {v for kind, v in params if kind == "pointer"} | {t.name for t in specs}
     unknown = named - set(index)
@@ -226,10 +209,7 @@ def sm90_kernel(module, which: str, launch, compiled, rows: dict, head_dim: int)
                         t.elem_type, t.elem_size, t.swizzle])
         cells.append(int(launch.args[value].data_ptr()) if kind == "array"
                      else int(value) if kind.startswith("lit") else 0)
-    return module.Kernel(function=int(compiled.function), grid=list(launch.grid),
-                         threads=32 * compiled.metadata.num_warps,
-                         shared=compiled.metadata.shared, cells=cells, per_call=per_call,
-                         tma=tma)
+    return _module_kernel(module, compiled, launch.grid, cells, per_call, tma)
 
 
 def make_plan(module, fwd, dq, dkdv, *, lse_double: bool, d_out_strides, saved_strides,
