@@ -1,7 +1,8 @@
 """The native eager CUDA path of ``sparse_attention`` (:mod:`sparsetp.backends.torch.native`):
 a C++ autograd node launching the same compiled Triton kernels.
 
-* On every machine: the extension builds with torch's C++ toolchain (no CUDA needed), and the
+* On every machine: the extension builds with torch's C++ toolchain (no CUDA needed), in a
+  process of its own whose lock a killed builder never leaves held, and the
   kernel parameters it is handed are the ones Triton's launcher would pass (a fake compiled
   kernel stands in for Triton's).
 * On a GPU: after a call signature's first forward + backward (the Python path), its later
@@ -18,8 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
+import json
 import os
+import shutil
 import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
 import unittest
 import warnings
 from types import SimpleNamespace
@@ -33,7 +42,7 @@ from torch_attention_test import _to, fwd_description
 
 from sparsetp.backends.torch import attention as tattn
 from sparsetp.backends.torch import launch as tlaunch
-from sparsetp.backends.torch import native
+from sparsetp.backends.torch import native, native_build
 from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
 from sparsetp.kernels import abi, options
@@ -266,14 +275,44 @@ class NativeBuildTest(absltest.TestCase):
                  "-c native.cpp -o native.o\nFAILED: native.o\n"
                  "native.cpp:12:3: error: 'at::Tensor' has no member named 'foo'\n"
                  "ninja: build stopped: subcommand failed.\n")
-        saved = dict(native._STATE)
-        try:
-            with mock.patch("torch.utils.cpp_extension.load", side_effect=RuntimeError(ninja)), \
-                    self.assertWarnsRegex(RuntimeWarning, "has no member named 'foo'"):
-                native._build()
+        # What native_build.py reports: a traceback-free JSON line last on stderr.
+        failed = subprocess.CompletedProcess([], 1, "", "\n" + json.dumps(
+            {"type": "RuntimeError", "message": ninja}) + "\n")
+        with self._state(), mock.patch.object(native.subprocess, "run", return_value=failed), \
+                self.assertWarnsRegex(RuntimeWarning, "has no member named 'foo'"):
+            native._build()
             self.assertEqual(native.status(), "unavailable: RuntimeError: native.cpp:12:3: "
                                               "error: 'at::Tensor' has no member named 'foo'")
+
+    def test_a_crashed_build_process_says_how_it_ended(self):
+        crashed = subprocess.CompletedProcess([], -9, "", "Fatal Python error: Aborted\n")
+        with self._state(), mock.patch.object(native.subprocess, "run", return_value=crashed), \
+                self.assertWarnsRegex(RuntimeWarning, "did not build"):
+            native._build()
+            self.assertEqual(native.status(), "unavailable: build process exit -9: Fatal "
+                                              "Python error: Aborted")
+
+    def test_a_built_library_loads_at_once(self):
+        """A process that finds the library in the cache imports it on its first call: no
+        build process, no calls on the Python path meanwhile."""
+        self.assertEqual(native.wait(), "ready")
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+            import torch
+            from sparsetp.backends.torch import native
+            module = native.load()
+            print(native.status(), module is not None and hasattr(module, "Plan"),
+                  native._STATE["thread"] is None)
+            """)], capture_output=True, text=True, timeout=300, check=False)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(done.stdout.split(), ["ready", "True", "True"])
+
+    @contextlib.contextmanager
+    def _state(self):
+        saved = dict(native._STATE)
+        try:
+            yield
         finally:
+            native._STATE.clear()
             native._STATE.update(saved)
 
     def test_disabled_by_environment(self):
@@ -283,6 +322,79 @@ class NativeBuildTest(absltest.TestCase):
         with mock.patch.dict(os.environ, {"SPARSETP_NATIVE": "maybe"}):
             with self.assertRaisesRegex(ValueError, "SPARSETP_NATIVE"):
                 native.status()
+
+
+class NativeBuildProcessTest(absltest.TestCase):
+    """``native_build.py``, the process that builds the library: one builder at a time on an
+    ``flock`` the kernel releases when its holder dies, so a killed build never blocks the
+    next (``cpp_extension``'s lock file did, forever); what a killed builder left is removed.
+    The compile itself is faked here (``NativeBuildTest`` builds for real)."""
+
+    def setUp(self):
+        super().setUp()
+        self.cache = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.cache, ignore_errors=True)
+        self.target = os.path.join(self.cache, "torch_native-0123456789abcdef.so")
+        self.compiled = []
+
+    def _fake_compile(self, source, target, cflags):
+        self.compiled.append(source)
+        with open(target, "w") as f:
+            f.write("library")
+
+    def _build(self):
+        with mock.patch.object(native_build, "_compile", self._fake_compile):
+            native_build.build("native.cpp", self.target, ["-O2"])
+
+    def test_builds_once_and_removes_what_a_killed_builder_left(self):
+        left = os.path.join(self.cache, native_build._build_prefix(self.target) + "x1")
+        os.makedirs(left)
+        other = os.path.join(self.cache, ".build-torch_native-fedcba9876543210.so-y")
+        os.makedirs(other)  # another library's build: not this builder's to remove
+        open(self.target + ".lock", "w").close()  # a lock file no process holds
+        self._build()
+        self._build()  # built: nothing to do
+        self.assertEqual(self.compiled, ["native.cpp"])
+        self.assertFalse(os.path.exists(left))
+        self.assertTrue(os.path.exists(other))
+        with open(self.target) as f:
+            self.assertEqual(f.read(), "library")
+
+    def test_waits_for_a_live_builder_and_takes_over_from_a_killed_one(self):
+        holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import fcntl, sys, time
+            lock = open({self.target + ".lock"!r}, "w")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            print("held", flush=True)
+            time.sleep(600)
+            """)], stdout=subprocess.PIPE, text=True)
+        try:
+            self.assertEqual(holder.stdout.readline().strip(), "held")
+            waiter = threading.Thread(target=self._build)
+            waiter.start()
+            waiter.join(timeout=1.0)
+            self.assertTrue(waiter.is_alive())  # blocked on the live holder's lock
+            self.assertEqual(self.compiled, [])
+        finally:
+            holder.kill()  # SIGKILL mid-build: its finally blocks never run
+            holder.wait()
+        waiter.join(timeout=30)
+        self.assertFalse(waiter.is_alive())
+        self.assertEqual(self.compiled, ["native.cpp"])
+        self.assertTrue(os.path.exists(self.target))
+
+    def test_reports_a_failure_as_json_last_on_stderr(self):
+        def fail(source, target, cflags):
+            raise RuntimeError("x.cpp:1:1: error: boom")
+
+        err = io.StringIO()
+        with mock.patch.object(native_build, "_compile", fail), \
+                contextlib.redirect_stderr(err):
+            code = native_build.main(["native.cpp", self.target, "-O2"])
+        self.assertEqual(code, 1)
+        self.assertEqual(json.loads(err.getvalue().strip().splitlines()[-1]),
+                         {"type": "RuntimeError", "message": "x.cpp:1:1: error: boom"})
+        self.assertFalse(os.path.exists(self.target))
 
 
 def _inputs(name, n, n_kv, bs, h, h_kv, d, dtype, seed=0):

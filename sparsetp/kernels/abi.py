@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import struct
 from collections.abc import Mapping
@@ -168,6 +169,17 @@ def unlaunchable(metadata) -> list[str]:
             "a cooperative grid": getattr(md, "launch_cooperative_grid", False),
             "programmatic dependent launch": getattr(md, "launch_pdl", False)}
     return [what for what, asked in asks.items() if asked]
+
+
+def cache_dir() -> str:
+    """Where the library keeps what it builds at run time (the C++ launchers of both
+    frameworks): ``$SPARSETP_CACHE_DIR``, else ``$XDG_CACHE_HOME/sparsetp``, else
+    ``~/.cache/sparsetp``; created if missing."""
+    base = os.environ.get("SPARSETP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "sparsetp")
+    os.makedirs(base, exist_ok=True)
+    return base
 
 
 def first_diagnostic(text: str) -> str:

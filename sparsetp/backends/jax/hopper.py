@@ -85,14 +85,6 @@ def _compiler() -> str:
     raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++)")
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("SPARSETP_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "sparsetp")
-    os.makedirs(base, exist_ok=True)
-    return base
-
-
 @functools.cache
 def _library() -> ctypes.CDLL:
     """The handler's shared library (built once per source, jaxlib and compiler), its FFI
@@ -106,7 +98,7 @@ def _library() -> ctypes.CDLL:
     with open(_SOURCE, "rb") as f:
         source = f.read()
     tag = hashlib.sha256(source + repr((jaxlib.__version__, cxx, includes)).encode())
-    path = os.path.join(_cache_dir(), f"sm90_launch-{tag.hexdigest()[:16]}.so")
+    path = os.path.join(abi.cache_dir(), f"sm90_launch-{tag.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)

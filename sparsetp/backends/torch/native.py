@@ -19,10 +19,12 @@ and launches cost more host time than the portable kernels': KERNEL_NOTES, host 
   q, k and v are 16-byte aligned (as their kernels were compiled); no Triton launch hook (a
   profiler) is set; not under ``torch.compile`` (which traces the registered operator
   instead), compiled autograd or ``torch.jit.trace``.
-* The extension builds once per machine and torch version with torch's C++ toolchain
-  (``torch.utils.cpp_extension``: a C++17 compiler and ninja; no CUDA toolkit), in a background
-  thread started by the first CUDA backward; calls use the Python path until it is ready. A
-  failed build warns once (``RuntimeWarning``) and :func:`status` keeps the reason.
+* The extension builds once per machine, source and torch version with torch's C++ toolchain
+  (``torch.utils.cpp_extension``: a C++17 compiler and ninja; no CUDA toolkit) into
+  ``$SPARSETP_CACHE_DIR`` (default ``~/.cache/sparsetp``), in a process of its own
+  (``native_build.py``) that the first CUDA backward starts; calls use the Python path until
+  it is ready. Built before, it is imported by the first call at once. A failed build warns
+  once (``RuntimeWarning``) and :func:`status` keeps the reason.
 * An output gradient with other strides than the first backward's (a broadcast from
   ``.sum()``, a transposed view) is copied to those strides before the backward kernels, and
   so are saved tensors that a saved-tensor hook (``save_on_cpu``) gives back in other strides.
@@ -39,10 +41,18 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.util
+import json
 import os
+import platform
+import subprocess
+import sys
 import threading
 import warnings
 
+from sparsetp.backends.torch import native_build
 from sparsetp.kernels import abi, hopper
 
 __all__ = ["status", "load", "wait", "make_plan", "plan_cells", "portable_kernel",
@@ -50,7 +60,8 @@ __all__ = ["status", "load", "wait", "make_plan", "plan_cells", "portable_kernel
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
 _LOCK = threading.Lock()
-_STATE: dict = {"module": None, "status": "not started", "thread": None}
+_CFLAGS = ("-O2", "-std=c++17")
+_STATE: dict = {"module": None, "status": "not started", "thread": None, "target": None}
 
 
 def _disabled() -> str | None:
@@ -68,14 +79,40 @@ def status() -> str:
     return _disabled() or _STATE["status"]
 
 
-def _build() -> None:
-    try:
-        from torch.utils import cpp_extension  # noqa: PLC0415
+def _target() -> str:
+    """The extension's file in the cache: one per source, torch, Python and compiler."""
+    if _STATE.get("target") is None:
+        import torch  # noqa: PLC0415
 
-        module = cpp_extension.load(name="sparsetp_native", sources=[_SOURCE],
-                                    extra_cflags=["-O2", "-std=c++17"], verbose=False)
+        with open(_SOURCE, "rb") as f:
+            source = f.read()
+        key = repr((torch.__version__, sys.version, sys.implementation.cache_tag,
+                    platform.machine(), os.environ.get("CXX"), _CFLAGS))
+        tag = hashlib.sha256(source + key.encode()).hexdigest()[:16]
+        _STATE["target"] = os.path.join(abi.cache_dir(), f"torch_native-{tag}.so")
+    return _STATE["target"]
+
+
+def _import(path: str):
+    spec = importlib.util.spec_from_file_location(native_build.NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build() -> None:
+    """The background thread: build in a process of its own (:mod:`native_build` says why),
+    then import the library. Waiting on that process holds no GIL."""
+    try:
+        done = subprocess.run([sys.executable, native_build.__file__, _SOURCE, _target(),
+                               *_CFLAGS], capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise _BuildError(done)
+        module = _import(_target())
     except Exception as exc:  # noqa: BLE001 (any build or import failure: reported, not raised)
-        reason = f"{type(exc).__name__}: {abi.first_diagnostic(str(exc))}"
+        kind, text = (exc.kind, exc.text) if isinstance(exc, _BuildError) else (
+            type(exc).__name__, str(exc))
+        reason = f"{kind}: {abi.first_diagnostic(text)}"
         _STATE["status"] = f"unavailable: {reason}"
         warnings.warn(f"sparsetp: the native attention extension did not build ({reason}); "
                       "eager CUDA attention keeps the Python autograd path, with more host "
@@ -86,20 +123,48 @@ def _build() -> None:
     _STATE["status"] = "ready"
 
 
+class _BuildError(Exception):
+    """A failed build process: the exception it reported (its last stderr line, JSON), else
+    its whole stderr."""
+
+    def __init__(self, done: subprocess.CompletedProcess):
+        lines = done.stderr.strip().splitlines()
+        try:
+            last = json.loads(lines[-1])
+            self.kind, self.text = last["type"], last["message"]
+        except (IndexError, ValueError, KeyError, TypeError):
+            self.kind = f"build process exit {done.returncode}"
+            self.text = done.stderr or done.stdout or "(no output)"
+        super().__init__(f"{self.kind}: {self.text}")
+
+
 def load(block: bool = False):
-    """The extension module, or None while it is building, disabled or unavailable. The first
-    call starts the build in a background thread (``block=True`` waits for it)."""
+    """The extension module, or None while it is building, disabled or unavailable. Built
+    before (on this machine, for this source and torch), it is imported at once; else the
+    first call starts the build in the background (``block=True`` waits for it)."""
     if _STATE["module"] is not None:
         return None if _disabled() else _STATE["module"]
     if _disabled():
         return None
     with _LOCK:
-        if _STATE["thread"] is None:
+        if _STATE["thread"] is None and _STATE["module"] is None:
+            try:
+                cached = os.path.exists(_target())
+            except OSError:  # no writable cache directory: the build says why
+                cached = False
+            if cached:
+                try:
+                    _STATE["module"] = _import(_target())
+                    _STATE["status"] = "ready"
+                    return _STATE["module"]
+                except Exception:  # noqa: BLE001 (a damaged file: build it again)
+                    with contextlib.suppress(OSError):
+                        os.remove(_target())
             _STATE["status"] = "building"
             _STATE["thread"] = threading.Thread(target=_build, name="sparsetp-native-build",
                                                 daemon=True)
             _STATE["thread"].start()
-    if block:
+    if block and _STATE["thread"] is not None:
         _STATE["thread"].join()
     return _STATE["module"]
 
