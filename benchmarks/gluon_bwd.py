@@ -21,6 +21,9 @@ dQ pass with each half's dQ MMA under the next half's mask and exp (``n2e+dq_asy
 Measured and removed (KERNEL_NOTES, "Session 26" and "Session 27"; their code is at commit
 26ff178): the one-pass backward (form ``f``: the ``n`` program also computes dQ and a writer
 warp adds it by TMA in a fixed turn order; ``w2d``/``w2u``/``w2f``/``w2fu``).
+Measured and removed (KERNEL_NOTES, "Session 30: the dK/dV consumer's waits and loads"; their
+code is at commit e5b3f45): the library's consumer with its dV/dK MMAs left in flight and its
+loads issued early (form ``m``).
 ``--gqa_mha_form`` (KERNEL_NOTES, "Session 28: where GQA's causal backward loses"): GQA's
 dK/dV pass as MHA's, a program per query head, the group's dK, dV summed after.
 
@@ -74,10 +77,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 VARIANTS = {"s2": ("t", 2, False), "s3": ("t", 3, False), "s4": ("t", 4, False),
             "s3d": ("t", 3, True), "s4d": ("t", 4, True),
             "n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
-            "n2e": ("n", 2, True),
-            # session 30: the library's consumer with DEFER (1) / PREFETCH (2) / both (3)
-            "m2": ("m", 2, 0), "m2d": ("m", 2, 1), "m3d": ("m", 3, 1), "m2p": ("m", 2, 2),
-            "m2dp": ("m", 2, 3), "m3dp": ("m", 3, 3)}
+            "n2e": ("n", 2, True)}
 
 
 @gluon.jit
@@ -259,212 +259,11 @@ def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     ], [4, 1], [232, 24])
 
 
-@gluon.jit
-def _dkdv_consumer_m(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
-                     kv_bar, q_ready, q_empty, mode, k_count, k_partial, k_index, k_mask_id,
-                     masks, stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
-                     stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n,
-                     kv_row0, LSE, Delta, DK, DV):
-    """The library's dK/dV consumer (FA3's form, dP issued with S) with two options, read off
-    ``mode``'s length - 1 (bit 0 DEFER, bit 1 PREFETCH):
-
-    * DEFER: a step's dV/dK MMAs stay in flight while the next step's S and dP are issued;
-      the wait for S also ends them (wgmma groups retire in order), then their Q/dO stage is
-      freed. The library waits for them before the next step.
-    * PREFETCH: the next list entry's query tile and mask id are loaded one entry ahead, and a
-      partial tile's mask words with LSE and Delta before the step's MMAs, so no global load
-      is first issued after S returns."""
-    CODE: gl.constexpr = mode.shape[0] - 1
-    DEFER: gl.constexpr = CODE % 2 == 1
-    PREFETCH: gl.constexpr = CODE // 2 == 1
-    NSTAGE: gl.constexpr = q_smem.shape[0]
-    SUB_M: gl.constexpr = q_smem.shape[1]
-    HEAD_DIM: gl.constexpr = q_smem.shape[2]
-    KEYS: gl.constexpr = k_smem.shape[0] // 2
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    key0: gl.constexpr = HALF * KEYS
-    k_h = k_smem.slice(key0, KEYS, dim=0)
-    v_h = v_smem.slice(key0, KEYS, dim=0)
-    p_buf = p_smem.index(HALF)
-    ds_buf = ds_smem.index(HALF)
-    c = key0 + gl.arange(0, KEYS, layout=col_s)
-    s_zero = gl.zeros([SUB_M, KEYS], gl.float32, layout=s_layout)
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_bar, 0)
-    t = 0
-    for j in range(GROUP):
-        h = off_g * GROUP + j
-        count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
-        n_partial = gl.load(k_partial + h * stride_ch + start_n * stride_cm)
-        row = h * stride_ih + start_n * stride_im
-        stats = (off_b * H + h).to(gl.int64) * N
-        qb_next = gl.load(k_index + row, mask=count > 0, other=0)
-        mid_next = gl.load(k_mask_id + row, mask=n_partial > 0, other=0)
-        for e in range(count):
-            if PREFETCH:
-                qb = qb_next
-                mid = mid_next
-                qb_next = gl.load(k_index + row + (e + 1) * stride_ik, mask=e + 1 < count,
-                                  other=0)
-                mid_next = gl.load(k_mask_id + row + (e + 1) * stride_ik,
-                                   mask=e + 1 < n_partial, other=0)
-            else:
-                qb = gl.load(k_index + row + e * stride_ik)
-                mid = gl.load(k_mask_id + row + e * stride_ik)
-            for sub in gl.static_range(2):
-                st = t % NSTAGE
-                r = sub * SUB_M + gl.arange(0, SUB_M, layout=row_s)
-                lse = gl.load(LSE + stats + qb * (2 * SUB_M) + r)
-                delta = gl.load(Delta + stats + qb * (2 * SUB_M) + r)
-                w_row = masks + mid * stride_mu + r * stride_mr + (key0 // 32) * stride_mw
-                if PREFETCH:
-                    part = r < gl.where(e < n_partial, 2 * SUB_M, 0)
-                    w0 = gl.load(w_row, mask=part, other=-1)
-                    w1 = gl.load(w_row + stride_mw, mask=part, other=-1)
-                mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
-                qs = q_smem.index(st)
-                dos = do_smem.index(st)
-                s_tok = warpgroup_mma(qs, k_h.permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                if DEFER:
-                    s, dv, dk = warpgroup_mma_wait(1, deps=(s_tok, dv, dk))
-                    if t > 0:
-                        mbarrier.arrive(q_empty.index((t - 1) % NSTAGE), count=1)
-                else:
-                    s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                if e < n_partial:
-                    if not PREFETCH:
-                        w0 = gl.load(w_row)
-                        w1 = gl.load(w_row + stride_mw)
-                    word = gl.where(c[None, :] < key0 + 32, w0[:, None], w1[:, None])
-                    s = gl.where(((word >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
-                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                p = gl.exp2(s * qk_scale - lse2[:, None])
-                dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-                ds = p * (dp - delta[:, None])
-                p_buf.store(p.to(dtype))
-                ds_buf.store(ds.to(dtype))
-                fence_async_shared()
-                dv = warpgroup_mma(p_buf.permute((1, 0)), dos, dv, is_async=True)
-                dk = warpgroup_mma(ds_buf.permute((1, 0)), qs, dk, is_async=True)
-                if DEFER:
-                    # Both stay in flight: this wait (2 groups may remain) only gives the
-                    # loop-carried values their type; the next step's S wait ends them.
-                    dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))
-                else:
-                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                    mbarrier.arrive(q_empty.index(st), count=1)
-                t += 1
-    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-    if DEFER:
-        if t > 0:
-            mbarrier.arrive(q_empty.index((t - 1) % NSTAGE), count=1)
-    dk = dk * scale
-    rows = kv_row0 + key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-    cols_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    offs = rows.to(gl.int64)[:, None] * HEAD_DIM + cols_d[None, :]
-    gl.store(DK + offs, dk.to(dtype))
-    gl.store(DV + offs, dv.to(dtype))
-
-
-@gluon.jit
-def _dkdv_consumer_m0(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
-                      q_empty, mode, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
-                      stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
-                      stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
-                      LSE, Delta, DK, DV):
-    _dkdv_consumer_m(0, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
-                     q_empty, mode, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
-                     stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
-                     stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
-                     LSE, Delta, DK, DV)
-
-
-@gluon.jit
-def _dkdv_consumer_m1(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
-                      q_empty, mode, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
-                      stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
-                      stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
-                      LSE, Delta, DK, DV):
-    _dkdv_consumer_m(1, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
-                     q_empty, mode, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
-                     stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
-                     stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
-                     LSE, Delta, DK, DV)
-
-
-@gluon.jit
-def _attn_bwd_dkdv_kernel_m(q_desc, do_desc, k_desc, v_desc,
-                            k_count, k_partial, k_index, k_mask_id, masks, k_order,
-                            qk_scale, scale, N, N_KV, H, GROUP,
-                            stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
-                            stride_mu, stride_mr, stride_mw,
-                            LSE, Delta, DK, DV,
-                            ORDERED: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr):
-    """The library's ``_attn_bwd_dkdv_kernel_sm90`` with :func:`_dkdv_consumer_m`'s consumers
-    (MODE: bit 0 DEFER, bit 1 PREFETCH)."""
-    SUB_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    dtype: gl.constexpr = q_desc.dtype
-    H_KV = H // GROUP
-    start_n, off_bh = _program(k_order, stride_ch, stride_cm, H_KV, gl.cdiv(N_KV, BLOCK_N),
-                               GROUP, ORDERED)
-    off_b = off_bh // H_KV
-    off_g = off_bh % H_KV
-    kv_row0 = off_bh * N_KV + start_n * BLOCK_N
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    pl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                            rank=2)
-    p_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, BLOCK_N // 2], pl)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, BLOCK_N // 2], pl)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mode = gl.allocate_shared_memory(gl.int64, [MODE + 1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-    fence_async_shared()
-    cargs = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty,
-             mode, k_count, k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm,
-             stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale,
-             scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV)
-    gl.warp_specialize([
-        (_dkdv_consumer_m0, cargs),
-        (_dkdv_consumer_m1, cargs),
-        (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                        kv_bar, q_ready, q_empty, k_count, k_index, stride_ch, stride_cm,
-                        stride_ih, stride_im, stride_ik, N, H, GROUP, off_b, off_g, start_n,
-                        kv_row0)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-def _dkdv_launch(form: str, stages: int, flag):
+def _dkdv_launch(form: str, stages: int, flag: bool):
     """(kernel, constexprs) of a variant: "t" the transposed lab kernel above (flag: DEFER),
-    "n" the library's FA3-form kernel (flag: EARLY_DP), "m" the library's with
-    :func:`_dkdv_consumer_m`'s options (flag: MODE)."""
+    "n" the library's FA3-form kernel (flag: EARLY_DP)."""
     if form == "t":
         return _attn_bwd_dkdv_kernel_sm90, {"STAGES": stages, "DEFER": flag}
-    if form == "m":
-        return _attn_bwd_dkdv_kernel_m, {
-            "STAGES": stages, "MODE": flag, "CONSUMER_REGS": hopper.CONSUMER_REGS,
-            "PRODUCER_REGS": hopper.PRODUCER_REGS}
     return hopper._attn_bwd_dkdv_kernel_sm90, {
         "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": hopper.CONSUMER_REGS,
         "PRODUCER_REGS": hopper.PRODUCER_REGS}
