@@ -25,6 +25,7 @@ flags.DEFINE_string("out", "jax_fwd_probe.json", "where to write the JSON")
 flags.DEFINE_list("patterns", ["window:1024", "bigbird", "strided_causal"], "bench patterns")
 flags.DEFINE_integer("n", 8192, "sequence length (B=1, H=16, D=128, bf16, block 128)")
 flags.DEFINE_integer("calls", 200, "calls per loop")
+flags.DEFINE_integer("input_sets", 1, "input sets the calls rotate through (the bench: 3)")
 
 
 def _loop_ms(fn, sync, calls):
@@ -80,24 +81,29 @@ def main(argv):
     from sparsetp.torch import sparse_attention as tattn  # noqa: PLC0415
 
     b, h, n, d = 1, 16, FLAGS.n, 128
-    out = {"n": n, "cases": {}}
+    out = {"n": n, "input_sets": FLAGS.input_sets, "cases": {}}
     for name in FLAGS.patterns:
         layout = make_layout(bench_pattern(name, n, 128, h).pattern, n, h, 128)
         rng = np.random.default_rng(0)
-        x = [rng.standard_normal((b, h, n, d), np.float32) for _ in range(3)]
-        tq, tk, tv = (torch.from_numpy(a).cuda().bfloat16() for a in x)
         dev = jax.devices("gpu")[0]
-        jq, jk, jv = (jax.device_put(jnp.asarray(a, jnp.bfloat16), dev) for a in x)
+        tsets, jsets = [], []
+        for _ in range(FLAGS.input_sets):
+            x = [rng.standard_normal((b, h, n, d), np.float32) for _ in range(3)]
+            tsets.append([torch.from_numpy(a).cuda().bfloat16() for a in x])
+            jsets.append([jax.device_put(jnp.asarray(a, jnp.bfloat16), dev) for a in x])
         lay = jax.device_put(layout_arrays(layout, head_dim=d, dtype="bfloat16",
                                            static_widths=True), dev)
         fwd_j = jax.jit(lambda q, k, v, lay: jattn(q, k, v, lay))
+        turn = {"t": 0, "j": 0}
 
-        def tf(tq=tq, tk=tk, tv=tv, layout=layout):
+        def tf(tsets=tsets, layout=layout, turn=turn):
+            turn["t"] = (turn["t"] + 1) % len(tsets)
             with torch.no_grad():
-                return tattn(tq, tk, tv, layout)
+                return tattn(*tsets[turn["t"]], layout)
 
-        def jf(fwd_j=fwd_j, jq=jq, jk=jk, jv=jv, lay=lay):
-            return fwd_j(jq, jk, jv, lay)
+        def jf(fwd_j=fwd_j, jsets=jsets, lay=lay, turn=turn):
+            turn["j"] = (turn["j"] + 1) % len(jsets)
+            return fwd_j(*jsets[turn["j"]], lay)
 
         def tsync(r):
             torch.cuda.synchronize()
@@ -109,7 +115,7 @@ def main(argv):
         rec["torch_kernels"], rec["torch_span_us"] = _kernels(tf, tsync, 50)
         rec["jax_kernels"], rec["jax_span_us"] = _kernels(jf, jsync, 50)
         rec["jax_hlo_ops"] = [line.strip()[:200] for line in
-                              fwd_j.lower(jq, jk, jv, lay).compile().as_text().splitlines()
+                              fwd_j.lower(*jsets[0], lay).compile().as_text().splitlines()
                               if " = " in line and "ENTRY" not in line][:40]
         out["cases"][name] = rec
         print(name, {k: v for k, v in rec.items() if "wall" in k or "span" in k}, flush=True)
