@@ -77,7 +77,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 VARIANTS = {"s2": ("t", 2, False), "s3": ("t", 3, False), "s4": ("t", 4, False),
             "s3d": ("t", 3, True), "s4d": ("t", 4, True),
             "n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
-            "n2e": ("n", 2, True)}
+            "n2e": ("n", 2, True), "n2e240": ("n240", 2, True)}
 
 
 @gluon.jit
@@ -264,6 +264,10 @@ def _dkdv_launch(form: str, stages: int, flag: bool):
     "n" the library's FA3-form kernel (flag: EARLY_DP)."""
     if form == "t":
         return _attn_bwd_dkdv_kernel_sm90, {"STAGES": stages, "DEFER": flag}
+    if form == "n240":  # the library's kernel with the most registers a consumer can take
+        return hopper._attn_bwd_dkdv_kernel_sm90, {
+            "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": 240,
+            "PRODUCER_REGS": hopper.PRODUCER_REGS}
     return hopper._attn_bwd_dkdv_kernel_sm90, {
         "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": hopper.CONSUMER_REGS,
         "PRODUCER_REGS": hopper.PRODUCER_REGS}
