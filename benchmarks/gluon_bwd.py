@@ -71,13 +71,13 @@ flags.DEFINE_bool("gqa_mha_form", False, "GQA: also time the dK/dV pass as MHA (
 BLOCK = 128
 SUB = 64  # queries per step (one TMA box of Q and of dO)
 LOG2E = gl.constexpr(1.4426950408889634)
-# name: (ring stages of Q/dO steps, DEFER); K, V 64 KB + stages x 32 KB of shared memory
-# name: (form, ring stages, DEFER for "t" / EARLY_DP for "n"); shared memory: K, V 64 KB +
-# stages x 32 KB (+ 32 KB of P, dS in FA3's form "n", the library's kernel)
+# name: (form, ring stages, DEFER for "t" / EARLY_DP for "n"[, consumer registers for "n"]);
+# shared memory: K, V 64 KB + stages x 32 KB (+ 32 KB of P, dS in FA3's form "n", the
+# library's kernel)
 VARIANTS = {"s2": ("t", 2, False), "s3": ("t", 3, False), "s4": ("t", 4, False),
             "s3d": ("t", 3, True), "s4d": ("t", 4, True),
             "n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
-            "n2e": ("n", 2, True), "n2e240": ("n240", 2, True)}
+            "n2e": ("n", 2, True), "n2e240": ("n", 2, True, 240)}
 
 
 @gluon.jit
@@ -259,17 +259,13 @@ def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     ], [4, 1], [232, 24])
 
 
-def _dkdv_launch(form: str, stages: int, flag: bool):
+def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.CONSUMER_REGS):
     """(kernel, constexprs) of a variant: "t" the transposed lab kernel above (flag: DEFER),
-    "n" the library's FA3-form kernel (flag: EARLY_DP)."""
+    "n" the library's FA3-form kernel (flag: EARLY_DP) with ``regs`` registers a consumer."""
     if form == "t":
         return _attn_bwd_dkdv_kernel_sm90, {"STAGES": stages, "DEFER": flag}
-    if form == "n240":  # the library's kernel with the most registers a consumer can take
-        return hopper._attn_bwd_dkdv_kernel_sm90, {
-            "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": 240,
-            "PRODUCER_REGS": hopper.PRODUCER_REGS}
     return hopper._attn_bwd_dkdv_kernel_sm90, {
-        "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": hopper.CONSUMER_REGS,
+        "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": regs,
         "PRODUCER_REGS": hopper.PRODUCER_REGS}
 
 

@@ -3,10 +3,11 @@ more than torch's on the same sm_90 kernel (0.13-0.17 ms kernels: window 1024, B
 strided causal). Is that GPU work JAX adds around the kernel (copies, fills, layout
 transposes) or host time the loop does not hide?
 
-Both frontends' forwards on the same inputs, wall-clock loops as the bench's (back-to-back
-calls, one sync), then each under the torch profiler (CUPTI sees every kernel of the
-process, XLA's too): the kernels of one call, name, count and GPU time, and the GPU-busy time
-per call against the wall time per call. Also JAX's optimized HLO of the jitted forward.
+Both frontends' forwards on the same inputs, the bench's own wall-clock loops
+(``attention_common.wall_loop_ms``: back-to-back calls, one sync), then each under the torch
+profiler (CUPTI sees every kernel of the process, XLA's too): the kernels of one call, name,
+count and GPU time, and the GPU-busy time per call against the wall time per call. Also JAX's
+optimized HLO of the jitted forward.
 
     python benchmarks/jax_fwd_probe.py --out=$OUT/jax_fwd_probe.json
 """
@@ -16,30 +17,16 @@ from __future__ import annotations
 import collections
 import json
 import os
-import time
 
+import attention_common as C
 from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "jax_fwd_probe.json", "where to write the JSON")
 flags.DEFINE_list("patterns", ["window:1024", "bigbird", "strided_causal"], "bench patterns")
 flags.DEFINE_integer("n", 8192, "sequence length (B=1, H=16, D=128, bf16, block 128)")
-flags.DEFINE_integer("calls", 200, "calls per loop")
+flags.DEFINE_float("loop_ms", 30.0, "wall-clock loop length (the bench's)")
 flags.DEFINE_integer("input_sets", 1, "input sets the calls rotate through (the bench: 3)")
-
-
-def _loop_ms(fn, sync, calls):
-    for _ in range(3):
-        r = fn()
-    sync(r)
-    best = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(calls):
-            r = fn()
-        sync(r)
-        best.append((time.perf_counter() - t) / calls * 1e3)
-    return sorted(best)[len(best) // 2]
 
 
 def _kernels(fn, sync, calls):
@@ -109,9 +96,9 @@ def main(argv):
             torch.cuda.synchronize()
 
         jsync = jax.block_until_ready
-        rec = {"torch_wall_ms": _loop_ms(tf, tsync, FLAGS.calls),
-               "jax_wall_ms": _loop_ms(jf, jsync, FLAGS.calls)}
-        rec["torch_wall_ms_again"] = _loop_ms(tf, tsync, FLAGS.calls)
+        rec = {"torch_wall_ms": C.wall_loop_ms(tf, tsync, FLAGS.loop_ms),
+               "jax_wall_ms": C.wall_loop_ms(jf, jsync, FLAGS.loop_ms)}
+        rec["torch_wall_ms_again"] = C.wall_loop_ms(tf, tsync, FLAGS.loop_ms)
         rec["torch_kernels"], rec["torch_span_us"] = _kernels(tf, tsync, 50)
         rec["jax_kernels"], rec["jax_span_us"] = _kernels(jf, jsync, 50)
         rec["jax_hlo_ops"] = [line.strip()[:200] for line in
