@@ -729,8 +729,8 @@ def _prep_sparsetp(cfg, case, layout, bp, rec):
         from sparsetp.backends.torch import native  # noqa: PLC0415
 
         # Timed calls after the warm-up run the eager path users get: the C++ autograd node
-        # once its extension has built ("ready"), else the Python one (the status says why);
-        # calls on an sm_90 pass ("fwd_kernel" or "bwd_kernel": "hopper") keep the Python one.
+        # (portable and sm_90 kernels alike) once its extension has built ("ready"), else the
+        # Python one (the status says why).
         rec["torch_native"] = native.wait()
     sets = _Inputs.get(case, cfg.device, cfg.input_sets)
     if bp.check is not None:
