@@ -20,6 +20,23 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def local_ops_by_line(cubin_path: str) -> dict:
+    """Static local loads / stores (spill traffic) per kernel source line, ``{"file:line":
+    [LDL, STL]}``, from ``nvdisasm -g`` (the line table Triton emits)."""
+    dis = subprocess.run([tool("nvdisasm"), "-g", "-c", cubin_path], capture_output=True,
+                         text=True).stdout
+    where, out = "?", collections.defaultdict(lambda: [0, 0])
+    for line in dis.splitlines():
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+            continue
+        m = re.search(r"\b(LDL|STL)\b", line)
+        if m:
+            out[where][m.group(1) == "STL"] += 1
+    return dict(sorted(out.items()))
+
+
 def sass_profile(cubin_path: str) -> dict:
     """Registers, stack (spills) and shared memory from ``cuobjdump -res-usage``, and the
     static count of each SASS opcode from ``nvdisasm``."""

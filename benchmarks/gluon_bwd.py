@@ -27,19 +27,33 @@ loads issued early (form ``m``).
 ``--gqa_mha_form`` (KERNEL_NOTES, "Session 28: where GQA's causal backward loses"): GQA's
 dK/dV pass as MHA's, a program per query head, the group's dK, dV summed after.
 
-Compile for sm_90 without a GPU (Triton 3.6 beside the local one)::
+Compile for sm_90 without a GPU (Triton 3.6 beside the local one; ``--kv_heads=4`` for GQA's
+binary, MHA's compiles GROUP = 1 as a constant)::
 
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/gluon_bwd.py --compile_only
 
 On a Hopper GPU: check dQ, dK, dV against the portable backward, then time::
 
     PYTHONPATH=$PWD python benchmarks/gluon_bwd.py --out=/tmp/gluon_bwd.json
+
+Another commit's dK/dV kernel beside this one's (form ``b``), e.g. the nested loop before
+the one-loop form (KERNEL_NOTES, "Session 31")::
+
+    git show 2eaea08:sparsetp/kernels/hopper.py > /tmp/base_hopper.py
+    PYTHONPATH=$PWD python benchmarks/gluon_bwd.py --base_hopper=/tmp/base_hopper.py \
+        --variants=b2e232,n2e232,b2e240,n2e
+
+Nsight Compute of the variants' kernels (one call each, after a warm-up)::
+
+    PYTHONPATH=$PWD ncu --profile-from-start off -k regex:dkdv --set full -o /tmp/dkdv \
+        python benchmarks/gluon_bwd.py --ncu_once --variants=n2e232,n2e
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import sys
 
 from absl import app, flags
 from gluon_tools import list_args, run_cases, sm90_profile, stand_ins, tma_desc
@@ -65,19 +79,24 @@ flags.DEFINE_integer("heads", 16, "H")
 flags.DEFINE_integer("kv_heads", 0, "H_kv (0: H)")
 flags.DEFINE_integer("rounds", 3, "interleaved timing rounds")
 flags.DEFINE_string("out", None, "write the records here as JSON")
+flags.DEFINE_string("base_hopper", None, "another commit's sparsetp/kernels/hopper.py (`git "
+                    "show REV:sparsetp/kernels/hopper.py > FILE`), for the 'b' variants")
+flags.DEFINE_bool("ncu_once", False, "no check or timing: one call of each variant between "
+                  "cudaProfilerStart/Stop, for `ncu --profile-from-start off`")
 flags.DEFINE_bool("gqa_mha_form", False, "GQA: also time the dK/dV pass as MHA (one program "
                   "per query head on K, V repeated per head; the group's dK, dV summed after)")
 
 BLOCK = 128
 SUB = 64  # queries per step (one TMA box of Q and of dO)
 LOG2E = gl.constexpr(1.4426950408889634)
-# name: (form, ring stages, DEFER for "t" / EARLY_DP for "n"[, consumer registers for "n"]);
+# name: (form, ring stages, DEFER for "t" / EARLY_DP for "n" and "b"[, consumer registers]);
 # shared memory: K, V 64 KB + stages x 32 KB (+ 32 KB of P, dS in FA3's form "n", the
 # library's kernel)
 VARIANTS = {"s2": ("t", 2, False), "s3": ("t", 3, False), "s4": ("t", 4, False),
             "s3d": ("t", 3, True), "s4d": ("t", 4, True),
             "n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
-            "n2e": ("n", 2, True), "n2e240": ("n", 2, True, 240)}
+            "n2e": ("n", 2, True), "n2e232": ("n", 2, True, 232),
+            "b2e232": ("b", 2, True, 232), "b2e240": ("b", 2, True, 240)}
 
 
 @gluon.jit
@@ -259,12 +278,28 @@ def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     ], [4, 1], [232, 24])
 
 
-def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.CONSUMER_REGS):
+@functools.cache
+def _base_hopper():
+    """The module in ``--base_hopper`` (another commit's ``sparsetp/kernels/hopper.py``)."""
+    import importlib.util  # noqa: PLC0415
+
+    if not FLAGS.base_hopper:
+        raise ValueError("variants of form 'b' need --base_hopper")
+    spec = importlib.util.spec_from_file_location("base_hopper", FLAGS.base_hopper)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["base_hopper"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.DKDV_CONSUMER_REGS):
     """(kernel, constexprs) of a variant: "t" the transposed lab kernel above (flag: DEFER),
-    "n" the library's FA3-form kernel (flag: EARLY_DP) with ``regs`` registers a consumer."""
+    "n" the library's FA3-form kernel (flag: EARLY_DP) with ``regs`` registers a consumer,
+    "b" the same kernel of ``--base_hopper``."""
     if form == "t":
         return _attn_bwd_dkdv_kernel_sm90, {"STAGES": stages, "DEFER": flag}
-    return hopper._attn_bwd_dkdv_kernel_sm90, {
+    module = _base_hopper() if form == "b" else hopper
+    return module._attn_bwd_dkdv_kernel_sm90, {
         "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": regs,
         "PRODUCER_REGS": hopper.PRODUCER_REGS}
 
@@ -309,11 +344,16 @@ def _compile_only():
     print(json.dumps({"kernel": "library dQ", **prof}))
     meta = {**meta, **{key.replace("q_", "k_"): val for key, val in meta.items()
                        if key.startswith("q_")}}
-    args = _dkdv_args(q, q, q, q, stats, stats, meta, 0.1, q, q)
+    args = list(_dkdv_args(q, q, q, q, stats, stats, meta, 0.1, q, q))
+    group = FLAGS.heads // (FLAGS.kv_heads or FLAGS.heads)
     for name in FLAGS.variants:
         kernel, constexprs = _dkdv_launch(*VARIANTS[name])
-        prof = sm90_profile(kernel, args, {"ORDERED": True, **constexprs}, 4)
-        print(json.dumps({"variant": name, **prof}))
+        args[kernel.arg_names.index("GROUP")] = group
+        # MHA's launches pass GROUP = 1, which Triton compiles as a constant: another binary
+        # with other spills than GQA's (KERNEL_NOTES, "Session 31").
+        one = {"GROUP": 1} if group == 1 else {}
+        prof = sm90_profile(kernel, args, {"ORDERED": True, **constexprs, **one}, 4)
+        print(json.dumps({"variant": name, "group": group, **prof}))
 
 
 def _kernel_ms(fn, reps=10):
@@ -362,7 +402,6 @@ def _measure(spec, q, k, v, d_out):
                                  schedule.grid_group({"k_head_group": k_group}, "k", b, h_kv))
     with launch_options(fwd_kernel="portable", bwd_kernel="portable"):
         out, lse = tattn._forward(q, k, v, layout, scale)
-        ref = tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
 
     def diffs(got):  # largest |difference| of dQ, dK, dV from the portable backward
         return {name: float((a.float() - r.float()).abs().max())
@@ -380,6 +419,18 @@ def _measure(spec, q, k, v, d_out):
         return dq, dk, dv
 
     rec = {"pattern": spec, "N": n, "H": h, "H_kv": h_kv, "check": {}}
+    if FLAGS.ncu_once:  # compiled and warm outside the capture, then one call of each
+        for variant in FLAGS.variants:
+            gluon_bwd(variant)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for variant in FLAGS.variants:
+            gluon_bwd(variant)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return {**rec, "profiled": FLAGS.variants}
+    with launch_options(fwd_kernel="portable", bwd_kernel="portable"):
+        ref = tattn._backward(q, k, v, out, lse, d_out, None, layout, scale)
     for variant in FLAGS.variants:
         got = gluon_bwd(variant)
         rec["check"][variant] = diffs(got)

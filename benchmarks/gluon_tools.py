@@ -12,7 +12,7 @@ import json
 import re
 import tempfile
 
-from cubin_tools import sass_profile
+from cubin_tools import local_ops_by_line, sass_profile
 
 
 def run_cases(measure, seq_lens, patterns, out: str | None = None,
@@ -72,8 +72,10 @@ def stand_ins(block: int, head_dim: int = 128):
 
 def sm90_profile(kernel, args, constexprs: dict, num_warps: int) -> dict:
     """Compile the Gluon ``kernel`` for sm_90 on ``args`` (stand-ins typed as a real launch
-    types them: int32 lists, every pointer 16-byte aligned) and report shared memory,
-    registers, spills (stack), setmaxnreg, CTA barriers, wgmma and TMA instruction counts."""
+    types them: int32 lists, every pointer 16-byte aligned; an argument named in
+    ``constexprs`` is compiled as that constant, as the launcher's binder does with integers
+    equal to 1) and report shared memory, registers, spills (stack, and local loads / stores
+    by source line), setmaxnreg, CTA barriers, wgmma and TMA instruction counts."""
     import torch  # noqa: PLC0415
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
@@ -102,8 +104,10 @@ def sm90_profile(kernel, args, constexprs: dict, num_warps: int) -> dict:
         f.write(c.asm["cubin"])
         f.flush()
         sass = sass_profile(f.name)
+        by_line = local_ops_by_line(f.name)
     return {"shared": c.metadata.shared, "registers": sass["registers"],
-            "stack_bytes": sass["stack_bytes"], "hgmma": sass["opcodes"].get("HGMMA", 0),
+            "stack_bytes": sass["stack_bytes"], "local_ops_by_line": by_line,
+            "hgmma": sass["opcodes"].get("HGMMA", 0),
             "wgmma_waits_by_in_flight": sass["wgmma_waits_by_in_flight"],
             "local_ops_near_mma": sass["local_ops_near_mma"],
             "setmaxnreg": re.findall(r"setmaxnreg[.a-z0-9]*\s+\d+", ptx),

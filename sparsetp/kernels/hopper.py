@@ -94,9 +94,10 @@ KV_BOX = {128: BLOCK, 256: BLOCK // 2}
 FWD_STAGES = {128: STAGES, 256: 2}
 CONSUMER_REGS = 232  # per thread, two consumer warpgroups; the producer warp keeps 24
 PRODUCER_REGS = 24
-# The dK/dV pass with GQA (a program walks its group's heads): 240, the most the pool allows,
-# ran it 4-9% faster where it costs MHA 6-16% (KERNEL_NOTES, "Session 30: 240 registers").
-DKDV_GQA_CONSUMER_REGS = 240
+# The dK/dV consumers take the most registers the pool allows: with its one loop of steps the
+# pass spills nothing at MHA (group 1 compiles apart) and least at GQA; 7-14% faster at MHA
+# than the nested loop at 232 (KERNEL_NOTES, "Session 31: the dK/dV pass's spills").
+DKDV_CONSUMER_REGS = 240
 PINGPONG = True  # FA3's inter-warpgroup ping-pong: 1-4% faster on 9 of 10 cases (KERNEL_NOTES)
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel runs 4 + 4 + 1 warps
 # dQ pass: Q and dO (64 KB) stay; 2 x 64 KB of K, V = 192 KB of shared memory
@@ -310,7 +311,7 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
         (*k_arrays, qk_scale, float(scale), seq_len, kv_len, heads, group, *k_strides),
         ("lse", "delta", "dk", "dv"),
         {"ORDERED": ordered, "STAGES": DKDV_STAGES, "EARLY_DP": DKDV_EARLY_DP, **regs,
-         "CONSUMER_REGS": DKDV_GQA_CONSUMER_REGS if group > 1 else CONSUMER_REGS})
+         "CONSUMER_REGS": DKDV_CONSUMER_REGS})
     return out
 
 
@@ -949,47 +950,50 @@ if GLUON:
             n_partial = gl.load(k_partial + h * stride_ch + start_n * stride_cm)
             row = h * stride_ih + start_n * stride_im
             stats = (off_b * H + h).to(gl.int64) * N
-            for e in range(count):
+            # One loop over 64-row steps, not entries x an unrolled pair of steps: the nested
+            # form kept per-entry values live across both copies and spilled (KERNEL_NOTES).
+            for it in range(2 * count):
+                e = it // 2
+                sub = it % 2
                 qb = gl.load(k_index + row + e * stride_ik)
                 mid = gl.load(k_mask_id + row + e * stride_ik)
-                for sub in gl.static_range(2):
-                    st = t % NSTAGE
-                    r = sub * SUB_M + gl.arange(0, SUB_M, layout=row_s)  # query within the tile
-                    lse = gl.load(LSE + stats + qb * (2 * SUB_M) + r)
-                    delta = gl.load(Delta + stats + qb * (2 * SUB_M) + r)
-                    mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
-                    qs = q_smem.index(st)
-                    dos = do_smem.index(st)
-                    s_tok = warpgroup_mma(qs, k_h.permute((1, 0)), s_zero, use_acc=False,
-                                          is_async=True)
-                    if EARLY_DP:
-                        dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero, use_acc=False,
-                                               is_async=True)
-                        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                    else:
-                        s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                    if e < n_partial:
-                        w_row = masks + mid * stride_mu + r * stride_mr + (key0 // 32) * stride_mw
-                        w0 = gl.load(w_row)
-                        w1 = gl.load(w_row + stride_mw)
-                        word = gl.where(c[None, :] < key0 + 32, w0[:, None], w1[:, None])
-                        s = gl.where(((word >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
-                    # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient.
-                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                    p = gl.exp2(s * qk_scale - lse2[:, None])
-                    if not EARLY_DP:
-                        dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero, use_acc=False,
-                                               is_async=True)
-                    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-                    ds = p * (dp - delta[:, None])
-                    p_buf.store(p.to(dtype))
-                    ds_buf.store(ds.to(dtype))
-                    fence_async_shared()
-                    dv = warpgroup_mma(p_buf.permute((1, 0)), dos, dv, is_async=True)
-                    dk = warpgroup_mma(ds_buf.permute((1, 0)), qs, dk, is_async=True)
-                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                    mbarrier.arrive(q_empty.index(st), count=1)
-                    t += 1
+                st = t % NSTAGE
+                r = sub * SUB_M + gl.arange(0, SUB_M, layout=row_s)  # query within the tile
+                lse = gl.load(LSE + stats + qb * (2 * SUB_M) + r)
+                delta = gl.load(Delta + stats + qb * (2 * SUB_M) + r)
+                mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
+                qs = q_smem.index(st)
+                dos = do_smem.index(st)
+                s_tok = warpgroup_mma(qs, k_h.permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                if EARLY_DP:
+                    dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero, use_acc=False,
+                                           is_async=True)
+                    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                else:
+                    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                if e < n_partial:
+                    w_row = masks + mid * stride_mu + r * stride_mr + (key0 // 32) * stride_mw
+                    w0 = gl.load(w_row)
+                    w1 = gl.load(w_row + stride_mw)
+                    word = gl.where(c[None, :] < key0 + 32, w0[:, None], w1[:, None])
+                    s = gl.where(((word >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
+                # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient.
+                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                p = gl.exp2(s * qk_scale - lse2[:, None])
+                if not EARLY_DP:
+                    dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero, use_acc=False,
+                                           is_async=True)
+                dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                ds = p * (dp - delta[:, None])
+                p_buf.store(p.to(dtype))
+                ds_buf.store(ds.to(dtype))
+                fence_async_shared()
+                dv = warpgroup_mma(p_buf.permute((1, 0)), dos, dv, is_async=True)
+                dk = warpgroup_mma(ds_buf.permute((1, 0)), qs, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(q_empty.index(st), count=1)
+                t += 1
         dk = dk * scale
         rows = kv_row0 + key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
         cols_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
