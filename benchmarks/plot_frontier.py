@@ -7,6 +7,8 @@ pairs) of each implementation per pattern, with the run's bf16 GEMM as a line::
     python -m sparsetp.bench attention --preset=frontier --out_dir=/tmp/frontier   # on the GPU
     python benchmarks/plot_frontier.py --json=/tmp/frontier/attention.json \\
         --out=docs/frontier_h200.png
+
+``--table`` prints the rows of ``docs/performance.md``'s frontier table instead.
 """
 
 from __future__ import annotations
@@ -20,13 +22,59 @@ from sparsetp.bench import frontier
 JSON = flags.DEFINE_string("json", "benchmarks/results/frontier_h200.json",
                            "bench JSON of the frontier preset")
 OUT = flags.DEFINE_string("out", "docs/frontier_h200.png", "PNG to write")
+TABLE = flags.DEFINE_bool("table", False, "print the markdown table rows, draw nothing")
 
 IMPLS = (("sparsetp", "ours (torch)"), ("fa4", "FlashAttention-4"),
          ("cudnn_causal", "cuDNN causal"), ("flex", "FlexAttention"))
 
 
+LABELS = {"causal": "causal", "window:1024": "window 1024", "bigbird": "BigBird",
+          "strided_causal": "strided causal", "per_head_mix": "per-head mix"}
+
+
+def _f(x, fmt):
+    return "—" if x is None else format(x, fmt)
+
+
+def table(res: dict) -> str:
+    """Markdown rows (pattern, N, ours / FA4 / cuDNN / Flex ms fwd / bwd, ours TFLOP/s and
+    fraction of the run's GEMM, peer / ours, JAX / torch from the F3 targets)."""
+    by = {(r["impl"], r["pattern"], r["N"]): r for r in res["records"]
+          if "fwd_ms" in r and r.get("section", "").startswith("frontier")}
+    gemm = (res.get("gemm_anchor") or {}).get("tflops")
+    f3 = {t["name"]: t.get("value") for t in res.get("targets", []) if t["id"] == "F3"}
+    rows = []
+    for n in sorted({k[2] for k in by}):
+        for p in frontier.PATTERNS:
+            o = by.get(("sparsetp", p, n))
+            if not o:
+                continue
+
+            def ms(impl, o=o, p=p, n=n):
+                r = by.get((impl, p, n))
+                return "—" if not r else f"{r['fwd_ms']:.3f} / {r['bwd_ms']:.3f}"
+
+            def ratio(impl, o=o, p=p, n=n):
+                r = by.get((impl, p, n))
+                return "—" if not r else (f"{r['fwd_ms'] / o['fwd_ms']:.2f} / "
+                                          f"{r['bwd_ms'] / o['bwd_ms']:.2f}")
+            tf = f"{o['fwd_tflops']:.0f} / {o['bwd_tflops']:.0f}"
+            if gemm:
+                tf += f" ({o['fwd_tflops'] / gemm:.2f} / {o['bwd_tflops'] / gemm:.2f})"
+            jax = (f"{_f(f3.get(f'JAX / torch fwd, {p}, N={n}'), '.2f')} / "
+                   f"{_f(f3.get(f'JAX / torch fwd_bwd, {p}, N={n}'), '.2f')}")
+            rows.append(f"| {LABELS.get(p, p)} | {n} | {ms('sparsetp')} | "
+                        f"{tf} | {ms('fa4')} | {ms('cudnn_causal')} | {ms('flex')} | "
+                        f"{ratio('fa4')} | {ratio('flex')} | {jax} |")
+    return "\n".join(rows)
+
+
 def main(argv):
     del argv
+    if TABLE.value:
+        with open(JSON.value) as f:
+            print(table(json.load(f)))
+        return
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
