@@ -11,7 +11,9 @@ Cases (B=1, bf16, block 128 on both sides; GPU only):
   ``flash_attn.cute`` is importable, FlashAttention-4's varlen path (``cu_seqlens``);
 * ``head_dim``: causal N=8192, H=16, D=128 and D=256: TFLOP/s of each.
 
-TFLOP/s count computed elements (``sum over query heads of computed tiles * block^2``): forward
+Times: ``--rounds`` rounds per case, the case's arms (ours, Flex, and MHA or FA4's varlen where
+they apply) timed in turn within each round; medians, each round's kept. TFLOP/s count
+computed elements (``sum over query heads of computed tiles * block^2``): forward
 ``4 * D`` FLOPs per element, backward 2.5x that (``sparsetp.bench.attention``'s convention).
 Every sparsetp/Flex pair is checked against each other on its inputs first (max abs difference of
 the outputs, recorded). Believe it only if ``tests/torch_attention_test.py`` passes::
@@ -39,6 +41,7 @@ flags.DEFINE_string("out", "real_models.json", "where to write the JSON")
 flags.DEFINE_list("sections", ["gqa", "documents", "head_dim"], "which sections to run")
 flags.DEFINE_list("seq_lens", ["8192", "32768"], "N of the gqa section")
 flags.DEFINE_float("rep_ms", 60.0, "do_bench repetition time per measurement")
+flags.DEFINE_integer("rounds", 3, "interleaved rounds per case (medians are reported)")
 
 BLOCK = 128
 WINDOW = 1024
@@ -62,6 +65,31 @@ def _time(fn, q, k, v, d_out):
     return fwd, both
 
 
+def _rounds(arms: dict) -> dict:
+    """Each arm's times over ``--rounds`` rounds, the arms timed in turn within a round, so
+    that a machine's drift (clocks, power) hits every arm alike: ``{name: {"fwd_ms",
+    "fwd_bwd_ms" (medians), "rounds_fwd_ms", "rounds_fwd_bwd_ms"}}``; an arm is ``(fn, (q, k,
+    v), d_out)``."""
+    got = {name: ([], []) for name in arms}
+    for _ in range(FLAGS.rounds):
+        for name, (fn, args, d_out) in arms.items():
+            fwd, both = _time(fn, *args, d_out)
+            got[name][0].append(fwd)
+            got[name][1].append(both)
+    return {name: {"fwd_ms": float(np.median(f)), "fwd_bwd_ms": float(np.median(b)),
+                   "rounds_fwd_ms": f, "rounds_fwd_bwd_ms": b} for name, (f, b) in got.items()}
+
+
+def _times(layout, b, d, t: dict) -> dict:
+    """A :func:`_rounds` entry with the backward (forward + backward minus forward) and
+    TFLOP/s on the layout's computed elements."""
+    fwd, both = t["fwd_ms"], t["fwd_bwd_ms"]
+    return {"fwd_ms": fwd, "bwd_ms": both - fwd, "fwd_bwd_ms": both,
+            "fwd_tflops": _tflops(layout, b, d, fwd),
+            "bwd_tflops": _tflops(layout, b, d, both - fwd, backward=True),
+            "rounds_fwd_ms": t["rounds_fwd_ms"], "rounds_fwd_bwd_ms": t["rounds_fwd_bwd_ms"]}
+
+
 def _tflops(layout, b, d, ms, backward=False):
     elements = b * float(layout.q_count.sum()) * layout.block_size ** 2
     flops = 4 * d * elements * (2.5 if backward else 1.0)
@@ -77,8 +105,10 @@ def _flex_mask(mask_mod, h, n):
     return bm, time.perf_counter() - t0
 
 
-def _pair(rec, name, layout, mask_mod, b, h, h_kv, n, d, seed, extra=None):
-    """sparsetp and Flex on the same inputs: agreement, then times and TFLOP/s."""
+def _pair(rec, name, layout, mask_mod, b, h, h_kv, n, d, seed, extra=None, more=None):
+    """sparsetp and Flex on the same inputs: agreement, then times and TFLOP/s, with the
+    arms of ``more`` (``{name: (fn, (q, k, v), d_out)}``, on this layout's work) in the same
+    rounds."""
     q, k, v, d_out = _tensors(b, h, h_kv, n, d, seed)
     flex = _flex_fn()  # the bench tool's one compiled flex_attention
     bm, mask_s = _flex_mask(mask_mod, h, n)
@@ -96,11 +126,10 @@ def _pair(rec, name, layout, mask_mod, b, h, h_kv, n, d, seed, extra=None):
     entry = {"case": name, "N": n, "H": h, "H_kv": h_kv, "D": d, "density": layout.density,
              "max_abs_diff_vs_flex": diff, "flex_block_mask_s": mask_s,
              "first_calls_s": compile_s, **(extra or {})}
-    for impl, fn in (("sparsetp", ours), ("flex", theirs)):
-        fwd, both = _time(fn, q, k, v, d_out)
-        entry[impl] = {"fwd_ms": fwd, "bwd_ms": both - fwd, "fwd_bwd_ms": both,
-                       "fwd_tflops": _tflops(layout, b, d, fwd),
-                       "bwd_tflops": _tflops(layout, b, d, both - fwd, backward=True)}
+    arms = {"sparsetp": (ours, (q, k, v), d_out), "flex": (theirs, (q, k, v), d_out),
+            **(more or {})}
+    for impl, t in _rounds(arms).items():
+        entry[impl] = {**entry.get(impl, {}), **_times(layout, b, d, t)}
     entry["flex_over_ours"] = {p: entry["flex"][f"{p}_ms"] / entry["sparsetp"][f"{p}_ms"]
                                for p in ("fwd", "bwd", "fwd_bwd")}
     rec.data.setdefault("cases", []).append(entry)
@@ -126,15 +155,16 @@ def gqa(rec):
                                    ("window", P.local(WINDOW // 2 - 1, WINDOW // 2 - 1),
                                     _window)):
             layout = make_layout(pattern, n, h, BLOCK)
-            entry = _pair(rec, f"gqa_{name}", layout, mod, b, h, h_kv, n, d, seed=n)
-            # MHA with the same query heads: what GQA's TFLOP/s should match.
+            # MHA with the same query heads, in the same rounds: what GQA's TFLOP/s should
+            # match.
             q, k, v, d_out = _tensors(b, h, h, n, d, seed=n + 1)
-            fwd, both = _time(lambda q, k, v, lay=layout: sparse_attention(q, k, v, lay),
-                              q, k, v, d_out)
-            entry["sparsetp_mha"] = {"fwd_ms": fwd, "bwd_ms": both - fwd,
-                                     "fwd_tflops": _tflops(layout, b, d, fwd),
-                                     "bwd_tflops": _tflops(layout, b, d, both - fwd, True)}
-            rec.log(f"  MHA same heads: {entry['sparsetp_mha']}")
+            mha = (lambda q, k, v, lay=layout: sparse_attention(q, k, v, lay), (q, k, v), d_out)
+            entry = _pair(rec, f"gqa_{name}", layout, mod, b, h, h_kv, n, d, seed=n,
+                          more={"sparsetp_mha": mha})
+            entry["gqa_over_mha_tflops"] = {
+                p: entry["sparsetp"][f"{p}_tflops"] / entry["sparsetp_mha"][f"{p}_tflops"]
+                for p in ("fwd", "bwd")}
+            rec.log(f"  GQA / MHA TFLOP/s (same query heads): {entry['gqa_over_mha_tflops']}")
             rec.save()
 
 
@@ -156,21 +186,28 @@ def documents(rec):
     def mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
+    info, arm = _fa4_varlen(layout, lengths, b, h, n, d, seed=7)
     entry = _pair(rec, "documents_causal", layout, mod, b, h, h, n, d, seed=7,
-                  extra={"lengths": lengths, "our_layout_build_s": build_s})
-    _fa4_varlen(rec, entry, layout, lengths, b, h, n, d, seed=7)
+                  extra={"lengths": lengths, "our_layout_build_s": build_s,
+                         "fa4_varlen": info},
+                  more={"fa4_varlen": arm} if arm else None)
+    if arm:
+        entry["fa4_over_ours"] = {p: entry["fa4_varlen"][f"{p}_ms"] / entry["sparsetp"][f"{p}_ms"]
+                                  for p in ("fwd", "bwd", "fwd_bwd")}
+        rec.log(f"FA4 varlen: diff {info['max_abs_diff_vs_ours']:.3g}, fa4/ours "
+                f"{entry['fa4_over_ours']}")
+        rec.save()
 
 
-def _fa4_varlen(rec, entry, layout, lengths, b, h, n, d, seed):
-    """FlashAttention-4's varlen path (``cu_seqlens``, causal within each document) on the same
-    inputs, when ``flash_attn.cute`` is importable (``../shared/peers/fa4.sh``); else the
-    reason is recorded."""
+def _fa4_varlen(layout, lengths, b, h, n, d, seed):
+    """FlashAttention-4's varlen path (``cu_seqlens``, causal within each document) on the
+    documents case's inputs (the same seed), when ``flash_attn.cute`` is importable
+    (``../shared/peers/fa4.sh``): (its agreement with ours, its :func:`_rounds` arm), else
+    (the reason, None)."""
     try:
         from flash_attn.cute import flash_attn_varlen_func  # noqa: PLC0415
     except ImportError as e:
-        entry["fa4_varlen"] = {"skipped": f"flash_attn.cute not importable: {e}"}
-        rec.save()
-        return
+        return {"skipped": f"flash_attn.cute not importable: {e}"}, None
     q, k, v, d_out = _tensors(b, h, h, n, d, seed)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32,
                       device="cuda")
@@ -187,25 +224,18 @@ def _fa4_varlen(rec, entry, layout, lengths, b, h, n, d, seed):
     qf, kf, vf, dof = (tokens_major(t) for t in (q, k, v, d_out))
     ours = sparse_attention(q, k, v, layout)
     diff = float((fa4(qf, kf, vf).float() - tokens_major(ours).float()).abs().max())
-    fwd, both = _time(fa4, qf, kf, vf, dof)
-    entry["fa4_varlen"] = {"max_abs_diff_vs_ours": diff, "fwd_ms": fwd, "bwd_ms": both - fwd,
-                           "fwd_bwd_ms": both, "fwd_tflops": _tflops(layout, b, d, fwd),
-                           "bwd_tflops": _tflops(layout, b, d, both - fwd, backward=True)}
-    entry["fa4_over_ours"] = {p: entry["fa4_varlen"][f"{p}_ms"] / entry["sparsetp"][f"{p}_ms"]
-                              for p in ("fwd", "bwd", "fwd_bwd")}
-    rec.log(f"FA4 varlen: diff {diff:.3g}, fa4/ours {entry['fa4_over_ours']}")
-    rec.save()
+    return {"max_abs_diff_vs_ours": diff}, (fa4, (qf, kf, vf), dof)
 
 
 def head_dim(rec):
     b, h, n = 1, 16, 8192
     layout = make_layout(P.causal(), n, h, BLOCK)
-    out = {}
+    arms = {}
     for d in (128, 256):
         q, k, v, d_out = _tensors(b, h, h, n, d, seed=d)
-        fwd, both = _time(lambda q, k, v: sparse_attention(q, k, v, layout), q, k, v, d_out)
-        out[d] = {"fwd_ms": fwd, "bwd_ms": both - fwd, "fwd_tflops": _tflops(layout, b, d, fwd),
-                  "bwd_tflops": _tflops(layout, b, d, both - fwd, True)}
+        arms[d] = (lambda q, k, v: sparse_attention(q, k, v, layout), (q, k, v), d_out)
+    out = {d: _times(layout, b, d, t) for d, t in _rounds(arms).items()}
+    for d in arms:
         rec.log(f"causal N={n} D={d}: {out[d]}")
     out["fwd_tflops_256_over_128"] = out[256]["fwd_tflops"] / out[128]["fwd_tflops"]
     rec.data["head_dim"] = {str(k): v for k, v in out.items()}
