@@ -292,6 +292,21 @@ class NativeBuildTest(absltest.TestCase):
             self.assertEqual(native.status(), "unavailable: build process exit -9: Fatal "
                                               "Python error: Aborted")
 
+    def test_the_build_process_imports_what_this_process_imported(self):
+        # A path added at run time (a notebook's sys.path.append) reaches the build process.
+        path = [*sys.path, "", "/added/at/run/time"]
+        failed = subprocess.CompletedProcess([], 1, "", "")
+        with self._state(), mock.patch.object(sys, "path", path), \
+                mock.patch.dict(os.environ, {"PYTHONPATH": "/from/the/environment",
+                                             "SPARSETP_TEST_MARK": "kept"}), \
+                mock.patch.object(native.subprocess, "run", return_value=failed) as run, \
+                self.assertWarnsRegex(RuntimeWarning, "did not build"):
+            native._build()
+        env = run.call_args.kwargs["env"]
+        self.assertEqual(env["PYTHONPATH"].split(os.pathsep),
+                         [p for p in path if p] + ["/from/the/environment"])
+        self.assertEqual(env["SPARSETP_TEST_MARK"], "kept")  # the rest of the environment
+
     def test_a_built_library_loads_at_once(self):
         """A process that finds the library in the cache imports it on its first call: no
         build process, no calls on the Python path meanwhile."""

@@ -105,7 +105,8 @@ def _build() -> None:
     then import the library. Waiting on that process holds no GIL."""
     try:
         done = subprocess.run([sys.executable, native_build.__file__, _SOURCE, _target(),
-                               *_CFLAGS], capture_output=True, text=True, check=False)
+                               *_CFLAGS], capture_output=True, text=True, check=False,
+                              env=_build_env())
         if done.returncode:
             raise _BuildError(done)
         module = _import(_target())
@@ -121,6 +122,18 @@ def _build() -> None:
         return
     _STATE["module"] = module
     _STATE["status"] = "ready"
+
+
+def _build_env() -> dict:
+    """The build process's environment: this one's, with this process's ``sys.path`` ahead of
+    ``PYTHONPATH``, so that it imports the torch this process imported, also where
+    ``sys.path`` was edited at run time (a notebook's, a launcher's)."""
+    env = dict(os.environ)
+    paths = [p for p in sys.path if p]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
 
 
 class _BuildError(Exception):
