@@ -36,8 +36,8 @@ On a Hopper GPU: check dQ, dK, dV against the portable backward, then time::
 
     PYTHONPATH=$PWD python benchmarks/gluon_bwd.py --out=/tmp/gluon_bwd.json
 
-Another commit's dK/dV kernel beside this one's (form ``b``), e.g. the nested loop before
-the one-loop form (KERNEL_NOTES, "Session 31")::
+Another commit's backward beside this one's (form ``b``: its dQ pass and dK/dV kernel), e.g.
+the nested loop before the one-loop form (KERNEL_NOTES, "Session 31")::
 
     git show 2eaea08:sparsetp/kernels/hopper.py > /tmp/base_hopper.py
     PYTHONPATH=$PWD python benchmarks/gluon_bwd.py --base_hopper=/tmp/base_hopper.py \
@@ -53,10 +53,9 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 
 from absl import app, flags
-from gluon_tools import list_args, run_cases, sm90_profile, stand_ins, tma_desc
+from gluon_tools import base_module, list_args, run_cases, sm90_profile, stand_ins, tma_desc
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -278,27 +277,15 @@ def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
     ], [4, 1], [232, 24])
 
 
-@functools.cache
-def _base_hopper():
-    """The module in ``--base_hopper`` (another commit's ``sparsetp/kernels/hopper.py``)."""
-    import importlib.util  # noqa: PLC0415
-
-    if not FLAGS.base_hopper:
-        raise ValueError("variants of form 'b' need --base_hopper")
-    spec = importlib.util.spec_from_file_location("base_hopper", FLAGS.base_hopper)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["base_hopper"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.DKDV_CONSUMER_REGS):
     """(kernel, constexprs) of a variant: "t" the transposed lab kernel above (flag: DEFER),
     "n" the library's FA3-form kernel (flag: EARLY_DP) with ``regs`` registers a consumer,
-    "b" the same kernel of ``--base_hopper``."""
+    "b" the same kernel of ``--base_hopper`` (whose dQ pass the "b" arms run too)."""
     if form == "t":
         return _attn_bwd_dkdv_kernel_sm90, {"STAGES": stages, "DEFER": flag}
-    module = _base_hopper() if form == "b" else hopper
+    if form == "b" and not FLAGS.base_hopper:
+        raise ValueError("variants of form 'b' need --base_hopper")
+    module = base_module(FLAGS.base_hopper) if form == "b" else hopper
     return module._attn_bwd_dkdv_kernel_sm90, {
         "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": regs,
         "PRODUCER_REGS": hopper.PRODUCER_REGS}
@@ -411,7 +398,9 @@ def _measure(spec, q, k, v, d_out):
         kernel, constexprs = _dkdv_launch(*VARIANTS[variant])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
-        hopper._attn_bwd_dq_kernel_sm90[q_grid](
+        # Form "b" is the other commit's whole backward: its dQ pass too.
+        dq_module = base_module(FLAGS.base_hopper) if VARIANTS[variant][0] == "b" else hopper
+        dq_module._attn_bwd_dq_kernel_sm90[q_grid](
             *_dq_args(q, k, v, d_out, out, lse, meta, scale, dq, delta), ORDERED=True,
             **DQ_CONSTEXPRS, num_warps=hopper.NUM_WARPS)
         kernel[kv_grid](*_dkdv_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv),

@@ -21,6 +21,12 @@ Run on a Hopper GPU::
 
     PYTHONPATH=$PWD python benchmarks/gluon_fwd.py --out=/tmp/gluon_fwd.json
 
+Another commit's library kernel beside this one's (``base_ws3pp`` against ``ws3pp``)::
+
+    git show REV:sparsetp/kernels/hopper.py > /tmp/base_hopper.py
+    PYTHONPATH=$PWD python benchmarks/gluon_fwd.py --base_hopper=/tmp/base_hopper.py \
+        --variants=base_ws3pp,ws3pp
+
 Compile for sm_90 without a GPU (Triton 3.6 beside the local one, as ``ptx_probe.py``)::
 
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/gluon_fwd.py --compile_only
@@ -33,7 +39,7 @@ import json
 import time
 
 from absl import app, flags
-from gluon_tools import list_args, run_cases, sm90_profile, stand_ins, tma_desc
+from gluon_tools import base_module, list_args, run_cases, sm90_profile, stand_ins, tma_desc
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -58,6 +64,8 @@ flags.DEFINE_integer("kv_heads", 0, "H_kv (0: H)")
 flags.DEFINE_integer("head_dim", 128, "D")
 flags.DEFINE_integer("rounds", 3, "interleaved timing rounds")
 flags.DEFINE_string("out", None, "write the records here as JSON")
+flags.DEFINE_string("base_hopper", None, "another commit's sparsetp/kernels/hopper.py (`git "
+                    "show REV:sparsetp/kernels/hopper.py > FILE`), for the base_ variants")
 
 BLOCK = 128
 NUM_WARPS = 8
@@ -200,10 +208,17 @@ VARIANTS = {
               hopper.NUM_WARPS),
     "ws3pp": ("_attn_fwd_kernel_sm90", BLOCK // 2, {"STAGES": 3, **_WS, "PINGPONG": True},
               hopper.NUM_WARPS),
+    # The library's kernel as in --base_hopper (another commit's), beside this checkout's.
+    "base_ws3pp": ("base:_attn_fwd_kernel_sm90", BLOCK // 2,
+                   {"STAGES": 3, **_WS, "PINGPONG": True}, hopper.NUM_WARPS),
 }
 
 
 def _kernel(name):
+    if name.startswith("base:"):
+        if not FLAGS.base_hopper:
+            raise ValueError("base_ variants need --base_hopper")
+        return getattr(base_module(FLAGS.base_hopper), name[len("base:"):])
     return globals()[name] if name in globals() else getattr(hopper, name)
 
 

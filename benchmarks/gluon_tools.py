@@ -8,11 +8,27 @@ Used by ``gluon_fwd.py`` and ``gluon_bwd.py``. Flag-free (like
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import tempfile
 
 from cubin_tools import local_ops_by_line, sass_profile
+
+
+@functools.cache
+def base_module(path: str):
+    """Another commit's ``sparsetp/kernels/hopper.py`` (``git show
+    REV:sparsetp/kernels/hopper.py > FILE``) as a module of its own, so that its kernels run
+    beside this checkout's in one process (the lab scripts' ``--base_hopper``)."""
+    import importlib.util  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("base_hopper", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["base_hopper"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_cases(measure, seq_lens, patterns, out: str | None = None,
