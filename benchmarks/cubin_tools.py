@@ -20,37 +20,30 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def local_ops_by_line(cubin_path: str) -> dict:
-    """Static local loads / stores (spill traffic) per kernel source line, ``{"file:line":
-    [LDL, STL]}``, from ``nvdisasm -g`` (the line table Triton emits)."""
+def sass_profile(cubin_path: str) -> dict:
+    """Registers, stack (spills) and shared memory from ``cuobjdump -res-usage``, and the
+    static count of each SASS opcode from ``nvdisasm -g``, with the local loads / stores
+    (spill traffic) per kernel source line (``{"file:line": [LDL, STL]}``, from the line
+    table Triton emits)."""
+    res = subprocess.run([tool("cuobjdump"), "-res-usage", cubin_path], capture_output=True,
+                         text=True).stdout
     dis = subprocess.run([tool("nvdisasm"), "-g", "-c", cubin_path], capture_output=True,
                          text=True).stdout
-    where, out = "?", collections.defaultdict(lambda: [0, 0])
+    ops = collections.Counter()
+    seq = []  # opcodes in program order
+    where, by_line = "?", collections.defaultdict(lambda: [0, 0])
     for line in dis.splitlines():
         m = re.search(r'//## File "([^"]+)", line (\d+)', line)
         if m:
             where = f"{os.path.basename(m.group(1))}:{m.group(2)}"
             continue
-        m = re.search(r"\b(LDL|STL)\b", line)
-        if m:
-            out[where][m.group(1) == "STL"] += 1
-    return dict(sorted(out.items()))
-
-
-def sass_profile(cubin_path: str) -> dict:
-    """Registers, stack (spills) and shared memory from ``cuobjdump -res-usage``, and the
-    static count of each SASS opcode from ``nvdisasm``."""
-    res = subprocess.run([tool("cuobjdump"), "-res-usage", cubin_path], capture_output=True,
-                         text=True).stdout
-    dis = subprocess.run([tool("nvdisasm"), "-c", cubin_path], capture_output=True,
-                         text=True).stdout
-    ops = collections.Counter()
-    seq = []  # opcodes in program order
-    for line in dis.splitlines():
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m:
-            ops[m.group(2).split(".")[0]] += 1
-            seq.append(m.group(2).split(".")[0])
+            op = m.group(2).split(".")[0]
+            ops[op] += 1
+            seq.append(op)
+            if op in ("LDL", "STL"):
+                by_line[where][op == "STL"] += 1
     # Spill traffic beside the MMAs, where it costs: local loads/stores within 40 instructions
     # of an HGMMA (a static proxy for the hot loop; the total counts set-up code too).
     mma = [i for i, op in enumerate(seq) if op == "HGMMA"]
@@ -65,6 +58,7 @@ def sass_profile(cubin_path: str) -> dict:
             "stack_bytes": int(stack.group(1)) if stack else None,
             "wgmma_waits_by_in_flight": dict(sorted(waits.items())),
             "local_ops": len(local), "local_ops_near_mma": near,
+            "local_ops_by_line": dict(sorted(by_line.items())),
             "res_usage": res.strip()[-800:], "n_instructions": sum(ops.values()),
             "opcodes": dict(ops.most_common(60))}
 

@@ -13,7 +13,7 @@ import json
 import re
 import tempfile
 
-from cubin_tools import local_ops_by_line, sass_profile
+from cubin_tools import sass_profile
 
 
 @functools.cache
@@ -120,9 +120,8 @@ def sm90_profile(kernel, args, constexprs: dict, num_warps: int) -> dict:
         f.write(c.asm["cubin"])
         f.flush()
         sass = sass_profile(f.name)
-        by_line = local_ops_by_line(f.name)
     return {"shared": c.metadata.shared, "registers": sass["registers"],
-            "stack_bytes": sass["stack_bytes"], "local_ops_by_line": by_line,
+            "stack_bytes": sass["stack_bytes"], "local_ops_by_line": sass["local_ops_by_line"],
             "hgmma": sass["opcodes"].get("HGMMA", 0),
             "wgmma_waits_by_in_flight": sass["wgmma_waits_by_in_flight"],
             "local_ops_near_mma": sass["local_ops_near_mma"],

@@ -38,11 +38,9 @@ def _f(x, fmt):
 
 def table(res: dict) -> str:
     """Markdown rows (pattern, N, ours / FA4 / cuDNN / Flex ms fwd / bwd, ours TFLOP/s and
-    fraction of the run's GEMM, peer / ours, JAX / torch from the F3 targets)."""
-    by = {(r["impl"], r["pattern"], r["N"]): r for r in res["records"]
-          if "fwd_ms" in r and r.get("section", "").startswith("frontier")}
+    fraction of the run's GEMM, peer / ours, JAX / torch as F3 reads it)."""
+    by = frontier._by(res)
     gemm = (res.get("gemm_anchor") or {}).get("tflops")
-    f3 = {t["name"]: t.get("value") for t in res.get("targets", []) if t["id"] == "F3"}
     rows = []
     for n in sorted({k[2] for k in by}):
         for p in frontier.PATTERNS:
@@ -61,8 +59,9 @@ def table(res: dict) -> str:
             tf = f"{o['fwd_tflops']:.0f} / {o['bwd_tflops']:.0f}"
             if gemm:
                 tf += f" ({o['fwd_tflops'] / gemm:.2f} / {o['bwd_tflops'] / gemm:.2f})"
-            jax = (f"{_f(f3.get(f'JAX / torch fwd, {p}, N={n}'), '.2f')} / "
-                   f"{_f(f3.get(f'JAX / torch fwd_bwd, {p}, N={n}'), '.2f')}")
+            jx = by.get(("sparsetp_jax", p, n)) or {}
+            jax = (f"{_f(jx.get('jax_over_torch_fwd'), '.2f')} / "
+                   f"{_f(jx.get('jax_over_torch_fwd_bwd'), '.2f')}")
             rows.append(f"| {LABELS.get(p, p)} | {n} | {ms('sparsetp')} | "
                         f"{tf} | {ms('fa4')} | {ms('cudnn_causal')} | {ms('flex')} | "
                         f"{ratio('fa4')} | {ratio('flex')} | {jax} |")
@@ -82,8 +81,7 @@ def main(argv):
 
     with open(JSON.value) as f:
         res = json.load(f)
-    by = {(r["impl"], r["pattern"], r["N"]): r for r in res["records"]
-          if "fwd_ms" in r and r.get("section", "").startswith("frontier")}
+    by = frontier._by(res)
     ns = sorted({k[2] for k in by})
     gemm = (res.get("gemm_anchor") or {}).get("tflops")
     fig, axes = plt.subplots(len(ns), 2, figsize=(13, 3.6 * len(ns)), squeeze=False)

@@ -11,8 +11,9 @@ Cases (B=1, bf16, block 128 on both sides; GPU only):
   ``flash_attn.cute`` is importable, FlashAttention-4's varlen path (``cu_seqlens``);
 * ``head_dim``: causal N=8192, H=16, D=128 and D=256: TFLOP/s of each.
 
-Times: ``--rounds`` rounds per case, the case's arms (ours, Flex, and MHA or FA4's varlen where
-they apply) timed in turn within each round; medians, each round's kept. TFLOP/s count
+Times: ``--rounds`` interleaved rounds per case (``attention_common.interleaved``), the case's
+arms (ours, Flex, and MHA or FA4's varlen where they apply) timed in turn within each round;
+medians, each round's kept. TFLOP/s count
 computed elements (``sum over query heads of computed tiles * block^2``): forward
 ``4 * D`` FLOPs per element, backward 2.5x that (``sparsetp.bench.attention``'s convention).
 Every sparsetp/Flex pair is checked against each other on its inputs first (max abs difference of
@@ -23,6 +24,7 @@ the outputs, recorded). Believe it only if ``tests/torch_attention_test.py`` pas
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -66,18 +68,15 @@ def _time(fn, q, k, v, d_out):
 
 
 def _rounds(arms: dict) -> dict:
-    """Each arm's times over ``--rounds`` rounds, the arms timed in turn within a round, so
-    that a machine's drift (clocks, power) hits every arm alike: ``{name: {"fwd_ms",
-    "fwd_bwd_ms" (medians), "rounds_fwd_ms", "rounds_fwd_bwd_ms"}}``; an arm is ``(fn, (q, k,
-    v), d_out)``."""
-    got = {name: ([], []) for name in arms}
-    for _ in range(FLAGS.rounds):
-        for name, (fn, args, d_out) in arms.items():
-            fwd, both = _time(fn, *args, d_out)
-            got[name][0].append(fwd)
-            got[name][1].append(both)
-    return {name: {"fwd_ms": float(np.median(f)), "fwd_bwd_ms": float(np.median(b)),
-                   "rounds_fwd_ms": f, "rounds_fwd_bwd_ms": b} for name, (f, b) in got.items()}
+    """Each arm's times over ``--rounds`` rounds of :func:`attention_common.interleaved` (the
+    arms in turn within a round, so that a machine's drift hits every arm alike): ``{name:
+    {"fwd_ms", "fwd_bwd_ms" (medians), "rounds_fwd_ms", "rounds_fwd_bwd_ms"}}``; an arm is
+    ``(fn, (q, k, v), d_out)``."""
+    med, rows = C.interleaved({name: contextlib.nullcontext for name in arms}, FLAGS.rounds,
+                              lambda name: _time(arms[name][0], *arms[name][1], arms[name][2]))
+    return {name: {"fwd_ms": med[name][0], "fwd_bwd_ms": med[name][1],
+                   "rounds_fwd_ms": [r[0] for r in rows[name]],
+                   "rounds_fwd_bwd_ms": [r[1] for r in rows[name]]} for name in arms}
 
 
 def _times(layout, b, d, t: dict) -> dict:
