@@ -148,9 +148,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc,
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
-        s = _masked_scores(s, 0, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                           stride_mu, stride_mr, stride_mw, N_KV, 0, 0, s_layout, BLOCK_M,
-                           BLOCK_N, BLOCK_N)
+        s = _masked_scores(s, 0, n_partial, q_mask_id, row, stride_ik, masks, stride_mu,
+                           stride_mr, stride_mw, 0, 0, s_layout, BLOCK_M, BLOCK_N)
         pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
         p = gl.convert_layout(pf.to(dtype), p_layout)
 
@@ -165,9 +164,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc,
         mbarrier.wait(v_bar.index(pst), pph)
         o_tok = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                           stride_mu, stride_mr, stride_mw, N_KV, 0, 0, s_layout, BLOCK_M,
-                           BLOCK_N, BLOCK_N)
+        s = _masked_scores(s, e, n_partial, q_mask_id, row, stride_ik, masks, stride_mu,
+                           stride_mr, stride_mw, 0, 0, s_layout, BLOCK_M, BLOCK_N)
         pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         # Stage pst is free now (its K fed the previous S, its V the MMA just waited on).

@@ -455,26 +455,21 @@ if GLUON:
         return tile, off_bh
 
     @gluon.jit
-    def _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                       stride_mr, stride_mw, N_KV, row0, col0,
-                       s_layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
-                       BLOCK_N: gl.constexpr):
-        """Scores [ROWS, COLS] (rows ``row0 + [0, ROWS)``, keys ``col0 + [0, COLS)`` of the
-        BLOCK_N-key tile) of list entry ``e``, -inf where the pair is not allowed: the bitmask
-        row of a partial tile (entries before ``n_partial``; bit ``c % 32`` of word ``c //
-        32``) and keys past ``N_KV``."""
-        kb = gl.load(q_index + row + e * stride_ik)
-        c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))
-        cols = kb * BLOCK_N + c
+    def _masked_scores(s, e, n_partial, q_mask_id, row, stride_ik, masks, stride_mu, stride_mr,
+                       stride_mw, row0, col0, s_layout: gl.constexpr, ROWS: gl.constexpr,
+                       COLS: gl.constexpr):
+        """Scores [ROWS, COLS] (rows ``row0 + [0, ROWS)``, keys ``col0 + [0, COLS)`` of a
+        128-key tile) of list entry ``e``, -inf where the pair is not allowed: the bitmask row
+        of a partial tile (entries before ``n_partial``; bit ``c % 32`` of word ``c // 32``).
+        A full tile passes as it is, with no work per element: N and N_KV are multiples of 128
+        on this path (:func:`forward_choice`), so no key of a listed tile lies past N_KV."""
         if e < n_partial:
             mid = gl.load(q_mask_id + row + e * stride_ik)
+            c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))
             rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
             words = gl.load(masks + mid * stride_mu + rows[:, None] * stride_mr
                             + (c[None, :] // 32) * stride_mw)
-            ok = (((words >> (c[None, :] % 32)) & 1) != 0) & (cols[None, :] < N_KV)
-            s = gl.where(ok, s, float("-inf"))
-        elif kb * BLOCK_N + BLOCK_N > N_KV:
-            s = gl.where(cols[None, :] < N_KV, s, float("-inf"))
+            s = gl.where(((words >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
         return s
 
     @gluon.jit
@@ -583,9 +578,8 @@ if GLUON:
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
-            s = _masked_scores(s, 0, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                               stride_mu, stride_mr, stride_mw, N_KV, row0, 0, s_layout, SUB_M,
-                               BLOCK_N, TILE)
+            s = _masked_scores(s, 0, n_partial, q_mask_id, row, stride_ik, masks, stride_mu,
+                               stride_mr, stride_mw, row0, 0, s_layout, SUB_M, BLOCK_N)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             p = gl.convert_layout(pf.to(dtype), p_layout)
         for e in range(1, steps):
@@ -601,9 +595,9 @@ if GLUON:
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_e done; P V may still run
-            s = _masked_scores(s, e // SPLIT, n_partial, q_index, q_mask_id, row, stride_ik,
-                               masks, stride_mu, stride_mr, stride_mw, N_KV, row0,
-                               (e % SPLIT) * BLOCK_N, s_layout, SUB_M, BLOCK_N, TILE)
+            s = _masked_scores(s, e // SPLIT, n_partial, q_mask_id, row, stride_ik, masks,
+                               stride_mu, stride_mr, stride_mw, row0, (e % SPLIT) * BLOCK_N,
+                               s_layout, SUB_M, BLOCK_N)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(kv_empty.index(pst), count=1)  # K_{e-1} and V_{e-1} are read
@@ -780,9 +774,9 @@ if GLUON:
                 dp_tok = warpgroup_mma(do, v_h.permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                s = _masked_scores(s, e, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                                   stride_mu, stride_mr, stride_mw, N_KV, row0, h * HALF_N,
-                                   s_layout, SUB_M, HALF_N, BLOCK_N)
+                s = _masked_scores(s, e, n_partial, q_mask_id, row, stride_ik, masks, stride_mu,
+                                   stride_mr, stride_mw, row0, h * HALF_N, s_layout, SUB_M,
+                                   HALF_N)
                 p = gl.exp2(s * qk_scale - lse2[:, None])
                 dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
                 ds = p * (dp - delta[:, None])
