@@ -266,6 +266,19 @@ class Sm90ForwardTest(parameterized.TestCase):
         layout = make_layout(example_pattern("per_head_mix", n, 128), n, h, 128)
         self._check(layout, *_inputs(4, 2, h, h_kv, n, n, 128, "bfloat16"), "bfloat16")
 
+    def test_gqa_groups_with_empty_heads(self):
+        # dK/dV programs whose group has a first, a last or every head without entries (the
+        # pass walks the group's heads in turn and must skip the empty ones).
+        n = 512
+        some = P.strided(512, 128) & P.causal()  # key tile 0 only, its diagonal partial
+        none = P.strided(512, 128, offset=384)  # no key tile at N=512
+        pattern = P.per_head([some, P.causal(), P.causal(), none, some, some])
+        layout = make_layout(pattern, n, 6, 128)
+        counts = np.asarray(layout.k_count)
+        self.assertTrue((counts[0, 1:] == 0).all() and (counts[1] > 0).all())
+        self.assertTrue((counts[3] == 0).all() and (counts[4:, 1:] == 0).all())
+        self._check(layout, *_inputs(31, 1, 6, 3, n, n, 128, "bfloat16"), "bfloat16")
+
     @parameterized.named_parameters(("causal_bf16", "causal", "bfloat16"),
                                     ("masked_rows_bf16", "masked_rows", "bfloat16"),
                                     ("local_fp16", "local", "float16"))
