@@ -213,6 +213,20 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def document_lengths(n: int, seed: int = 0) -> list[int]:
+    """A packing of ``n`` tokens as documents of 512-8192 tokens: lengths drawn (seeded) until
+    they reach ``n``, the last one cut to fit (``real_models.py``, ``gluon_documents.py``)."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < n:
+        lengths.append(int(rng.integers(512, 8193)))
+    lengths[-1] -= sum(lengths) - n
+    if lengths[-1] < 1:
+        lengths.pop()
+        lengths[-1] += n - sum(lengths)
+    return lengths
+
+
 def inputs(n: int, h: int, d: int, dtype: str, device: str, seed: int, b: int = 1,
            h_kv: int | None = None):
     """(q, k, v, qg, kg, vg, d_out): standard-normal inputs, and leaf copies that want grads;

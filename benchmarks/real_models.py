@@ -169,14 +169,7 @@ def gqa(rec):
 
 def documents(rec):
     b, h, d, n = 1, 16, 128, 32768
-    rng = np.random.default_rng(0)
-    lengths = []
-    while sum(lengths) < n:
-        lengths.append(int(rng.integers(512, 8193)))
-    lengths[-1] -= sum(lengths) - n
-    if lengths[-1] < 1:
-        lengths.pop()
-        lengths[-1] += n - sum(lengths)
+    lengths = C.document_lengths(n)
     t0 = time.perf_counter()
     layout = make_layout(P.documents(lengths) & P.causal(), n, h, BLOCK)
     build_s = time.perf_counter() - t0
