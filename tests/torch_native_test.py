@@ -278,30 +278,24 @@ class NativeBuildTest(absltest.TestCase):
         # What native_build.py reports: a traceback-free JSON line last on stderr.
         failed = subprocess.CompletedProcess([], 1, "", "\n" + json.dumps(
             {"type": "RuntimeError", "message": ninja}) + "\n")
-        with self._state(), mock.patch.object(native.subprocess, "run", return_value=failed), \
-                self.assertWarnsRegex(RuntimeWarning, "has no member named 'foo'"):
-            native._build()
-            self.assertEqual(native.status(), "unavailable: RuntimeError: native.cpp:12:3: "
-                                              "error: 'at::Tensor' has no member named 'foo'")
+        status, _ = self._build_ending(failed, "has no member named 'foo'")
+        self.assertEqual(status, "unavailable: RuntimeError: native.cpp:12:3: "
+                                 "error: 'at::Tensor' has no member named 'foo'")
 
     def test_a_crashed_build_process_says_how_it_ended(self):
         crashed = subprocess.CompletedProcess([], -9, "", "Fatal Python error: Aborted\n")
-        with self._state(), mock.patch.object(native.subprocess, "run", return_value=crashed), \
-                self.assertWarnsRegex(RuntimeWarning, "did not build"):
-            native._build()
-            self.assertEqual(native.status(), "unavailable: build process exit -9: Fatal "
-                                              "Python error: Aborted")
+        status, _ = self._build_ending(crashed, "did not build")
+        self.assertEqual(status, "unavailable: build process exit -9: Fatal Python error: "
+                                 "Aborted")
 
     def test_the_build_process_imports_what_this_process_imported(self):
         # A path added at run time (a notebook's sys.path.append) reaches the build process.
         path = [*sys.path, "", "/added/at/run/time"]
-        failed = subprocess.CompletedProcess([], 1, "", "")
-        with self._state(), mock.patch.object(sys, "path", path), \
+        with mock.patch.object(sys, "path", path), \
                 mock.patch.dict(os.environ, {"PYTHONPATH": "/from/the/environment",
-                                             "SPARSETP_TEST_MARK": "kept"}), \
-                mock.patch.object(native.subprocess, "run", return_value=failed) as run, \
-                self.assertWarnsRegex(RuntimeWarning, "did not build"):
-            native._build()
+                                             "SPARSETP_TEST_MARK": "kept"}):
+            _, run = self._build_ending(subprocess.CompletedProcess([], 1, "", ""),
+                                        "did not build")
         env = run.call_args.kwargs["env"]
         self.assertEqual(env["PYTHONPATH"].split(os.pathsep),
                          [p for p in path if p] + ["/from/the/environment"])
@@ -320,6 +314,15 @@ class NativeBuildTest(absltest.TestCase):
             """)], capture_output=True, text=True, timeout=300, check=False)
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertEqual(done.stdout.split(), ["ready", "True", "True"])
+
+    def _build_ending(self, result, warning):
+        """(status after, the mocked run) of a build whose process ends as ``result``
+        (a ``subprocess.CompletedProcess``); its warning must match ``warning``."""
+        with self._state(), \
+                mock.patch.object(native.subprocess, "run", return_value=result) as run, \
+                self.assertWarnsRegex(RuntimeWarning, warning):
+            native._build()
+            return native.status(), run
 
     @contextlib.contextmanager
     def _state(self):
