@@ -215,7 +215,8 @@ def sync(device) -> None:
 
 def document_lengths(n: int, seed: int = 0) -> list[int]:
     """A packing of ``n`` tokens as documents of 512-8192 tokens: lengths drawn (seeded) until
-    they reach ``n``, the last one cut to fit (``real_models.py``, ``gluon_documents.py``)."""
+    they reach ``n``, the last one cut to fit (``real_models.py``, the lab's
+    ``gluon_tools.lab_pattern``)."""
     rng = np.random.default_rng(seed)
     lengths = []
     while sum(lengths) < n:

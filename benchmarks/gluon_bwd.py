@@ -55,7 +55,15 @@ import functools
 import json
 
 from absl import app, flags
-from gluon_tools import base_module, list_args, run_cases, sm90_profile, stand_ins, tma_desc
+from gluon_tools import (
+    base_module,
+    lab_pattern,
+    list_args,
+    run_cases,
+    sm90_profile,
+    stand_ins,
+    tma_desc,
+)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -71,7 +79,8 @@ from sparsetp.kernels.hopper import _dkdv_loader, _program
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report registers/shared")
 flags.DEFINE_list("patterns", ["causal", "window:1024", "bigbird", "strided_causal"],
-                  "bench patterns (sparsetp.bench.attention)")
+                  "bench patterns (sparsetp.bench.attention), or documents "
+                  "(gluon_tools.lab_pattern)")
 flags.DEFINE_list("seq_lens", ["8192", "32768"], "N")
 flags.DEFINE_list("variants", ["n2e"], "dK/dV variants (VARIANTS)")
 flags.DEFINE_integer("heads", 16, "H")
@@ -371,7 +380,6 @@ def _measure(spec, q, k, v, d_out):
     import triton  # noqa: PLC0415
 
     from sparsetp.backends.torch import attention as tattn  # noqa: PLC0415
-    from sparsetp.bench.attention import bench_pattern  # noqa: PLC0415
     from sparsetp.core import make_layout  # noqa: PLC0415
     from sparsetp.kernels import schedule  # noqa: PLC0415
     from sparsetp.kernels.options import launch_options  # noqa: PLC0415
@@ -380,7 +388,7 @@ def _measure(spec, q, k, v, d_out):
     b, h, n, d = q.shape
     h_kv = k.shape[1]
     scale = d ** -0.5
-    layout = make_layout(bench_pattern(spec, n, BLOCK, h).pattern, n, h, BLOCK)
+    layout = make_layout(lab_pattern(spec, n, BLOCK, h), n, h, BLOCK)
     meta = {key: torch.from_numpy(val.copy()).cuda() for key, val in layout.metadata().items()}
     q_group, k_group = schedule.head_groups(layout)
     q_grid = schedule.list_grid(b, h, n // BLOCK,

@@ -39,7 +39,15 @@ import json
 import time
 
 from absl import app, flags
-from gluon_tools import base_module, list_args, run_cases, sm90_profile, stand_ins, tma_desc
+from gluon_tools import (
+    base_module,
+    lab_pattern,
+    list_args,
+    run_cases,
+    sm90_profile,
+    stand_ins,
+    tma_desc,
+)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -57,7 +65,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report registers/shared")
 flags.DEFINE_list("variants", ["ws3pp"], "kernel variants (VARIANTS)")
 flags.DEFINE_list("patterns", ["causal", "window:1024", "bigbird", "strided_causal",
-                               "per_head_mix"], "bench patterns (sparsetp.bench.attention)")
+                               "per_head_mix"],
+                  "bench patterns (sparsetp.bench.attention), or documents "
+                  "(gluon_tools.lab_pattern)")
 flags.DEFINE_list("seq_lens", ["8192", "32768"], "N")
 flags.DEFINE_integer("heads", 16, "H")
 flags.DEFINE_integer("kv_heads", 0, "H_kv (0: H)")
@@ -258,7 +268,6 @@ def _measure(spec, q, k, v) -> dict:
     import torch  # noqa: PLC0415
     import triton  # noqa: PLC0415
 
-    from sparsetp.bench.attention import bench_pattern  # noqa: PLC0415
     from sparsetp.core import make_layout  # noqa: PLC0415
     from sparsetp.kernels import schedule  # noqa: PLC0415
     from sparsetp.kernels.options import launch_options  # noqa: PLC0415
@@ -266,7 +275,7 @@ def _measure(spec, q, k, v) -> dict:
 
     b, h, n, d = q.shape
     scale = d ** -0.5
-    layout = make_layout(bench_pattern(spec, n, BLOCK, h).pattern, n, h, BLOCK)
+    layout = make_layout(lab_pattern(spec, n, BLOCK, h), n, h, BLOCK)
     meta = {key: torch.from_numpy(val.copy()).cuda() for key, val in layout.metadata().items()}
     q_group, _ = schedule.head_groups(layout)
     grid = schedule.list_grid(b, h, n // BLOCK,

@@ -31,6 +31,20 @@ def base_module(path: str):
     return module
 
 
+def lab_pattern(spec: str, n: int, block: int, heads: int):
+    """The pattern of a lab script's ``--patterns`` entry: ``documents`` (``real_models.py``'s
+    packing of ``n`` tokens, causal within each document), else the bench tool's spec
+    (:func:`sparsetp.bench.attention.bench_pattern`)."""
+    from attention_common import document_lengths  # noqa: PLC0415
+
+    from sparsetp.bench.attention import bench_pattern  # noqa: PLC0415
+    from sparsetp.core import patterns as P  # noqa: PLC0415
+
+    if spec == "documents":
+        return P.documents(document_lengths(n)) & P.causal()
+    return bench_pattern(spec, n, block, heads).pattern
+
+
 def run_cases(measure, seq_lens, patterns, out: str | None = None,
               header: dict | None = None) -> list:
     """``measure(spec, n)`` for every N, then pattern; a case that raises is recorded with its

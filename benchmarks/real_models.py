@@ -13,9 +13,9 @@ Cases (B=1, bf16, block 128 on both sides; GPU only):
 
 Times: ``--rounds`` interleaved rounds per case (``attention_common.interleaved``), the case's
 arms (ours, Flex, and MHA or FA4's varlen where they apply) timed in turn within each round;
-medians, each round's kept. TFLOP/s count
-computed elements (``sum over query heads of computed tiles * block^2``): forward
-``4 * D`` FLOPs per element, backward 2.5x that (``sparsetp.bench.attention``'s convention).
+medians, each round's kept. TFLOP/s count computed elements (``sum over query heads of
+computed tiles * block^2``): forward ``4 * D`` FLOPs per element, backward 2.5x that
+(``sparsetp.bench.attention``'s convention).
 Every sparsetp/Flex pair is checked against each other on its inputs first (max abs difference of
 the outputs, recorded). Believe it only if ``tests/torch_attention_test.py`` passes::
 
