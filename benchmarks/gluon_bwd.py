@@ -7,14 +7,13 @@ deterministic key-major pass (dK/dV, 61% of the portable backward)? Per key tile
 and (b, kv head), one program: a producer warp loads K and V once and, for each query head of
 the kv head's group in turn (GQA: a fixed order, no atomics), each listed query tile in two
 64-row steps (Q and dO by TMA into a ring); two consumer warpgroups own 64 keys each and keep
-their dK, dV accumulators (64 x 128 fp32) in registers. Two forms of the step:
+their dK, dV accumulators (64 x 128 fp32) in registers. The step is FA3's form (``n``, the
+library's ``_attn_bwd_dkdv_kernel_sm90``): S = Q K^T [64 queries, 64 keys], P and dS through
+shared memory as transposed A operands; ``EARLY_DP`` issues dP with S.
 
-* ``t`` (this file, rejected: it spills): transposed scores S^T = K Q^T [64 keys, 64 queries],
-  P^T and dS^T as register operands of dV += P^T dO and dK += dS^T Q; ``DEFER`` waits for a
-  step's dV/dK only after the next step's S^T and dP^T are issued;
-* ``n`` (FA3's form, the library's ``_attn_bwd_dkdv_kernel_sm90``): S = Q K^T [64 queries,
-  64 keys], P and dS through shared memory as transposed A operands; ``EARLY_DP`` issues dP
-  with S.
+Measured and removed (KERNEL_NOTES, "Session 22"; its code is at commit 7ac2415): form ``t``,
+transposed scores S^T = K Q^T [64 keys, 64 queries], P^T and dS^T as register operands of
+dV += P^T dO and dK += dS^T Q (``s2``..``s4d``); it spills.
 
 Measured and removed (KERNEL_NOTES, "Session 25"; their code is at commit a8a9c72): a
 dQ pass with each half's dQ MMA under the next half's mask and exp (``n2e+dq_async``).
@@ -52,6 +51,7 @@ Nsight Compute of the variants' kernels (one call each, after a warm-up)::
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 
 from absl import app, flags
@@ -64,17 +64,8 @@ from gluon_tools import (
     stand_ins,
     tma_desc,
 )
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
 
 from sparsetp.kernels import hopper
-from sparsetp.kernels.hopper import _dkdv_loader, _program
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report registers/shared")
@@ -96,208 +87,25 @@ flags.DEFINE_bool("gqa_mha_form", False, "GQA: also time the dK/dV pass as MHA (
 
 BLOCK = 128
 SUB = 64  # queries per step (one TMA box of Q and of dO)
-LOG2E = gl.constexpr(1.4426950408889634)
-# name: (form, ring stages, DEFER for "t" / EARLY_DP for "n" and "b"[, consumer registers]);
-# shared memory: K, V 64 KB + stages x 32 KB (+ 32 KB of P, dS in FA3's form "n", the
-# library's kernel)
-VARIANTS = {"s2": ("t", 2, False), "s3": ("t", 3, False), "s4": ("t", 4, False),
-            "s3d": ("t", 3, True), "s4d": ("t", 4, True),
-            "n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
+# name: (form, ring stages, EARLY_DP[, consumer registers]); shared memory: K, V 64 KB +
+# stages x 32 KB + 32 KB of P, dS
+VARIANTS = {"n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
             "n2e": ("n", 2, True), "n2e232": ("n", 2, True, 232),
             "b2e232": ("b", 2, True, 232), "b2e240": ("b", 2, True, 240)}
 
 
-@gluon.jit
-def _scores_t(s, e, sub, n_partial, k_mask_id, row, stride_ik, masks, stride_mu, stride_mr,
-              stride_mw, key0, s_layout: gl.constexpr, KEYS: gl.constexpr,
-              SUB_M: gl.constexpr):
-    """Transposed scores [KEYS keys, SUB_M queries] of list entry ``e``'s step ``sub``, -inf
-    where the partial tile's bitmask (rows queries, bits keys) disallows the pair."""
-    if e < n_partial:
-        mid = gl.load(k_mask_id + row + e * stride_ik)
-        c = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-        r = sub * SUB_M + gl.arange(0, SUB_M, layout=gl.SliceLayout(0, s_layout))
-        words = gl.load(masks + mid * stride_mu + r[None, :] * stride_mr
-                        + (c[:, None] // 32) * stride_mw)
-        s = gl.where(((words >> (c[:, None] % 32)) & 1) != 0, s, float("-inf"))
-    return s
-
-
-@gluon.jit
-def _dkdv_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready,
-                   q_empty, defer, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
-                   stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw,
-                   qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta,
-                   DK, DV):
-    """Consumer warpgroup: dK, dV of keys ``[HALF * 64, +64)`` of the key tile."""
-    DEFER: gl.constexpr = defer.shape[0] == 2
-    NSTAGE: gl.constexpr = q_smem.shape[0]
-    SUB_M: gl.constexpr = q_smem.shape[1]
-    HEAD_DIM: gl.constexpr = q_smem.shape[2]
-    KEYS: gl.constexpr = k_smem.shape[0] // 2
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                  k_width=2)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    key0: gl.constexpr = HALF * KEYS
-    k_h = k_smem.slice(key0, KEYS, dim=0)
-    v_h = v_smem.slice(key0, KEYS, dim=0)
-    s_zero = gl.zeros([KEYS, SUB_M], gl.float32, layout=s_layout)
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_bar, 0)
-    t = 0
-    for j in range(GROUP):
-        h = off_g * GROUP + j
-        count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
-        n_partial = gl.load(k_partial + h * stride_ch + start_n * stride_cm)
-        row = h * stride_ih + start_n * stride_im
-        stats = (off_b * H + h).to(gl.int64) * N
-        for e in range(count):
-            qb = gl.load(k_index + row + e * stride_ik)
-            for sub in gl.static_range(2):
-                st = t % NSTAGE
-                cols = qb * (2 * SUB_M) + sub * SUB_M + gl.arange(0, SUB_M, layout=col_s)
-                mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
-                qs = q_smem.index(st)
-                dos = do_smem.index(st)
-                s_tok = warpgroup_mma(k_h, qs.permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                dp_tok = warpgroup_mma(v_h, dos.permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                if DEFER:
-                    # The previous step's dV/dK (issued before S^T) finish with S^T.
-                    s, dv, dk = warpgroup_mma_wait(1, deps=(s_tok, dv, dk))
-                    if t > 0:
-                        mbarrier.arrive(q_empty.index((t - 1) % NSTAGE), count=1)
-                else:
-                    s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                s = _scores_t(s, e, sub, n_partial, k_mask_id, row, stride_ik, masks,
-                              stride_mu, stride_mr, stride_mw, key0, s_layout, KEYS, SUB_M)
-                # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient. Loaded late:
-                # a column vector costs 16 registers a thread in this layout.
-                lse = gl.load(LSE + stats + cols)
-                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                p = gl.exp2(s * qk_scale - lse2[None, :])
-                dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-                # dS^T before either MMA is issued: an issued MMA pins its register operand
-                # until it completes, and the fp32 P^T and dP^T must be dead by then.
-                ds = p * (dp - gl.load(Delta + stats + cols)[None, :])
-                p_op = gl.convert_layout(p.to(dtype), op_layout)
-                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-                dv = warpgroup_mma(p_op, dos, dv, is_async=True)
-                dk = warpgroup_mma(ds_op, qs, dk, is_async=True)
-                if DEFER:
-                    # Both stay in flight (two groups outstanding): this wait only gives the
-                    # loop-carried values their tensor type; the next step's first wait ends them.
-                    dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))
-                else:
-                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                    mbarrier.arrive(q_empty.index(st), count=1)
-                t += 1
-    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-    if DEFER:
-        if t > 0:
-            mbarrier.arrive(q_empty.index((t - 1) % NSTAGE), count=1)
-    # dS is the gradient w.r.t. the natural-log scaled scores: scale, not qk_scale.
-    dk = dk * scale
-    rows = kv_row0 + key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-    cols_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    offs = rows.to(gl.int64)[:, None] * HEAD_DIM + cols_d[None, :]
-    gl.store(DK + offs, dk.to(dtype))
-    gl.store(DV + offs, dv.to(dtype))
-
-
-@gluon.jit
-def _dkdv_consumer0(q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer, k_count,
-                    k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm, stride_ih,
-                    stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale, scale, N,
-                    H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV):
-    _dkdv_consumer(0, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer,
-                   k_count, k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm,
-                   stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale,
-                   scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV)
-
-
-@gluon.jit
-def _dkdv_consumer1(q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer, k_count,
-                    k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm, stride_ih,
-                    stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale, scale, N,
-                    H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV):
-    _dkdv_consumer(1, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer,
-                   k_count, k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm,
-                   stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale,
-                   scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV)
-
-
-@gluon.jit
-def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
-                               k_count, k_partial, k_index, k_mask_id, masks, k_order,
-                               qk_scale, scale, N, N_KV, H, GROUP,
-                               stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
-                               stride_mu, stride_mr, stride_mw,
-                               LSE, Delta, DK, DV,
-                               ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                               DEFER: gl.constexpr, num_warps: gl.constexpr):
-    """dK, dV as the portable dK/dV kernel, on sm_90. q_desc, do_desc: TMA boxes of 64 rows of
-    ``[B * H * N, D]``; k_desc, v_desc: 128 rows of ``[B * H_kv * N_KV, D]``; LSE, Delta
-    ``[B, H, N]`` and DK, DV ``[B, H_kv, N_KV, D]`` contiguous; N, N_KV multiples of 128. One
-    program per (key tile, b, kv head)."""
-    SUB_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    dtype: gl.constexpr = q_desc.dtype
-    H_KV = H // GROUP
-    start_n, off_bh = _program(k_order, stride_ch, stride_cm, H_KV, gl.cdiv(N_KV, BLOCK_N),
-                               GROUP, ORDERED)
-    off_b = off_bh // H_KV
-    off_g = off_bh % H_KV
-    kv_row0 = off_bh * N_KV + start_n * BLOCK_N
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # Carries DEFER across the partition boundary as its length (constexprs do not cross it).
-    defer = gl.allocate_shared_memory(gl.int64, [2 if DEFER else 1, 1],
-                                      mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
-    cargs = (q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, defer, k_count,
-             k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm, stride_ih, stride_im,
-             stride_ik, stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
-             off_g, start_n, kv_row0, LSE, Delta, DK, DV)
-    gl.warp_specialize([
-        (_dkdv_consumer0, cargs),
-        (_dkdv_consumer1, cargs),
-        (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                        kv_bar, q_ready, q_empty, k_count, k_index, stride_ch, stride_cm,
-                        stride_ih, stride_im, stride_ik, N, H, GROUP, off_b, off_g, start_n,
-                        kv_row0)),
-    ], [4, 1], [232, 24])
-
-
-def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.DKDV_CONSUMER_REGS):
-    """(kernel, constexprs) of a variant: "t" the transposed lab kernel above (flag: DEFER),
-    "n" the library's FA3-form kernel (flag: EARLY_DP) with ``regs`` registers a consumer,
-    "b" the same kernel of ``--base_hopper`` (whose dQ pass the "b" arms run too)."""
-    if form == "t":
-        return _attn_bwd_dkdv_kernel_sm90, {"STAGES": stages, "DEFER": flag}
+def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.DKDV_CONSUMER_REGS,
+                 half_steps: bool = True):
+    """(kernel, constexprs) of a variant: "n" the library's FA3-form kernel (flag: EARLY_DP)
+    with ``regs`` registers a consumer, "b" the same kernel of ``--base_hopper`` (whose dQ
+    pass the "b" arms run too); ``half_steps``: the layout's (for a kernel that takes it)."""
     if form == "b" and not FLAGS.base_hopper:
         raise ValueError("variants of form 'b' need --base_hopper")
     module = base_module(FLAGS.base_hopper) if form == "b" else hopper
-    return module._attn_bwd_dkdv_kernel_sm90, {
-        "STAGES": stages, "EARLY_DP": flag, "CONSUMER_REGS": regs,
-        "PRODUCER_REGS": hopper.PRODUCER_REGS}
+    kernel = module._attn_bwd_dkdv_kernel_sm90
+    skip = {"HALF_STEPS": half_steps} if "HALF_STEPS" in kernel.arg_names else {}
+    return kernel, {"STAGES": stages, "EARLY_DP": flag, **skip, "CONSUMER_REGS": regs,
+                    "PRODUCER_REGS": hopper.PRODUCER_REGS}
 
 
 def _key_lists(meta) -> tuple:
@@ -307,49 +115,62 @@ def _key_lists(meta) -> tuple:
             (*kc.stride(), *ki.stride(), *mk.stride()))
 
 
-def _dkdv_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv):
+def _dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = _key_lists(meta)
+    # A base commit's kernel may predate the mask_halves table (its steps are never skipped).
+    halves = (meta["mask_halves"],) if "mask_halves" in kernel.arg_names else ()
     return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
-            *arrays, scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv, *strides,
-            lse, delta, dk, dv)
+            *arrays, *halves, scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv,
+            *strides, lse, delta, dk, dv)
 
 
-def _dq_args(q, k, v, d_out, out, lse, meta, scale, dq, delta):
-    """The library's sm_90 dQ pass (no LSE cotangent: ``lse`` fills its slot, never read)."""
+def _dq_args(kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta):
+    """The sm_90 dQ pass ``kernel``'s arguments (no LSE cotangent: ``lse`` fills its slot,
+    never read)."""
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = list_args(meta)
+    halves = (meta["mask_halves"],) if "mask_halves" in kernel.arg_names else ()
     return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
-            *arrays, scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv, h_kv, *strides,
-            out, lse, lse, dq, delta)
+            *arrays, *halves, scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv, h_kv,
+            *strides, out, lse, lse, dq, delta)
 
 
-DQ_CONSTEXPRS = {"STAGES": hopper.DQ_STAGES, "HAS_DLSE": False,
-                 "CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
+def _dq_constexprs(kernel, half_steps: bool) -> dict:
+    skip = {"HALF_STEPS": half_steps} if "HALF_STEPS" in kernel.arg_names else {}
+    return {"STAGES": hopper.DQ_STAGES, "HAS_DLSE": False, **skip,
+            "CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
 
 
 def _compile_only():
     """Compile the library's dQ pass and each dK/dV variant for sm_90 with CPU stand-ins;
     print registers, spills, shared memory."""
     q, stats, meta = stand_ins(BLOCK)
-    prof = sm90_profile(hopper._attn_bwd_dq_kernel_sm90,
-                        _dq_args(q, q, q, q, q, stats, meta, 0.1, q, stats),
-                        {"ORDERED": True, **DQ_CONSTEXPRS}, hopper.NUM_WARPS)
-    print(json.dumps({"kernel": "library dQ", **prof}))
+    dq_kernel = hopper._attn_bwd_dq_kernel_sm90
+    for half_steps in (False, True):
+        prof = sm90_profile(dq_kernel, _dq_args(dq_kernel, q, q, q, q, q, stats, meta, 0.1, q,
+                                                stats),
+                            {"ORDERED": True, **_dq_constexprs(dq_kernel, half_steps)},
+                            hopper.NUM_WARPS)
+        print(json.dumps({"kernel": "library dQ", "half_steps": half_steps, **prof}))
     meta = {**meta, **{key.replace("q_", "k_"): val for key, val in meta.items()
                        if key.startswith("q_")}}
-    args = list(_dkdv_args(q, q, q, q, stats, stats, meta, 0.1, q, q))
     group = FLAGS.heads // (FLAGS.kv_heads or FLAGS.heads)
-    for name in FLAGS.variants:
-        kernel, constexprs = _dkdv_launch(*VARIANTS[name])
+    for name, half_steps in itertools.product(FLAGS.variants, (False, True)):
+        kernel, constexprs = _dkdv_launch(*VARIANTS[name], half_steps=half_steps)
+        if half_steps and "HALF_STEPS" not in constexprs:
+            continue
+        args = list(_dkdv_args(kernel, q, q, q, q, stats, stats, meta, 0.1, q, q))
         args[kernel.arg_names.index("GROUP")] = group
         # MHA's launches pass GROUP = 1, which Triton compiles as a constant: another binary
         # with other spills than GQA's (KERNEL_NOTES, "Session 31").
         one = {"GROUP": 1} if group == 1 else {}
         prof = sm90_profile(kernel, args, {"ORDERED": True, **constexprs, **one}, 4)
-        print(json.dumps({"variant": name, "group": group, **prof}))
+        print(json.dumps({"variant": name, "group": group,
+                          **({"half_steps": half_steps} if "HALF_STEPS" in constexprs else {}),
+                          **prof}))
 
 
 def _kernel_ms(fn, reps=10):
@@ -403,15 +224,16 @@ def _measure(spec, q, k, v, d_out):
                 for name, a, r in zip(("dq", "dk", "dv"), got, ref, strict=True)}
 
     def gluon_bwd(variant):
-        kernel, constexprs = _dkdv_launch(*VARIANTS[variant])
+        kernel, constexprs = _dkdv_launch(*VARIANTS[variant], half_steps=layout.half_steps)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
         # Form "b" is the other commit's whole backward: its dQ pass too.
         dq_module = base_module(FLAGS.base_hopper) if VARIANTS[variant][0] == "b" else hopper
-        dq_module._attn_bwd_dq_kernel_sm90[q_grid](
-            *_dq_args(q, k, v, d_out, out, lse, meta, scale, dq, delta), ORDERED=True,
-            **DQ_CONSTEXPRS, num_warps=hopper.NUM_WARPS)
-        kernel[kv_grid](*_dkdv_args(q, k, v, d_out, lse, delta, meta, scale, dk, dv),
+        dq_kernel = dq_module._attn_bwd_dq_kernel_sm90
+        dq_kernel[q_grid](*_dq_args(dq_kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta),
+                          ORDERED=True, **_dq_constexprs(dq_kernel, layout.half_steps),
+                          num_warps=hopper.NUM_WARPS)
+        kernel[kv_grid](*_dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv),
                         ORDERED=True, **constexprs, num_warps=4)
         return dq, dk, dv
 
@@ -471,18 +293,19 @@ def _mha_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout):
     b, h, n, d = q.shape
     g = h // k.shape[1]
     k_x, v_x = (t.repeat_interleave(g, dim=1).contiguous() for t in (k, v))
-    kernel, constexprs = _dkdv_launch(*VARIANTS["n2e"])
+    kernel, constexprs = _dkdv_launch(*VARIANTS["n2e"], half_steps=layout.half_steps)
     grid = schedule.list_grid(b, h, n // BLOCK, schedule.grid_group(
         {"k_head_group": schedule.head_groups(layout)[1]}, "k", b, h))
 
     def run():
         dq, delta = torch.empty_like(q), torch.empty_like(lse)
         dk_h, dv_h = torch.empty_like(q), torch.empty_like(q)
-        hopper._attn_bwd_dq_kernel_sm90[q_grid](
-            *_dq_args(q, k, v, d_out, out, lse, meta, scale, dq, delta), ORDERED=True,
-            **DQ_CONSTEXPRS, num_warps=hopper.NUM_WARPS)
-        kernel[grid](*_dkdv_args(q, k_x, v_x, d_out, lse, delta, meta, scale, dk_h, dv_h),
-                     ORDERED=True, **constexprs, num_warps=4)
+        dq_kernel = hopper._attn_bwd_dq_kernel_sm90
+        dq_kernel[q_grid](*_dq_args(dq_kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta),
+                          ORDERED=True, **_dq_constexprs(dq_kernel, layout.half_steps),
+                          num_warps=hopper.NUM_WARPS)
+        kernel[grid](*_dkdv_args(kernel, q, k_x, v_x, d_out, lse, delta, meta, scale, dk_h,
+                                 dv_h), ORDERED=True, **constexprs, num_warps=4)
         dk, dv = (t.view(b, h // g, g, n, d).float().sum(2).to(q.dtype) for t in (dk_h, dv_h))
         return dq, dk, dv
     return run

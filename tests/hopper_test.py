@@ -167,6 +167,22 @@ class ForwardChoiceTest(parameterized.TestCase):
         self.assertFalse(sjax.layout_arrays(make_layout(P.causal(), 4096, 2, 128)).long_lists)
         self.assertFalse(sjax.layout_arrays(make_layout(P.dense(), 4096, 2, 64)).long_lists)
 
+    def test_half_steps_reach_the_backward_launches(self):
+        # Only a layout with a partial tile whose half has no key compiles the passes' skip.
+        from sparsetp import jax as sjax  # noqa: PLC0415
+
+        for pattern, want in ((P.causal(), False), (P.dense(), False),
+                              (P.neighborhood((16, 32), (5, 9)), True)):
+            lay = make_layout(pattern, 512, 2, 128)
+            self.assertEqual(lay.half_steps, want)
+            self.assertEqual(sjax.layout_arrays(lay).half_steps, want)
+            meta = {**lay.metadata(), "q_head_group": None, "k_head_group": None,
+                    "half_steps": lay.half_steps}
+            launches = hopper.launches(meta, 1, 2, 2, 512, 512, 0.1, False)
+            self.assertEqual([launches[n].constexprs["HALF_STEPS"]
+                              for n in ("dq", "dq_dlse", "dkdv")], [want] * 3)
+            self.assertNotIn("HALF_STEPS", launches["fwd"].constexprs)
+
     def test_layout_128(self):
         lay64 = make_layout(P.causal(), 512, 4, 64)
         lay = thopper.layout_128(lay64)
@@ -278,6 +294,16 @@ class Sm90ForwardTest(parameterized.TestCase):
         self.assertTrue((counts[0, 1:] == 0).all() and (counts[1] > 0).all())
         self.assertTrue((counts[3] == 0).all() and (counts[4:, 1:] == 0).all())
         self._check(layout, *_inputs(31, 1, 6, 3, n, n, 128, "bfloat16"), "bfloat16")
+
+    def test_gqa_steps_without_keys_are_skipped_alike(self):
+        # Partial tiles with a 64-row half that has no key: the dK/dV pass's producer and
+        # consumers skip those steps, head after head of a group, and must stay in step.
+        n, h, h_kv = 512, 4, 2
+        halves = P.neighborhood((16, 32), (5, 9))
+        pattern = P.per_head([halves, P.causal(), halves & P.causal(), halves])
+        layout = make_layout(pattern, n, h, 128)
+        self.assertTrue(set(np.asarray(layout.mask_halves).tolist()) >= {1, 2, 3})
+        self._check(layout, *_inputs(5, 3, h, h_kv, n, n, 128, "bfloat16"), "bfloat16")
 
     @parameterized.named_parameters(("causal_bf16", "causal", "bfloat16"),
                                     ("masked_rows_bf16", "masked_rows", "bfloat16"),
@@ -899,6 +925,7 @@ class JaxSm90Test(parameterized.TestCase):
             plan = tattn._plan(q, k, v, layout, None)  # the call's plan (scale as passed)
             meta = {**layout.metadata()}
             meta["q_head_group"], meta["k_head_group"] = schedule.head_groups(layout)
+            meta["half_steps"] = layout.half_steps
             launches = hopper.launches(meta, *q.shape[:2], k.shape[1], q.shape[2],
                                        k.shape[2], 128 ** -0.5, plan.sm90.ordered)
         for name in ("fwd", "dq", "dkdv"):

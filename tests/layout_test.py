@@ -369,6 +369,21 @@ class PatternTest(parameterized.TestCase):
         self.assertIn("k_order", lay.metadata())
         self.assertEqual(work_order(np.array([[2, 5, 2, 5, 1]])).tolist(), [[1, 3, 0, 2, 4]])
 
+    def test_mask_halves_say_which_row_halves_of_each_partial_tile_have_a_key(self):
+        for name in ("local", "neighborhood_2d", "masked_rows", "causal"):
+            for n, bs in [(512, 128), (200, 32)]:
+                lay = make_layout(example_pattern(name, n, bs), n, 2, bs)
+                self.assertEqual(lay.mask_halves.shape, (lay.masks.shape[0],))
+                for h, i in zip(*np.nonzero(lay.q_partial), strict=True):
+                    for e in range(lay.q_partial[h, i]):
+                        tile = lay.tile_mask(h, i, lay.q_index[h, i, e])
+                        want = sum(int(tile[s * bs // 2:(s + 1) * bs // 2].any()) << s
+                                   for s in range(2))
+                        self.assertEqual(lay.mask_halves[lay.q_mask_id[h, i, e]], want,
+                                         (name, n, bs, h, i, e))
+        self.assertEqual(make_layout(P.neighborhood((16, 32), (5, 9)), 512, 1,
+                                     128).mask_halves.tolist()[:2], [1, 2])
+
     def test_block_size_accepts_numpy_ints(self):
         lay = make_layout(P.causal(), 64, 1, np.int64(32))
         self.assertIs(type(lay.block_size), int)

@@ -72,6 +72,12 @@ How a launch orders *heads* is a GPU-scheduling question, answered by
     ``seq_len`` are 0; kernels must still bound their loads by ``seq_len``: full tiles of the
     ragged last row/column carry no mask.
 
+``mask_halves[u]`` (int32)
+    Bit ``s`` (0 or 1) says whether the query rows ``[s*bs/2, (s+1)*bs/2)`` of ``masks[u]``
+    allow any key: a kernel that walks a tile in half-tile query steps skips a step with no
+    key instead of computing it masked (a 2-D or 3-D neighbourhood's partial tiles often have
+    an empty half).
+
 All metadata arrays have shapes that depend only on (heads, tiles, widest row rounded up to a
 multiple of 16 — see ``_ELL_ALIGN`` —, distinct masks), never on values, so a frontend can pass
 them to a kernel as tensors: a new pattern with the same shapes reuses the compiled kernel.
@@ -111,6 +117,20 @@ _HANDLES = itertools.count(1)
 _BY_HANDLE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def mask_halves(masks: np.ndarray) -> np.ndarray:
+    """int32[U]: bit ``s`` set iff query rows ``[s*bs/2, (s+1)*bs/2)`` of mask ``u`` of
+    ``masks`` (``[U, bs, words]``) allow a key (see the module docstring).
+
+    >>> m = np.zeros((2, 4, 1), np.int32)
+    >>> m[0, 3, 0] = 1; m[1, 0, 0] = m[1, 2, 0] = 8
+    >>> mask_halves(m)
+    array([2, 3], dtype=int32)
+    """
+    u, bs = masks.shape[:2]
+    rows = (masks.reshape(u, bs, -1) != 0).any(axis=2).reshape(u, 2, bs // 2).any(axis=2)
+    return (rows[:, 0] + 2 * rows[:, 1]).astype(np.int32)
+
+
 def work_order(count: np.ndarray) -> np.ndarray:
     """int32[H, T]: per head, the tiles sorted by ``count`` descending (stable).
 
@@ -143,9 +163,10 @@ class BlockLayout:
     k_index: np.ndarray
     k_mask_id: np.ndarray
     masks: np.ndarray
-    # Derived from the counts when not given (see the module docstring).
+    # Derived from the counts and masks when not given (see the module docstring).
     q_order: np.ndarray | None = None
     k_order: np.ndarray | None = None
+    mask_halves: np.ndarray | None = None
     # The layout a head slice (:meth:`heads`) was cut from, and the slice's first head in it;
     # None and 0 for a whole layout.
     source: BlockLayout | None = dataclasses.field(default=None, repr=False)
@@ -166,6 +187,8 @@ class BlockLayout:
         for name in ("q_order", "k_order"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, work_order(getattr(self, name[0] + "_count")))
+        if self.mask_halves is None:
+            object.__setattr__(self, "mask_halves", mask_halves(self.masks))
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, np.ndarray):
@@ -219,10 +242,17 @@ class BlockLayout:
         ``q_index`` / ``q_mask_id`` rows, whose width is padded to a multiple of 16."""
         return max(1, int(self.q_count.max(initial=0)))
 
+    @property
+    def half_steps(self) -> bool:
+        """Whether a partial tile has a half of its query rows with no key
+        (:attr:`mask_halves`): kernels that can skip such half-tile steps compile the skip
+        only then, so layouts without one pay nothing for it."""
+        return bool(self.q_partial.any() and (self.mask_halves != 3).any())
+
     def metadata(self) -> dict[str, np.ndarray]:
         """The arrays a kernel launch needs, by name (all int32)."""
         names = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial",
-                 "k_index", "k_mask_id", "masks", "q_order", "k_order")
+                 "k_index", "k_mask_id", "masks", "q_order", "k_order", "mask_halves")
         return {n: getattr(self, n) for n in names}
 
     def tile_mask(self, h: int, qi: int, kj: int) -> np.ndarray:
@@ -325,6 +355,9 @@ def check_tables(layout) -> None:
     masks = shapes.get("masks")
     if masks is not None and masks[1:] != (bs, _words(bs)):
         bad.append(f"masks {masks}")
+    halves = shapes.get("mask_halves")
+    if halves is not None and masks is not None and halves != masks[:1]:
+        bad.append(f"mask_halves {halves}")
     if bad:
         raise ValueError(
             f"layout is inconsistent: it says seq_len={n}, kv_len={kv}, num_heads={heads}, "

@@ -279,10 +279,11 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     """The forward's (``"fwd"``), dQ pass's (``"dq"``, without an LSE cotangent; with one:
     ``"dq_dlse"``) and dK/dV pass's (``"dkdv"``) launches on block-128 layout metadata
     ``meta`` (``BlockLayout.metadata()`` form, arrays of either framework, plus the head
-    groups of :func:`sparsetp.kernels.schedule.head_groups`), for q ``[batch, heads, seq_len,
-    head_dim]`` and k, v ``[batch, kv_heads, kv_len, head_dim]``; ``ordered``: the work order
-    is not ``"natural"``. In the dQ pass's pointers ``d_lse`` is ``lse`` when there is no
-    cotangent (never read). The backward's launches are for :data:`BWD_HEAD_DIMS` only."""
+    groups of :func:`sparsetp.kernels.schedule.head_groups` and the layout's ``half_steps``),
+    for q ``[batch, heads, seq_len, head_dim]`` and k, v ``[batch, kv_heads, kv_len,
+    head_dim]``; ``ordered``: the work order is not ``"natural"``. In the dQ pass's pointers
+    ``d_lse`` is ``lse`` when there is no cotangent (never read). The backward's launches are
+    for :data:`BWD_HEAD_DIMS` only."""
     arrays, strides = abi._check_meta(meta, "q", heads, seq_len // BLOCK, BLOCK)
     k_arrays, k_strides = abi._check_meta(meta, "k", heads, kv_len // BLOCK, BLOCK)
     qk_scale = float(scale) * 1.4426950408889634  # softmax in base 2 (exp2)
@@ -294,8 +295,9 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     half, full = BLOCK // 2, BLOCK
     q_boxes = (("q", half), ("d_out", half), ("k", full), ("v", full))
     regs = {"CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
-    dq_args = (*arrays, qk_scale, float(scale), seq_len, kv_len, heads, group, kv_heads,
-               *strides)
+    dq_args = (*arrays, meta["mask_halves"], qk_scale, float(scale), seq_len, kv_len, heads,
+               group, kv_heads, *strides)
+    half_steps = bool(meta["half_steps"])
     kv_box = KV_BOX[head_dim]
     out = {"fwd": Sm90Launch(
         "_attn_fwd_kernel_sm90", grid, (("q", half), ("k", kv_box), ("v", kv_box)),
@@ -305,13 +307,15 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
         out[name] = Sm90Launch(
             "_attn_bwd_dq_kernel_sm90", grid, q_boxes, dq_args,
             ("out", "lse", "d_lse" if has_dlse else "lse", "dq", "delta"),
-            {"ORDERED": ordered, "STAGES": DQ_STAGES, "HAS_DLSE": has_dlse, **regs})
+            {"ORDERED": ordered, "STAGES": DQ_STAGES, "HAS_DLSE": has_dlse,
+             "HALF_STEPS": half_steps, **regs})
     out["dkdv"] = Sm90Launch(
         "_attn_bwd_dkdv_kernel_sm90", kv_grid, q_boxes,
-        (*k_arrays, qk_scale, float(scale), seq_len, kv_len, heads, group, *k_strides),
+        (*k_arrays, meta["mask_halves"], qk_scale, float(scale), seq_len, kv_len, heads, group,
+         *k_strides),
         ("lse", "delta", "dk", "dv"),
-        {"ORDERED": ordered, "STAGES": DKDV_STAGES, "EARLY_DP": DKDV_EARLY_DP, **regs,
-         "CONSUMER_REGS": DKDV_CONSUMER_REGS})
+        {"ORDERED": ordered, "STAGES": DKDV_STAGES, "EARLY_DP": DKDV_EARLY_DP,
+         "HALF_STEPS": half_steps, **regs, "CONSUMER_REGS": DKDV_CONSUMER_REGS})
     return out
 
 
@@ -471,6 +475,17 @@ if GLUON:
                             + (c[None, :] // 32) * stride_mw)
             s = gl.where(((words >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
         return s
+
+    @gluon.jit
+    def _step_has_key(e, sub, n_partial, mask_id, mask_halves):
+        """Whether the 64 query rows ``sub`` (0 or 1) of list entry ``e`` (its mask id at
+        ``mask_id``) have an allowed key: a full entry's always, a partial one's as its mask's
+        ``mask_halves`` bit says. Every party of a pass asks the same question of a step, so
+        they skip it alike."""
+        bits = 3
+        if e < n_partial:
+            bits = gl.load(mask_halves + gl.load(mask_id))
+        return ((bits >> sub) & 1) != 0
 
     @gluon.jit
     def _online_softmax(s, m_i, l_i, qk_scale):
@@ -719,12 +734,14 @@ if GLUON:
     def _dq_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready,
                      v_ready, kv_empty, count, n_partial, q_index, q_mask_id, row, stride_ik,
                      masks, stride_mu, stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m,
-                     off_bh, dlse_flag, Out, LSE, DLSE, DQ, Delta):
+                     off_bh, dlse_flag, skip, mask_halves, Out, LSE, DLSE, DQ, Delta):
         """Consumer warpgroup of the dQ pass: Delta and dQ of rows ``[HALF * 64, +64)`` of the
         query tile. Each key tile is walked in two 64-key halves: S and dP of 64 x 64 fp32,
         the dQ accumulator (64 x D fp32) and dS as an MMA operand fit the consumer's
-        registers, where whole 128-key tiles would not."""
+        registers, where whole 128-key tiles would not. ``HALF_STEPS``: a key tile whose mask
+        (``mask_halves``) has no key in these rows is skipped, its stage still freed."""
         HAS_DLSE: gl.constexpr = dlse_flag.shape[0] == 2
+        HALF_STEPS: gl.constexpr = skip.shape[0] == 2
         SUB_M: gl.constexpr = q_smem.shape[1]
         STAGES_: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -764,23 +781,30 @@ if GLUON:
         dq = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=dq_layout)
         for e in range(count):
             st = e % STAGES_
+            # Waited even by a warpgroup that skips the tile: one that freed a stage without
+            # waiting could free it twice before the other warpgroup freed it once.
             mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
-            mbarrier.wait(v_ready.index(st), (e // STAGES_) & 1)
-            for h in gl.static_range(2):
-                k_h = k_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
-                v_h = v_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
-                s_tok = warpgroup_mma(q, k_h.permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                dp_tok = warpgroup_mma(do, v_h.permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                s = _masked_scores(s, e, n_partial, q_mask_id, row, stride_ik, masks, stride_mu,
-                                   stride_mr, stride_mw, row0, h * HALF_N, s_layout, SUB_M,
-                                   HALF_N)
-                p = gl.exp2(s * qk_scale - lse2[:, None])
-                dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-                ds = p * (dp - delta[:, None])
-                dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_h, dq)
+            has_key = True
+            if HALF_STEPS:
+                has_key = _step_has_key(e, HALF, n_partial, q_mask_id + row + e * stride_ik,
+                                        mask_halves)
+            if has_key:
+                mbarrier.wait(v_ready.index(st), (e // STAGES_) & 1)
+                for h in gl.static_range(2):
+                    k_h = k_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
+                    v_h = v_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
+                    s_tok = warpgroup_mma(q, k_h.permute((1, 0)), s_zero, use_acc=False,
+                                          is_async=True)
+                    dp_tok = warpgroup_mma(do, v_h.permute((1, 0)), s_zero, use_acc=False,
+                                           is_async=True)
+                    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                    s = _masked_scores(s, e, n_partial, q_mask_id, row, stride_ik, masks,
+                                       stride_mu, stride_mr, stride_mw, row0, h * HALF_N,
+                                       s_layout, SUB_M, HALF_N)
+                    p = gl.exp2(s * qk_scale - lse2[:, None])
+                    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                    ds = p * (dp - delta[:, None])
+                    dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_h, dq)
             mbarrier.arrive(kv_empty.index(st), count=1)  # K and V of this stage are read
         # dS is the gradient w.r.t. the natural-log scaled scores: scale, not qk_scale.
         dq = dq * scale
@@ -794,39 +818,41 @@ if GLUON:
     def _dq_consumer0(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                       count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                       stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                      Out, LSE, DLSE, DQ, Delta):
+                      skip, mask_halves, Out, LSE, DLSE, DQ, Delta):
         _dq_consumer(0, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                      count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                      stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                     Out, LSE, DLSE, DQ, Delta)
+                     skip, mask_halves, Out, LSE, DLSE, DQ, Delta)
 
     @gluon.jit
     def _dq_consumer1(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                       count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                       stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                      Out, LSE, DLSE, DQ, Delta):
+                      skip, mask_halves, Out, LSE, DLSE, DQ, Delta):
         _dq_consumer(1, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                      count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                      stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                     Out, LSE, DLSE, DQ, Delta)
+                     skip, mask_halves, Out, LSE, DLSE, DQ, Delta)
 
     @gluon.jit
     def _attn_bwd_dq_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
                                  q_count, q_partial, q_index, q_mask_id, masks, q_order,
-                                 qk_scale, scale, N, N_KV, H, GROUP, H_KV,
+                                 mask_halves, qk_scale, scale, N, N_KV, H, GROUP, H_KV,
                                  stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                                  stride_mu, stride_mr, stride_mw,
                                  Out, LSE, DLSE, DQ, Delta,
                                  ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                                 HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                 PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                 HAS_DLSE: gl.constexpr, HALF_STEPS: gl.constexpr,
+                                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                 num_warps: gl.constexpr):
         """dQ and Delta on sm_90, as :func:`sparsetp.kernels.attention._attn_bwd_dq_kernel`.
 
         q_desc, do_desc: TMA descriptors of the ``[B * H * N, D]`` views, boxes of 64 rows;
         k_desc, v_desc: of ``[B * H_kv * N_KV, D]``, boxes of 128 rows; Out, DQ ``[B, H, N,
         D]`` and LSE, DLSE, Delta ``[B, H, N]`` (float32) contiguous; DLSE (the LSE cotangent)
         is read only with ``HAS_DLSE``. The forward's grid, lists and schedule
-        (producer warp, K/V ring, two consumer warpgroups of 64 rows)."""
+        (producer warp, K/V ring, two consumer warpgroups of 64 rows); with ``HALF_STEPS``, a
+        warpgroup skips the tiles whose ``mask_halves`` entry has no key in its rows."""
         SUB_M: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -852,6 +878,8 @@ if GLUON:
         # The consumers read HAS_DLSE off this array's length (as the forward's PINGPONG).
         dlse_flag = gl.allocate_shared_memory(gl.int64, [2 if HAS_DLSE else 1, 1],
                                               mbarrier.MBarrierLayout())
+        skip = gl.allocate_shared_memory(gl.int64, [2 if HALF_STEPS else 1, 1],
+                                         mbarrier.MBarrierLayout())
         mbarrier.init(qd_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
@@ -860,8 +888,8 @@ if GLUON:
         fence_async_shared()
         cargs = (q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty, count,
                  n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu, stride_mr,
-                 stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag, Out, LSE, DLSE,
-                 DQ, Delta)
+                 stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag, skip,
+                 mask_halves, Out, LSE, DLSE, DQ, Delta)
         gl.warp_specialize([
             (_dq_consumer0, cargs),
             (_dq_consumer1, cargs),
@@ -872,12 +900,15 @@ if GLUON:
 
     @gluon.jit
     def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                     q_ready, q_empty, k_count, k_index, stride_ch, stride_cm, stride_ih, stride_im,
-                     stride_ik, N, H, GROUP, off_b, off_g, start_n, kv_row0):
+                     q_ready, q_empty, skip, k_count, k_partial, k_index, k_mask_id,
+                     mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik, N, H,
+                     GROUP, off_b, off_g, start_n, kv_row0):
         """Producer warp: K and V once, then per query head of the group and listed query tile
-        the Q and dO rows of its two 64-row steps, into ring stage ``t % NSTAGE``."""
+        the Q and dO rows of its 64-row steps (with ``HALF_STEPS``, those that have a key:
+        :func:`_step_has_key`), into ring stage ``t % NSTAGE``."""
         NSTAGE: gl.constexpr = q_smem.shape[0]
         SUB_M: gl.constexpr = q_smem.shape[1]
+        HALF_STEPS: gl.constexpr = skip.shape[0] == 2
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row0, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row0, 0], kv_bar, v_smem)
@@ -885,11 +916,18 @@ if GLUON:
         for j in range(GROUP):
             h = off_g * GROUP + j
             count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
+            n_partial = gl.load(k_partial + h * stride_ch + start_n * stride_cm)
             row = h * stride_ih + start_n * stride_im
             q_row0 = (off_b * H + h) * N
-            for e in range(count):
-                qb = gl.load(k_index + row + e * stride_ik)
-                for sub in gl.static_range(2):
+            for it in range(2 * count):
+                e = it // 2
+                sub = it % 2
+                has_key = True
+                if HALF_STEPS:
+                    has_key = _step_has_key(e, sub, n_partial, k_mask_id + row + e * stride_ik,
+                                            mask_halves)
+                if has_key:
+                    qb = gl.load(k_index + row + e * stride_ik)
                     s = t % NSTAGE
                     mbarrier.wait(q_empty.index(s), ((t // NSTAGE) & 1) ^ 1)
                     r = q_row0 + qb * (2 * SUB_M) + sub * SUB_M
@@ -901,21 +939,22 @@ if GLUON:
                                                     do_smem.index(s))
                     t += 1
 
-
     @gluon.jit
     def _dkdv_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
-                         kv_bar, q_ready, q_empty, early, k_count, k_partial, k_index, k_mask_id,
-                         masks, stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
-                         stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n,
-                         kv_row0, LSE, Delta, DK, DV):
+                         kv_bar, q_ready, q_empty, early, skip, k_count, k_partial, k_index,
+                         k_mask_id, masks, mask_halves, stride_ch, stride_cm, stride_ih,
+                         stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale, scale,
+                         N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV):
         """Consumer warpgroup of the dK/dV pass: keys ``[HALF * 64, +64)`` of the key tile, in
         FA3's form. Scores are not transposed (S = Q K^T is [64 queries, 64 keys], so a
         per-query vector costs 2 registers a thread, where transposed scores cost 16 and spill
         beside the 128 of the dK, dV accumulators); P and dS go through shared memory as the
         transposed A operands of dV += P^T dO and dK += dS^T Q. A partial tile's mask is two
         words a row (row vectors) expanded in registers, not a load per element.
-        ``EARLY_DP``: issue dP = dO V^T with S (else after the softmax)."""
+        ``EARLY_DP``: issue dP = dO V^T with S (else after the softmax). ``HALF_STEPS``: skip
+        the steps with no key, as the producer does."""
         EARLY_DP: gl.constexpr = early.shape[0] == 2
+        HALF_STEPS: gl.constexpr = skip.shape[0] == 2
         NSTAGE: gl.constexpr = q_smem.shape[0]
         SUB_M: gl.constexpr = q_smem.shape[1]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -949,45 +988,52 @@ if GLUON:
             for it in range(2 * count):
                 e = it // 2
                 sub = it % 2
-                qb = gl.load(k_index + row + e * stride_ik)
-                mid = gl.load(k_mask_id + row + e * stride_ik)
-                st = t % NSTAGE
-                r = sub * SUB_M + gl.arange(0, SUB_M, layout=row_s)  # query within the tile
-                lse = gl.load(LSE + stats + qb * (2 * SUB_M) + r)
-                delta = gl.load(Delta + stats + qb * (2 * SUB_M) + r)
-                mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
-                qs = q_smem.index(st)
-                dos = do_smem.index(st)
-                s_tok = warpgroup_mma(qs, k_h.permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                if EARLY_DP:
-                    dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero, use_acc=False,
-                                           is_async=True)
-                    s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                else:
-                    s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                if e < n_partial:
-                    w_row = masks + mid * stride_mu + r * stride_mr + (key0 // 32) * stride_mw
-                    w0 = gl.load(w_row)
-                    w1 = gl.load(w_row + stride_mw)
-                    word = gl.where(c[None, :] < key0 + 32, w0[:, None], w1[:, None])
-                    s = gl.where(((word >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
-                # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient.
-                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                p = gl.exp2(s * qk_scale - lse2[:, None])
-                if not EARLY_DP:
-                    dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero, use_acc=False,
-                                           is_async=True)
-                dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-                ds = p * (dp - delta[:, None])
-                p_buf.store(p.to(dtype))
-                ds_buf.store(ds.to(dtype))
-                fence_async_shared()
-                dv = warpgroup_mma(p_buf.permute((1, 0)), dos, dv, is_async=True)
-                dk = warpgroup_mma(ds_buf.permute((1, 0)), qs, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                mbarrier.arrive(q_empty.index(st), count=1)
-                t += 1
+                has_key = True
+                if HALF_STEPS:
+                    has_key = _step_has_key(e, sub, n_partial, k_mask_id + row + e * stride_ik,
+                                            mask_halves)
+                if has_key:
+                    qb = gl.load(k_index + row + e * stride_ik)
+                    mid = gl.load(k_mask_id + row + e * stride_ik)
+                    st = t % NSTAGE
+                    # The step's queries within the tile.
+                    r = sub * SUB_M + gl.arange(0, SUB_M, layout=row_s)
+                    lse = gl.load(LSE + stats + qb * (2 * SUB_M) + r)
+                    delta = gl.load(Delta + stats + qb * (2 * SUB_M) + r)
+                    mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
+                    qs = q_smem.index(st)
+                    dos = do_smem.index(st)
+                    s_tok = warpgroup_mma(qs, k_h.permute((1, 0)), s_zero, use_acc=False,
+                                          is_async=True)
+                    if EARLY_DP:
+                        dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero,
+                                               use_acc=False, is_async=True)
+                        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                    else:
+                        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                    if e < n_partial:
+                        w_row = (masks + mid * stride_mu + r * stride_mr
+                                 + (key0 // 32) * stride_mw)
+                        w0 = gl.load(w_row)
+                        w1 = gl.load(w_row + stride_mw)
+                        word = gl.where(c[None, :] < key0 + 32, w0[:, None], w1[:, None])
+                        s = gl.where(((word >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
+                    # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient.
+                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                    p = gl.exp2(s * qk_scale - lse2[:, None])
+                    if not EARLY_DP:
+                        dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero,
+                                               use_acc=False, is_async=True)
+                    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                    ds = p * (dp - delta[:, None])
+                    p_buf.store(p.to(dtype))
+                    ds_buf.store(ds.to(dtype))
+                    fence_async_shared()
+                    dv = warpgroup_mma(p_buf.permute((1, 0)), dos, dv, is_async=True)
+                    dk = warpgroup_mma(ds_buf.permute((1, 0)), qs, dk, is_async=True)
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    mbarrier.arrive(q_empty.index(st), count=1)
+                    t += 1
         dk = dk * scale
         rows = kv_row0 + key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
         cols_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -998,40 +1044,41 @@ if GLUON:
 
     @gluon.jit
     def _dkdv_consumer0(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
-                          q_empty, early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
-                          stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
-                          stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
-                          LSE, Delta, DK, DV):
+                          q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
+                          mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                          stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
+                          off_g, start_n, kv_row0, LSE, Delta, DK, DV):
         _dkdv_consumer(0, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
-                         q_empty, early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
-                         stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
-                         stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
-                         LSE, Delta, DK, DV)
+                         q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
+                         mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                         stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
+                         off_g, start_n, kv_row0, LSE, Delta, DK, DV)
 
 
     @gluon.jit
     def _dkdv_consumer1(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
-                          q_empty, early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
-                          stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
-                          stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
-                          LSE, Delta, DK, DV):
+                          q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
+                          mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                          stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
+                          off_g, start_n, kv_row0, LSE, Delta, DK, DV):
         _dkdv_consumer(1, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
-                         q_empty, early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch,
-                         stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
-                         stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0,
-                         LSE, Delta, DK, DV)
+                         q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
+                         mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                         stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
+                         off_g, start_n, kv_row0, LSE, Delta, DK, DV)
 
 
     @gluon.jit
     def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
                                    k_count, k_partial, k_index, k_mask_id, masks, k_order,
-                                   qk_scale, scale, N, N_KV, H, GROUP,
+                                   mask_halves, qk_scale, scale, N, N_KV, H, GROUP,
                                    stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                                    stride_mu, stride_mr, stride_mw,
                                    LSE, Delta, DK, DV,
                                    ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                                   EARLY_DP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                   EARLY_DP: gl.constexpr, HALF_STEPS: gl.constexpr,
+                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                   num_warps: gl.constexpr):
         """dK, dV on sm_90, as :func:`sparsetp.kernels.attention._attn_bwd_dkdv_kernel`.
 
         q_desc, do_desc: TMA descriptors of the ``[B * H * N, D]`` views, boxes of 64 rows;
@@ -1040,8 +1087,9 @@ if GLUON:
         One program per (key tile, b, kv head), the portable kernel's grid and work order: a
         producer warp loads K and V once and the Q and dO rows of each listed query tile (for
         each query head of the group in turn: GQA sums in a fixed order, no atomics) in 64-row
-        steps into a ``STAGES`` ring; two consumer warpgroups (:func:`_dkdv_consumer`) own 64
-        keys each."""
+        steps into a ``STAGES`` ring (with ``HALF_STEPS``, the layout's ``half_steps``: only the
+        steps that ``mask_halves``, ``[U]``, says have a key); two consumer warpgroups
+        (:func:`_dkdv_consumer`) own 64 keys each."""
         SUB_M: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -1067,20 +1115,23 @@ if GLUON:
         # The consumers read EARLY_DP off this array's length (as the forward's PINGPONG).
         early = gl.allocate_shared_memory(gl.int64, [2 if EARLY_DP else 1, 1],
                                           mbarrier.MBarrierLayout())
+        skip = gl.allocate_shared_memory(gl.int64, [2 if HALF_STEPS else 1, 1],
+                                         mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
         fence_async_shared()
         cargs = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty,
-                 early, k_count, k_partial, k_index, k_mask_id, masks, stride_ch, stride_cm,
-                 stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale,
-                 scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV)
+                 early, skip, k_count, k_partial, k_index, k_mask_id, masks, mask_halves,
+                 stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
+                 stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE,
+                 Delta, DK, DV)
         gl.warp_specialize([
             (_dkdv_consumer0, cargs),
             (_dkdv_consumer1, cargs),
             (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                            kv_bar, q_ready, q_empty, k_count, k_index, stride_ch, stride_cm,
-                            stride_ih, stride_im, stride_ik, N, H, GROUP, off_b, off_g, start_n,
-                            kv_row0)),
+                            kv_bar, q_ready, q_empty, skip, k_count, k_partial, k_index,
+                            k_mask_id, mask_halves, stride_ch, stride_cm, stride_ih, stride_im,
+                            stride_ik, N, H, GROUP, off_b, off_g, start_n, kv_row0)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -60,14 +60,14 @@ __all__ = ["sparse_attention", "LayoutArrays", "layout_arrays"]
 
 _PER_HEAD = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial", "k_index",
              "k_mask_id", "q_order", "k_order")
-_META = (*_PER_HEAD, "masks")
+_META = (*_PER_HEAD, "masks", "mask_halves")
 
 
 @dataclasses.dataclass(frozen=True)
 class LayoutArrays:
     """The kernel metadata of a :class:`~sparsetp.core.layout.BlockLayout` as JAX arrays.
 
-    A pytree: the eleven int32 arrays are leaves (operands of the kernels), ``seq_len`` is static.
+    A pytree: the twelve int32 arrays are leaves (operands of the kernels), ``seq_len`` is static.
     ``num_heads`` and ``block_size`` are read off the array shapes, so a head slice of the arrays
     (inside ``shard_map``) is itself a valid :class:`LayoutArrays` of its heads.
 
@@ -88,6 +88,7 @@ class LayoutArrays:
     masks: jax.Array
     q_order: jax.Array
     k_order: jax.Array
+    mask_halves: jax.Array
     seq_len: int = dataclasses.field(metadata=dict(static=True), default=0)
     # How launches order heads (schedule.head_groups; static). None: all heads interleaved
     # (schedule.grid_group).
@@ -111,6 +112,9 @@ class LayoutArrays:
     # (kernels.hopper.AUTO_MIN_MEAN_TILES at block 128; static, set by layout_arrays): the
     # rule reads it eagerly and under jit alike. False: the rule counts programs only.
     long_lists: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    # BlockLayout.half_steps (static): whether the sm_90 dK/dV pass compiles its skip of
+    # half-tile steps with no key.
+    half_steps: bool = dataclasses.field(metadata=dict(static=True), default=True)
 
     def __post_init__(self):
         if not self.kv_len:
@@ -146,9 +150,9 @@ class LayoutArrays:
 
     def partition_specs(self, axis_name: str | None,
                         batch_axis: str | None = None) -> LayoutArrays:
-        """``shard_map`` in/out specs: per-head arrays split over ``axis_name``, masks replicated;
-        a per-row layout's rows split over ``batch_axis`` too (None: replicated), as ``x``'s
-        batch is.
+        """``shard_map`` in/out specs: per-head arrays split over ``axis_name``, mask tables
+        replicated; a per-row layout's rows split over ``batch_axis`` too (None: replicated),
+        as ``x``'s batch is.
 
         >>> spec = layout_arrays(lay).partition_specs("tp")    # doctest: +SKIP
         >>> jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"),) * 3 + (spec,),
@@ -157,7 +161,8 @@ class LayoutArrays:
         from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
         spec = P(axis_name) if self.batch is None else P(batch_axis, axis_name)
-        return dataclasses.replace(self, **{n: spec for n in _PER_HEAD}, masks=P())
+        return dataclasses.replace(self, **{n: spec for n in _PER_HEAD}, masks=P(),
+                                   mask_halves=P())
 
     def heads(self, start: int, stop: int) -> LayoutArrays:
         """Heads ``[start, stop)`` (static bounds), like :meth:`BlockLayout.heads` (of every
@@ -187,7 +192,7 @@ class LayoutArrays:
 jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
                                  meta_fields=["seq_len", "q_head_group", "k_head_group",
                                               "kv_len", "widest_row", "partial_row",
-                                              "row_widths", "long_lists"])
+                                              "row_widths", "long_lists", "half_steps"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
@@ -233,7 +238,7 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
     return LayoutArrays(**{n: arr(n, a) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
                         kv_len=layout.kv_len, widest_row=layout.widest_row,
-                        long_lists=long_lists,
+                        long_lists=long_lists, half_steps=layout.half_steps,
                         **({"partial_row": int(layout.q_partial.max(initial=0)),
                             "row_widths": tuple(int(x) for x in layout.q_count.max(axis=0))}
                            if static_widths else {}))
@@ -325,7 +330,7 @@ def _choose(q, k, lay: LayoutArrays, scale: float,
     if report and "hopper" in (fwd.name, bwd.name):
         from sparsetp.backends.jax import hopper as _jhopper  # noqa: PLC0415
 
-        meta = _with_order(lay.metadata(), (lay.q_head_group, lay.k_head_group))
+        meta = _with_statics(lay.metadata(), _statics(lay))
         b, h, n, _ = q.shape
         launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
                                     _options.current().work_order != "natural", d)
@@ -488,7 +493,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: LayoutLik
         # (GQA folds alike), so the flat tables of metadata() serve [1, B * H, N, D].
         q, k, v = (t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v))
     out, lse = _attention_jit(q, k, v, lay.metadata(), scale=scale,
-                              head_groups=(lay.q_head_group, lay.k_head_group),
+                              statics=_statics(lay),
                               widest=(lay.widest_row, lay.partial_row, lay.row_widths),
                               opts=_options.current(),
                               sm90=(fwd.name == "hopper", bwd.name == "hopper"))
@@ -539,9 +544,16 @@ def _arrays_only(meta):
     return {n: a for n, a in meta.items() if n in _META}
 
 
-def _with_order(meta, head_groups):
-    """The launch metadata: the arrays plus the layout's static head order (schedule.grid_group)."""
-    return {**meta, "q_head_group": head_groups[0], "k_head_group": head_groups[1]}
+def _statics(lay: LayoutArrays) -> tuple:
+    """What launches read of a layout besides its arrays (static): the head order
+    (schedule.grid_group) and ``half_steps``."""
+    return lay.q_head_group, lay.k_head_group, lay.half_steps
+
+
+def _with_statics(meta, statics):
+    """The launch metadata: the arrays plus the layout's :func:`_statics`."""
+    return {**meta, **dict(zip(("q_head_group", "k_head_group", "half_steps"), statics,
+                               strict=True))}
 
 
 # ``opts``: the launch options the call was made under (kernels.options, a hashable frozen
@@ -549,9 +561,9 @@ def _with_order(meta, head_groups):
 # options of its first trace) and reach the backward rule, which launches as the forward did
 # (the torch frontend's rule too).
 @functools.partial(jax.custom_vjp,
-                   nondiff_argnames=("scale", "head_groups", "widest", "opts", "sm90"))
-def _attention(q, k, v, meta, scale, head_groups, widest, opts, sm90):  # by name (static)
-    return _fwd(q, k, v, _with_order(meta, head_groups), scale, widest, opts, sm90[0])
+                   nondiff_argnames=("scale", "statics", "widest", "opts", "sm90"))
+def _attention(q, k, v, meta, scale, statics, widest, opts, sm90):  # by name (static)
+    return _fwd(q, k, v, _with_statics(meta, statics), scale, widest, opts, sm90[0])
 
 
 # Always staged: launch.per_platform's platform_dependent then lowers for the devices the call
@@ -571,12 +583,12 @@ def _attention_jit(*args, **kwargs):
             return _attention(*args, **kwargs)
 
         staged = _STAGED[rule] = jax.jit(
-            attention, static_argnames=("scale", "head_groups", "widest", "opts", "sm90"))
+            attention, static_argnames=("scale", "statics", "widest", "opts", "sm90"))
     return staged(*args, **kwargs)
 
 
-def _attention_fwd_rule(q, k, v, meta, scale, head_groups, widest, opts, sm90):
-    out, lse = _fwd(q, k, v, _with_order(meta, head_groups), scale, widest, opts, sm90[0])
+def _attention_fwd_rule(q, k, v, meta, scale, statics, widest, opts, sm90):
+    out, lse = _fwd(q, k, v, _with_statics(meta, statics), scale, widest, opts, sm90[0])
     return (out, lse), (q, k, v, out, lse, meta)
 
 
@@ -608,9 +620,9 @@ def _sm90_backward(fast, q, k, v, out, lse, d_out, d_lse):
     return first["dq"], second["dk"], second["dv"]
 
 
-def _attention_bwd_rule(scale, head_groups, widest, opts, sm90, residuals, cotangents):
+def _attention_bwd_rule(scale, statics, widest, opts, sm90, residuals, cotangents):
     q, k, v, out, lse, meta_arrays = residuals
-    meta = _with_order(meta_arrays, head_groups)
+    meta = _with_statics(meta_arrays, statics)
     d_out, d_lse = cotangents
     d_out = d_out.astype(q.dtype)
 
