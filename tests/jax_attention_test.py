@@ -433,12 +433,18 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
                    for nm in ("causal", "bigbird")]
         layouts.append(make_layout(PT.local(40, 10), n, h, bs))
         layouts.append(make_layout(PT.local(10, 40), n, h, bs))  # its mirror image
+        # A pair of equal shapes, one with half-empty tiles (half_steps) and one without: only
+        # sm_90 layouts carry half_steps into the trace.
+        layouts.append(make_layout(PT.local(15, 0), n, h, bs))
+        layouts.append(make_layout(PT.local(20, 0), n, h, bs))
         shapes = [{k: a.shape for k, a in lay.metadata().items()} for lay in layouts]
         # Preconditions of the test (not skips): pairs of equal shapes, different blocks/masks.
         self.assertEqual(shapes[0], shapes[1])
         self.assertEqual(shapes[2], shapes[3])
+        self.assertEqual(shapes[4], shapes[5])
         self.assertFalse(np.array_equal(layouts[0].block_mask, layouts[1].block_mask))
         self.assertFalse(np.array_equal(layouts[2].masks, layouts[3].masks))
+        self.assertNotEqual(layouts[4].half_steps, layouts[5].half_steps)
         traces = []
 
         def loss(q, k, v, lay, d_out):
@@ -455,15 +461,15 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
             for name, g, r in zip(("dq", "dk", "dv"), grad(q, k, v, la, d_out),
                                   reference.attention_grad(q, k, v, lay, d_out), strict=True):
                 tu.assert_close(g, r, "float32", grad=True, what=name)
-        self.assertLen(traces, 2)  # one per distinct set of metadata shapes
-        self.assertEqual(fwd._cache_size(), 2)
-        self.assertEqual(grad._cache_size(), 2)
+        self.assertLen(traces, 3)  # one per distinct set of metadata shapes
+        self.assertEqual(fwd._cache_size(), 3)
+        self.assertEqual(grad._cache_size(), 3)
         # Another number of distinct element masks: other metadata shapes (the ELL widths are
         # padded to multiples of 16, so at this size they alone never differ).
         other = make_layout(example_pattern("longformer", n, bs), n, h, bs)
         self.assertNotIn({k: a.shape for k, a in other.metadata().items()}, shapes)
         grad(q, k, v, jattn.layout_arrays(other), d_out)
-        self.assertLen(traces, 3)
+        self.assertLen(traces, 4)
 
     def test_per_batch_row_layout_arrays(self):
         """Per-row documents as LayoutArrays operands: per-head arrays [B, H, ...]; a second

@@ -289,15 +289,14 @@ def torch_layout_arrays(layout, head_dim, dtype, dev):
     per-row layout's flat view: batch folded into heads)."""
     q = torch.empty((1, 1, 1, head_dim), dtype=_TORCH_DT[dtype], device=_torch_device(dev))
     kind = torch_launch.device_kind(q)
-    return {n: t if isinstance(t, int) else t.cpu().numpy()  # ints: head order, half_steps
+    return {n: t if isinstance(t, int) else t.cpu().numpy()  # ints: the head order
             for n, t in torch_launch.metadata(layout.flat(), q, kind).items()}
 
 
 def jax_layout_arrays(layout, head_dim, dtype, dev):
     lay = jax_attn.layout_arrays(layout, head_dim=head_dim, dtype=_JAX_DT[dtype])
     return {**{n: np.asarray(a) for n, a in lay.metadata().items()},
-            "q_head_group": lay.q_head_group, "k_head_group": lay.k_head_group,
-            "half_steps": lay.half_steps}
+            "q_head_group": lay.q_head_group, "k_head_group": lay.k_head_group}
 
 
 def kernel_layout(layout, head_dim, dtype, dev):
@@ -492,9 +491,8 @@ class ParityTest(absltest.TestCase):
                     if not np.array_equal(meta[b][nm], arr) or meta[b][nm].dtype != np.int32:
                         raise AssertionError(f"[{case}] {b} kernel metadata {nm} differs "
                                              f"from the kernel layout's")
-                groups = {**dict(zip(("q_head_group", "k_head_group"),
-                                     schedule.head_groups(launched), strict=True)),
-                          "half_steps": launched.half_steps}
+                groups = dict(zip(("q_head_group", "k_head_group"),
+                                  schedule.head_groups(launched), strict=True))
                 for nm, want in groups.items():
                     if meta[b][nm] != want:
                         raise AssertionError(f"[{case}] {b} launches {nm}={meta[b][nm]}, "

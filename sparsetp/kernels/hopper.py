@@ -275,15 +275,17 @@ class Sm90Launch:
 
 
 def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: int,
-             scale: float, ordered: bool, head_dim: int = 128) -> dict[str, Sm90Launch]:
+             scale: float, ordered: bool, head_dim: int = 128, *,
+             half_steps: bool) -> dict[str, Sm90Launch]:
     """The forward's (``"fwd"``), dQ pass's (``"dq"``, without an LSE cotangent; with one:
     ``"dq_dlse"``) and dK/dV pass's (``"dkdv"``) launches on block-128 layout metadata
     ``meta`` (``BlockLayout.metadata()`` form, arrays of either framework, plus the head
-    groups of :func:`sparsetp.kernels.schedule.head_groups` and the layout's ``half_steps``),
-    for q ``[batch, heads, seq_len, head_dim]`` and k, v ``[batch, kv_heads, kv_len,
-    head_dim]``; ``ordered``: the work order is not ``"natural"``. In the dQ pass's pointers
-    ``d_lse`` is ``lse`` when there is no cotangent (never read). The backward's launches are
-    for :data:`BWD_HEAD_DIMS` only."""
+    groups of :func:`sparsetp.kernels.schedule.head_groups`), for q ``[batch, heads, seq_len,
+    head_dim]`` and k, v ``[batch, kv_heads, kv_len, head_dim]``; ``ordered``: the work order
+    is not ``"natural"``. In the dQ pass's pointers ``d_lse`` is ``lse`` when there is no
+    cotangent (never read). The backward's launches are for :data:`BWD_HEAD_DIMS` only.
+    ``half_steps``: the layout's (``BlockLayout.half_steps``), whether the backward's
+    launches compile the skip of steps with no key."""
     arrays, strides = abi._check_meta(meta, "q", heads, seq_len // BLOCK, BLOCK)
     k_arrays, k_strides = abi._check_meta(meta, "k", heads, kv_len // BLOCK, BLOCK)
     qk_scale = float(scale) * 1.4426950408889634  # softmax in base 2 (exp2)
@@ -297,7 +299,7 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     regs = {"CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
     dq_args = (*arrays, meta["mask_halves"], qk_scale, float(scale), seq_len, kv_len, heads,
                group, kv_heads, *strides)
-    half_steps = bool(meta["half_steps"])
+    half_steps = bool(half_steps)
     kv_box = KV_BOX[head_dim]
     out = {"fwd": Sm90Launch(
         "_attn_fwd_kernel_sm90", grid, (("q", half), ("k", kv_box), ("v", kv_box)),

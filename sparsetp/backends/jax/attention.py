@@ -112,9 +112,11 @@ class LayoutArrays:
     # (kernels.hopper.AUTO_MIN_MEAN_TILES at block 128; static, set by layout_arrays): the
     # rule reads it eagerly and under jit alike. False: the rule counts programs only.
     long_lists: bool = dataclasses.field(metadata=dict(static=True), default=False)
-    # BlockLayout.half_steps (static): whether the sm_90 dK/dV pass compiles its skip of
-    # half-tile steps with no key.
-    half_steps: bool = dataclasses.field(metadata=dict(static=True), default=True)
+    # BlockLayout.half_steps of the sm_90 form (static, set by layout_arrays; False where the
+    # sm_90 kernels will not run it): whether their backward compiles its skip of half-tile
+    # steps with no key. Like long_lists, a pattern whose value differs from another's of
+    # the same shapes takes a trace of its own; only sm_90 layouts can differ.
+    half_steps: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     def __post_init__(self):
         if not self.kv_len:
@@ -238,7 +240,8 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
     return LayoutArrays(**{n: arr(n, a) for n, a in layout.metadata().items()},
                         seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
                         kv_len=layout.kv_len, widest_row=layout.widest_row,
-                        long_lists=long_lists, half_steps=layout.half_steps,
+                        long_lists=long_lists,
+                        half_steps=lay128 is not None and layout.half_steps,
                         **({"partial_row": int(layout.q_partial.max(initial=0)),
                             "row_widths": tuple(int(x) for x in layout.q_count.max(axis=0))}
                            if static_widths else {}))
@@ -333,7 +336,8 @@ def _choose(q, k, lay: LayoutArrays, scale: float,
         meta = _with_statics(lay.metadata(), _statics(lay))
         b, h, n, _ = q.shape
         launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
-                                    _options.current().work_order != "natural", d)
+                                    _options.current().work_order != "natural", d,
+                                    half_steps=meta["half_steps"])
         dtype = jnp.dtype(q.dtype).name
         fwd, bwd = (_failed_report(choice, _jhopper, [launches[n] for n in names], dtype, d)
                     for choice, names in ((fwd, ("fwd",)), (bwd, ("dq_dlse", "dkdv"))))
@@ -414,7 +418,8 @@ def _sm90_launches(q, k, meta, scale, names):
 
     b, h, n, d = q.shape
     launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
-                                _options.current().work_order != "natural", d)
+                                _options.current().work_order != "natural", d,
+                                half_steps=meta["half_steps"])
     dtype = jnp.dtype(q.dtype).name
     for name in names:
         try:

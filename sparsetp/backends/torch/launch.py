@@ -61,15 +61,13 @@ def metadata(layout: BlockLayout, q: torch.Tensor, kind: str) -> dict:
 
 def device_metadata(layout: BlockLayout, device: torch.device) -> dict:
     """Device tensors of ``layout`` as a kernel runs it (no re-laying: the sm_90 kernels run
-    their block-128 form) plus its head groups and ``half_steps``, cached per (layout,
-    device)."""
+    their block-128 form) plus its head groups, cached per (layout, device)."""
     per_layout = _META_CACHE.setdefault(layout, {})
     key = str(device)
     if key not in per_layout:
         q_group, k_group = schedule.head_groups(layout)
         per_layout[key] = {**_device_arrays(layout.metadata(), device),
-                           "q_head_group": q_group, "k_head_group": k_group,
-                           "half_steps": layout.half_steps}
+                           "q_head_group": q_group, "k_head_group": k_group}
     return per_layout[key]
 
 
