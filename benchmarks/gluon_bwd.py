@@ -94,6 +94,17 @@ VARIANTS = {"n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
             "b2e232": ("b", 2, True, 232), "b2e240": ("b", 2, True, 240)}
 
 
+def _skip_table(kernel, meta) -> tuple:
+    """``meta``'s ``mask_halves`` where ``kernel`` takes it; none for a base commit's kernel
+    that predates it (its steps are never skipped)."""
+    return (meta["mask_halves"],) if "mask_halves" in kernel.arg_names else ()
+
+
+def _skip_flag(kernel, half_steps: bool) -> dict:
+    """The ``HALF_STEPS`` constexpr (the layout's ``half_steps``) where ``kernel`` takes it."""
+    return {"HALF_STEPS": half_steps} if "HALF_STEPS" in kernel.arg_names else {}
+
+
 def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.DKDV_CONSUMER_REGS,
                  half_steps: bool = True):
     """(kernel, constexprs) of a variant: "n" the library's FA3-form kernel (flag: EARLY_DP)
@@ -103,9 +114,8 @@ def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.DKDV_CON
         raise ValueError("variants of form 'b' need --base_hopper")
     module = base_module(FLAGS.base_hopper) if form == "b" else hopper
     kernel = module._attn_bwd_dkdv_kernel_sm90
-    skip = {"HALF_STEPS": half_steps} if "HALF_STEPS" in kernel.arg_names else {}
-    return kernel, {"STAGES": stages, "EARLY_DP": flag, **skip, "CONSUMER_REGS": regs,
-                    "PRODUCER_REGS": hopper.PRODUCER_REGS}
+    return kernel, {"STAGES": stages, "EARLY_DP": flag, **_skip_flag(kernel, half_steps),
+                    "CONSUMER_REGS": regs, "PRODUCER_REGS": hopper.PRODUCER_REGS}
 
 
 def _key_lists(meta) -> tuple:
@@ -119,11 +129,9 @@ def _dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = _key_lists(meta)
-    # A base commit's kernel may predate the mask_halves table (its steps are never skipped).
-    halves = (meta["mask_halves"],) if "mask_halves" in kernel.arg_names else ()
     return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
-            *arrays, *halves, scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv,
-            *strides, lse, delta, dk, dv)
+            *arrays, *_skip_table(kernel, meta), scale * 1.4426950408889634, scale, n, n_kv, h,
+            h // h_kv, *strides, lse, delta, dk, dv)
 
 
 def _dq_args(kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta):
@@ -132,15 +140,13 @@ def _dq_args(kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = list_args(meta)
-    halves = (meta["mask_halves"],) if "mask_halves" in kernel.arg_names else ()
     return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
-            *arrays, *halves, scale * 1.4426950408889634, scale, n, n_kv, h, h // h_kv, h_kv,
-            *strides, out, lse, lse, dq, delta)
+            *arrays, *_skip_table(kernel, meta), scale * 1.4426950408889634, scale, n, n_kv, h,
+            h // h_kv, h_kv, *strides, out, lse, lse, dq, delta)
 
 
 def _dq_constexprs(kernel, half_steps: bool) -> dict:
-    skip = {"HALF_STEPS": half_steps} if "HALF_STEPS" in kernel.arg_names else {}
-    return {"STAGES": hopper.DQ_STAGES, "HAS_DLSE": False, **skip,
+    return {"STAGES": hopper.DQ_STAGES, "HAS_DLSE": False, **_skip_flag(kernel, half_steps),
             "CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
 
 

@@ -479,15 +479,19 @@ if GLUON:
         return s
 
     @gluon.jit
-    def _step_has_key(e, sub, n_partial, mask_id, mask_halves):
+    def _step_has_key(e, sub, n_partial, mask_id, mask_halves, HALF_STEPS: gl.constexpr):
         """Whether the 64 query rows ``sub`` (0 or 1) of list entry ``e`` (its mask id at
         ``mask_id``) have an allowed key: a full entry's always, a partial one's as its mask's
-        ``mask_halves`` bit says. Every party of a pass asks the same question of a step, so
-        they skip it alike."""
-        bits = 3
-        if e < n_partial:
-            bits = gl.load(mask_halves + gl.load(mask_id))
-        return ((bits >> sub) & 1) != 0
+        ``mask_halves`` bit says; without ``HALF_STEPS`` every step (a constant, so the
+        caller's branch compiles away). Every party of a pass asks the same question of a
+        step, so they skip it alike."""
+        has_key = True
+        if HALF_STEPS:
+            bits = 3
+            if e < n_partial:
+                bits = gl.load(mask_halves + gl.load(mask_id))
+            has_key = ((bits >> sub) & 1) != 0
+        return has_key
 
     @gluon.jit
     def _online_softmax(s, m_i, l_i, qk_scale):
@@ -786,11 +790,8 @@ if GLUON:
             # Waited even by a warpgroup that skips the tile: one that freed a stage without
             # waiting could free it twice before the other warpgroup freed it once.
             mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
-            has_key = True
-            if HALF_STEPS:
-                has_key = _step_has_key(e, HALF, n_partial, q_mask_id + row + e * stride_ik,
-                                        mask_halves)
-            if has_key:
+            if _step_has_key(e, HALF, n_partial, q_mask_id + row + e * stride_ik, mask_halves,
+                             HALF_STEPS):
                 mbarrier.wait(v_ready.index(st), (e // STAGES_) & 1)
                 for h in gl.static_range(2):
                     k_h = k_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
@@ -924,11 +925,8 @@ if GLUON:
             for it in range(2 * count):
                 e = it // 2
                 sub = it % 2
-                has_key = True
-                if HALF_STEPS:
-                    has_key = _step_has_key(e, sub, n_partial, k_mask_id + row + e * stride_ik,
-                                            mask_halves)
-                if has_key:
+                if _step_has_key(e, sub, n_partial, k_mask_id + row + e * stride_ik, mask_halves,
+                                 HALF_STEPS):
                     qb = gl.load(k_index + row + e * stride_ik)
                     s = t % NSTAGE
                     mbarrier.wait(q_empty.index(s), ((t // NSTAGE) & 1) ^ 1)
@@ -990,11 +988,8 @@ if GLUON:
             for it in range(2 * count):
                 e = it // 2
                 sub = it % 2
-                has_key = True
-                if HALF_STEPS:
-                    has_key = _step_has_key(e, sub, n_partial, k_mask_id + row + e * stride_ik,
-                                            mask_halves)
-                if has_key:
+                if _step_has_key(e, sub, n_partial, k_mask_id + row + e * stride_ik, mask_halves,
+                                 HALF_STEPS):
                     qb = gl.load(k_index + row + e * stride_ik)
                     mid = gl.load(k_mask_id + row + e * stride_ik)
                     st = t % NSTAGE
