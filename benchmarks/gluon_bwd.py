@@ -94,12 +94,6 @@ VARIANTS = {"n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
             "b2e232": ("b", 2, True, 232), "b2e240": ("b", 2, True, 240)}
 
 
-def _skip_table(kernel, meta) -> tuple:
-    """``meta``'s ``mask_halves`` where ``kernel`` takes it; none for a base commit's kernel
-    that predates it (its steps are never skipped)."""
-    return (meta["mask_halves"],) if "mask_halves" in kernel.arg_names else ()
-
-
 def _skip_flag(kernel, half_steps: bool) -> dict:
     """The ``HALF_STEPS`` constexpr (the layout's ``half_steps``) where ``kernel`` takes it."""
     return {"HALF_STEPS": half_steps} if "HALF_STEPS" in kernel.arg_names else {}
@@ -123,6 +117,18 @@ def _key_lists(meta) -> tuple:
     kc, ki, mk = meta["k_count"], meta["k_index"], meta["masks"]
     return ((kc, meta["k_partial"], ki, meta["k_mask_id"], mk, meta["k_order"]),
             (*kc.stride(), *ki.stride(), *mk.stride()))
+
+
+def _skip_table(kernel, meta) -> tuple:
+    """The step-skip table ``kernel`` takes: ``mask_quarters``; a base commit's
+    ``mask_halves`` (bit r: query half r has a key, 7a3e0f8), derived from it; or none (a
+    kernel before 8b23465 never skips)."""
+    if "mask_quarters" in kernel.arg_names:
+        return (meta["mask_quarters"],)
+    if "mask_halves" in kernel.arg_names:
+        q = meta["mask_quarters"]
+        return ((((q & 3) != 0).int() | (((q >> 2) & 3) != 0).int() * 2).int(),)
+    return ()
 
 
 def _dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv):

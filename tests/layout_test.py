@@ -369,20 +369,28 @@ class PatternTest(parameterized.TestCase):
         self.assertIn("k_order", lay.metadata())
         self.assertEqual(work_order(np.array([[2, 5, 2, 5, 1]])).tolist(), [[1, 3, 0, 2, 4]])
 
-    def test_mask_halves_say_which_row_halves_of_each_partial_tile_have_a_key(self):
+    def test_mask_quarters_say_which_quarters_of_each_partial_tile_hold_a_pair(self):
         for name in ("local", "neighborhood_2d", "masked_rows", "causal"):
-            for n, bs in [(512, 128), (200, 32)]:
+            for n, bs in [(512, 128), (200, 32), (97, 16)]:
                 lay = make_layout(example_pattern(name, n, bs), n, 2, bs)
-                self.assertEqual(lay.mask_halves.shape, (lay.masks.shape[0],))
+                self.assertEqual(lay.mask_quarters.shape, (lay.masks.shape[0],))
+                half = bs // 2
                 for h, i in zip(*np.nonzero(lay.q_partial), strict=True):
                     for e in range(lay.q_partial[h, i]):
                         tile = lay.tile_mask(h, i, lay.q_index[h, i, e])
-                        want = sum(int(tile[s * bs // 2:(s + 1) * bs // 2].any()) << s
-                                   for s in range(2))
-                        self.assertEqual(lay.mask_halves[lay.q_mask_id[h, i, e]], want,
+                        want = sum(int(tile[r * half:(r + 1) * half,
+                                            c * half:(c + 1) * half].any()) << (2 * r + c)
+                                   for r in range(2) for c in range(2))
+                        self.assertEqual(lay.mask_quarters[lay.q_mask_id[h, i, e]], want,
                                          (name, n, bs, h, i, e))
-        self.assertEqual(make_layout(P.neighborhood((16, 32), (5, 9)), 512, 1,
-                                     128).mask_halves.tolist()[:2], [1, 2])
+        # Causal's diagonal tile: all but the upper right (early queries, late keys).
+        self.assertEqual(make_layout(P.causal(), 256, 1, 128).mask_quarters.tolist(), [13])
+
+    def test_half_steps_needs_a_twentieth_of_the_quarters_empty(self):
+        self.assertFalse(make_layout(P.causal(), 8192, 1, 128).half_steps)  # 1 of 130
+        self.assertTrue(make_layout(P.causal(), 256, 1, 128).half_steps)  # 1 of 12
+        self.assertFalse(make_layout(P.dense(), 512, 1, 128).half_steps)  # no partial tile
+        self.assertTrue(make_layout(P.neighborhood((16, 32), (5, 9)), 512, 1, 128).half_steps)
 
     def test_block_size_accepts_numpy_ints(self):
         lay = make_layout(P.causal(), 64, 1, np.int64(32))

@@ -72,11 +72,11 @@ How a launch orders *heads* is a GPU-scheduling question, answered by
     ``seq_len`` are 0; kernels must still bound their loads by ``seq_len``: full tiles of the
     ragged last row/column carry no mask.
 
-``mask_halves[u]`` (int32)
-    Bit ``s`` (0 or 1) says whether the query rows ``[s*bs/2, (s+1)*bs/2)`` of ``masks[u]``
-    allow any key: a kernel that walks a tile in half-tile query steps skips a step with no
-    key instead of computing it masked (a 2-D or 3-D neighbourhood's partial tiles often have
-    an empty half).
+``mask_quarters[u]`` (int32)
+    Bit ``2*r + c`` says whether query rows ``[r*bs/2, (r+1)*bs/2)`` and keys ``[c*bs/2,
+    (c+1)*bs/2)`` of ``masks[u]`` hold an allowed pair: a kernel that walks a tile in half-tile
+    steps skips a quarter with none instead of computing it masked (a 2-D or 3-D
+    neighbourhood's partial tiles often have empty halves and quarters).
 
 All metadata arrays have shapes that depend only on (heads, tiles, widest row rounded up to a
 multiple of 16 — see ``_ELL_ALIGN`` —, distinct masks), never on values, so a frontend can pass
@@ -117,18 +117,29 @@ _HANDLES = itertools.count(1)
 _BY_HANDLE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def mask_halves(masks: np.ndarray) -> np.ndarray:
-    """int32[U]: bit ``s`` set iff query rows ``[s*bs/2, (s+1)*bs/2)`` of mask ``u`` of
-    ``masks`` (``[U, bs, words]``) allow a key (see the module docstring).
+def mask_quarters(masks: np.ndarray) -> np.ndarray:
+    """int32[U]: bit ``2*r + c`` set iff query rows ``[r*bs/2, (r+1)*bs/2)`` and keys
+    ``[c*bs/2, (c+1)*bs/2)`` of mask ``u`` of ``masks`` (``[U, bs, words]``) allow a pair (see
+    the module docstring).
 
     >>> m = np.zeros((2, 4, 1), np.int32)
-    >>> m[0, 3, 0] = 1; m[1, 0, 0] = m[1, 2, 0] = 8
-    >>> mask_halves(m)
-    array([2, 3], dtype=int32)
+    >>> m[0, 3, 0] = 1; m[1, 0, 0] = 0b1000; m[1, 2, 0] = 0b0001
+    >>> mask_quarters(m)  # [0]: rows 2-3 x keys 0-1; [1]: rows 0-1 x keys 2-3, rows 2-3 x 0-1
+    array([4, 6], dtype=int32)
     """
     u, bs = masks.shape[:2]
-    rows = (masks.reshape(u, bs, -1) != 0).any(axis=2).reshape(u, 2, bs // 2).any(axis=2)
-    return (rows[:, 0] + 2 * rows[:, 1]).astype(np.int32)
+    words = masks.reshape(u, bs, -1).view(np.uint32)
+    # Bits of key half c in each word (word w holds keys 32 w .. 32 w + 31).
+    key = np.arange(words.shape[2] * 32).reshape(-1, 32)
+    bit = np.uint32(1) << np.arange(32, dtype=np.uint32)
+    halves = [((key >= c * bs // 2) & (key < (c + 1) * bs // 2)) * bit for c in range(2)]
+    rows = words.reshape(u, 2, bs // 2, -1)  # [U, r, rows, words]
+    out = np.zeros(u, np.int32)
+    for r in range(2):
+        for c in range(2):
+            sel = np.bitwise_or.reduce(halves[c], axis=1).astype(np.uint32)
+            out |= (((rows[:, r] & sel) != 0).any(axis=(1, 2)) << (2 * r + c)).astype(np.int32)
+    return out
 
 
 def work_order(count: np.ndarray) -> np.ndarray:
@@ -166,7 +177,7 @@ class BlockLayout:
     # Derived from the counts and masks when not given (see the module docstring).
     q_order: np.ndarray | None = None
     k_order: np.ndarray | None = None
-    mask_halves: np.ndarray | None = None
+    mask_quarters: np.ndarray | None = None
     # The layout a head slice (:meth:`heads`) was cut from, and the slice's first head in it;
     # None and 0 for a whole layout.
     source: BlockLayout | None = dataclasses.field(default=None, repr=False)
@@ -187,8 +198,8 @@ class BlockLayout:
         for name in ("q_order", "k_order"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, work_order(getattr(self, name[0] + "_count")))
-        if self.mask_halves is None:
-            object.__setattr__(self, "mask_halves", mask_halves(self.masks))
+        if self.mask_quarters is None:
+            object.__setattr__(self, "mask_quarters", mask_quarters(self.masks))
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, np.ndarray):
@@ -244,15 +255,21 @@ class BlockLayout:
 
     @property
     def half_steps(self) -> bool:
-        """Whether a partial tile has a half of its query rows with no key
-        (:attr:`mask_halves`): kernels that can skip such half-tile steps compile the skip
-        only then, so layouts without one pay nothing for it."""
-        return bool(self.q_partial.any() and (self.mask_halves != 3).any())
+        """Whether skipping the empty quarters of partial tiles (:attr:`mask_quarters`) saves
+        at least 1/20 of the computed quarters: kernels that can skip them compile the skip
+        only then, so layouts with few (causal's one quarter of each diagonal tile) pay
+        nothing for it."""
+        ids = self.q_mask_id[self.q_mask_id >= 0]
+        if not ids.size:
+            return False
+        bits = self.mask_quarters[ids]
+        empty = 4 * ids.size - sum(int(((bits >> i) & 1).sum()) for i in range(4))
+        return bool(20 * empty >= 4 * int(self.q_count.sum()))
 
     def metadata(self) -> dict[str, np.ndarray]:
         """The arrays a kernel launch needs, by name (all int32)."""
         names = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial",
-                 "k_index", "k_mask_id", "masks", "q_order", "k_order", "mask_halves")
+                 "k_index", "k_mask_id", "masks", "q_order", "k_order", "mask_quarters")
         return {n: getattr(self, n) for n in names}
 
     def tile_mask(self, h: int, qi: int, kj: int) -> np.ndarray:
@@ -355,9 +372,9 @@ def check_tables(layout) -> None:
     masks = shapes.get("masks")
     if masks is not None and masks[1:] != (bs, _words(bs)):
         bad.append(f"masks {masks}")
-    halves = shapes.get("mask_halves")
+    halves = shapes.get("mask_quarters")
     if halves is not None and masks is not None and halves != masks[:1]:
-        bad.append(f"mask_halves {halves}")
+        bad.append(f"mask_quarters {halves}")
     if bad:
         raise ValueError(
             f"layout is inconsistent: it says seq_len={n}, kv_len={kv}, num_heads={heads}, "

@@ -297,7 +297,7 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     half, full = BLOCK // 2, BLOCK
     q_boxes = (("q", half), ("d_out", half), ("k", full), ("v", full))
     regs = {"CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
-    dq_args = (*arrays, meta["mask_halves"], qk_scale, float(scale), seq_len, kv_len, heads,
+    dq_args = (*arrays, meta["mask_quarters"], qk_scale, float(scale), seq_len, kv_len, heads,
                group, kv_heads, *strides)
     half_steps = bool(half_steps)
     kv_box = KV_BOX[head_dim]
@@ -313,7 +313,7 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
              "HALF_STEPS": half_steps, **regs})
     out["dkdv"] = Sm90Launch(
         "_attn_bwd_dkdv_kernel_sm90", kv_grid, q_boxes,
-        (*k_arrays, meta["mask_halves"], qk_scale, float(scale), seq_len, kv_len, heads, group,
+        (*k_arrays, meta["mask_quarters"], qk_scale, float(scale), seq_len, kv_len, heads, group,
          *k_strides),
         ("lse", "delta", "dk", "dv"),
         {"ORDERED": ordered, "STAGES": DKDV_STAGES, "EARLY_DP": DKDV_EARLY_DP,
@@ -479,19 +479,15 @@ if GLUON:
         return s
 
     @gluon.jit
-    def _step_has_key(e, sub, n_partial, mask_id, mask_halves, HALF_STEPS: gl.constexpr):
-        """Whether the 64 query rows ``sub`` (0 or 1) of list entry ``e`` (its mask id at
-        ``mask_id``) have an allowed key: a full entry's always, a partial one's as its mask's
-        ``mask_halves`` bit says; without ``HALF_STEPS`` every step (a constant, so the
-        caller's branch compiles away). Every party of a pass asks the same question of a
-        step, so they skip it alike."""
-        has_key = True
-        if HALF_STEPS:
-            bits = 3
-            if e < n_partial:
-                bits = gl.load(mask_halves + gl.load(mask_id))
-            has_key = ((bits >> sub) & 1) != 0
-        return has_key
+    def _quarters(e, n_partial, mask_id, mask_quarters):
+        """Which quarters of list entry ``e`` (its mask id at ``mask_id``) hold an allowed
+        pair, bit ``2 * (64-query half) + (64-key half)``: all of a full entry's, a partial
+        one's as its mask's ``mask_quarters`` entry says. Every party of a pass reads the same
+        bits of a step, so they skip it alike."""
+        bits = 15
+        if e < n_partial:
+            bits = gl.load(mask_quarters + gl.load(mask_id))
+        return bits
 
     @gluon.jit
     def _online_softmax(s, m_i, l_i, qk_scale):
@@ -740,12 +736,13 @@ if GLUON:
     def _dq_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready,
                      v_ready, kv_empty, count, n_partial, q_index, q_mask_id, row, stride_ik,
                      masks, stride_mu, stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m,
-                     off_bh, dlse_flag, skip, mask_halves, Out, LSE, DLSE, DQ, Delta):
+                     off_bh, dlse_flag, skip, mask_quarters, Out, LSE, DLSE, DQ, Delta):
         """Consumer warpgroup of the dQ pass: Delta and dQ of rows ``[HALF * 64, +64)`` of the
         query tile. Each key tile is walked in two 64-key halves: S and dP of 64 x 64 fp32,
         the dQ accumulator (64 x D fp32) and dS as an MMA operand fit the consumer's
-        registers, where whole 128-key tiles would not. ``HALF_STEPS``: a key tile whose mask
-        (``mask_halves``) has no key in these rows is skipped, its stage still freed."""
+        registers, where whole 128-key tiles would not. ``HALF_STEPS``: a 64-key half whose quarter
+        of the mask (``mask_quarters``) holds no pair in these rows is skipped, and a tile
+        with neither, its stage still freed."""
         HAS_DLSE: gl.constexpr = dlse_flag.shape[0] == 2
         HALF_STEPS: gl.constexpr = skip.shape[0] == 2
         SUB_M: gl.constexpr = q_smem.shape[1]
@@ -790,24 +787,32 @@ if GLUON:
             # Waited even by a warpgroup that skips the tile: one that freed a stage without
             # waiting could free it twice before the other warpgroup freed it once.
             mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
-            if _step_has_key(e, HALF, n_partial, q_mask_id + row + e * stride_ik, mask_halves,
-                             HALF_STEPS):
+            has_key = True
+            if HALF_STEPS:
+                bits = _quarters(e, n_partial, q_mask_id + row + e * stride_ik, mask_quarters)
+                has_key = ((bits >> (2 * HALF)) & 3) != 0
+            if has_key:
                 mbarrier.wait(v_ready.index(st), (e // STAGES_) & 1)
                 for h in gl.static_range(2):
-                    k_h = k_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
-                    v_h = v_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
-                    s_tok = warpgroup_mma(q, k_h.permute((1, 0)), s_zero, use_acc=False,
-                                          is_async=True)
-                    dp_tok = warpgroup_mma(do, v_h.permute((1, 0)), s_zero, use_acc=False,
-                                           is_async=True)
-                    s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                    s = _masked_scores(s, e, n_partial, q_mask_id, row, stride_ik, masks,
-                                       stride_mu, stride_mr, stride_mw, row0, h * HALF_N,
-                                       s_layout, SUB_M, HALF_N)
-                    p = gl.exp2(s * qk_scale - lse2[:, None])
-                    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-                    ds = p * (dp - delta[:, None])
-                    dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_h, dq)
+                    quarter = True
+                    if HALF_STEPS:
+                        quarter = ((bits >> (2 * HALF + h)) & 1) != 0
+                    if quarter:
+                        k_h = k_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
+                        v_h = v_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
+                        s_tok = warpgroup_mma(q, k_h.permute((1, 0)), s_zero, use_acc=False,
+                                              is_async=True)
+                        dp_tok = warpgroup_mma(do, v_h.permute((1, 0)), s_zero,
+                                               use_acc=False, is_async=True)
+                        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                        s = _masked_scores(s, e, n_partial, q_mask_id, row, stride_ik, masks,
+                                           stride_mu, stride_mr, stride_mw, row0, h * HALF_N,
+                                           s_layout, SUB_M, HALF_N)
+                        p = gl.exp2(s * qk_scale - lse2[:, None])
+                        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                        ds = p * (dp - delta[:, None])
+                        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_h,
+                                           dq)
             mbarrier.arrive(kv_empty.index(st), count=1)  # K and V of this stage are read
         # dS is the gradient w.r.t. the natural-log scaled scores: scale, not qk_scale.
         dq = dq * scale
@@ -821,26 +826,26 @@ if GLUON:
     def _dq_consumer0(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                       count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                       stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                      skip, mask_halves, Out, LSE, DLSE, DQ, Delta):
+                      skip, mask_quarters, Out, LSE, DLSE, DQ, Delta):
         _dq_consumer(0, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                      count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                      stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                     skip, mask_halves, Out, LSE, DLSE, DQ, Delta)
+                     skip, mask_quarters, Out, LSE, DLSE, DQ, Delta)
 
     @gluon.jit
     def _dq_consumer1(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                       count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                       stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                      skip, mask_halves, Out, LSE, DLSE, DQ, Delta):
+                      skip, mask_quarters, Out, LSE, DLSE, DQ, Delta):
         _dq_consumer(1, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                      count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                      stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                     skip, mask_halves, Out, LSE, DLSE, DQ, Delta)
+                     skip, mask_quarters, Out, LSE, DLSE, DQ, Delta)
 
     @gluon.jit
     def _attn_bwd_dq_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
                                  q_count, q_partial, q_index, q_mask_id, masks, q_order,
-                                 mask_halves, qk_scale, scale, N, N_KV, H, GROUP, H_KV,
+                                 mask_quarters, qk_scale, scale, N, N_KV, H, GROUP, H_KV,
                                  stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                                  stride_mu, stride_mr, stride_mw,
                                  Out, LSE, DLSE, DQ, Delta,
@@ -855,7 +860,8 @@ if GLUON:
         D]`` and LSE, DLSE, Delta ``[B, H, N]`` (float32) contiguous; DLSE (the LSE cotangent)
         is read only with ``HAS_DLSE``. The forward's grid, lists and schedule
         (producer warp, K/V ring, two consumer warpgroups of 64 rows); with ``HALF_STEPS``, a
-        warpgroup skips the tiles whose ``mask_halves`` entry has no key in its rows."""
+        warpgroup skips the 64-key halves whose ``mask_quarters`` bit says its rows have no
+        key there."""
         SUB_M: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -892,7 +898,7 @@ if GLUON:
         cargs = (q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty, count,
                  n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu, stride_mr,
                  stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag, skip,
-                 mask_halves, Out, LSE, DLSE, DQ, Delta)
+                 mask_quarters, Out, LSE, DLSE, DQ, Delta)
         gl.warp_specialize([
             (_dq_consumer0, cargs),
             (_dq_consumer1, cargs),
@@ -904,7 +910,7 @@ if GLUON:
     @gluon.jit
     def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
                      q_ready, q_empty, skip, k_count, k_partial, k_index, k_mask_id,
-                     mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik, N, H,
+                     mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik, N, H,
                      GROUP, off_b, off_g, start_n, kv_row0):
         """Producer warp: K and V once, then per query head of the group and listed query tile
         the Q and dO rows of its 64-row steps (with ``HALF_STEPS``, those that have a key:
@@ -925,8 +931,12 @@ if GLUON:
             for it in range(2 * count):
                 e = it // 2
                 sub = it % 2
-                if _step_has_key(e, sub, n_partial, k_mask_id + row + e * stride_ik, mask_halves,
-                                 HALF_STEPS):
+                has_key = True
+                if HALF_STEPS:
+                    bits = _quarters(e, n_partial, k_mask_id + row + e * stride_ik,
+                                     mask_quarters)
+                    has_key = ((bits >> (2 * sub)) & 3) != 0
+                if has_key:
                     qb = gl.load(k_index + row + e * stride_ik)
                     s = t % NSTAGE
                     mbarrier.wait(q_empty.index(s), ((t // NSTAGE) & 1) ^ 1)
@@ -942,7 +952,7 @@ if GLUON:
     @gluon.jit
     def _dkdv_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
                          kv_bar, q_ready, q_empty, early, skip, k_count, k_partial, k_index,
-                         k_mask_id, masks, mask_halves, stride_ch, stride_cm, stride_ih,
+                         k_mask_id, masks, mask_quarters, stride_ch, stride_cm, stride_ih,
                          stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale, scale,
                          N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV):
         """Consumer warpgroup of the dK/dV pass: keys ``[HALF * 64, +64)`` of the key tile, in
@@ -952,7 +962,8 @@ if GLUON:
         transposed A operands of dV += P^T dO and dK += dS^T Q. A partial tile's mask is two
         words a row (row vectors) expanded in registers, not a load per element.
         ``EARLY_DP``: issue dP = dO V^T with S (else after the softmax). ``HALF_STEPS``: skip
-        the steps with no key, as the producer does."""
+        the steps with no key, as the producer does, and free unread the steps whose quarter
+        of this consumer's keys holds no pair."""
         EARLY_DP: gl.constexpr = early.shape[0] == 2
         HALF_STEPS: gl.constexpr = skip.shape[0] == 2
         NSTAGE: gl.constexpr = q_smem.shape[0]
@@ -988,48 +999,59 @@ if GLUON:
             for it in range(2 * count):
                 e = it // 2
                 sub = it % 2
-                if _step_has_key(e, sub, n_partial, k_mask_id + row + e * stride_ik, mask_halves,
-                                 HALF_STEPS):
-                    qb = gl.load(k_index + row + e * stride_ik)
-                    mid = gl.load(k_mask_id + row + e * stride_ik)
+                has_key = True
+                mine = True  # this consumer's 64 keys have a query in the step
+                if HALF_STEPS:
+                    bits = _quarters(e, n_partial, k_mask_id + row + e * stride_ik,
+                                     mask_quarters)
+                    has_key = ((bits >> (2 * sub)) & 3) != 0
+                    mine = ((bits >> (2 * sub + HALF)) & 1) != 0
+                if has_key:
                     st = t % NSTAGE
-                    # The step's queries within the tile.
-                    r = sub * SUB_M + gl.arange(0, SUB_M, layout=row_s)
-                    lse = gl.load(LSE + stats + qb * (2 * SUB_M) + r)
-                    delta = gl.load(Delta + stats + qb * (2 * SUB_M) + r)
-                    mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
-                    qs = q_smem.index(st)
-                    dos = do_smem.index(st)
-                    s_tok = warpgroup_mma(qs, k_h.permute((1, 0)), s_zero, use_acc=False,
-                                          is_async=True)
-                    if EARLY_DP:
-                        dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero,
-                                               use_acc=False, is_async=True)
-                        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                    if mine:
+                        qb = gl.load(k_index + row + e * stride_ik)
+                        mid = gl.load(k_mask_id + row + e * stride_ik)
+                        # The step's queries within the tile.
+                        r = sub * SUB_M + gl.arange(0, SUB_M, layout=row_s)
+                        lse = gl.load(LSE + stats + qb * (2 * SUB_M) + r)
+                        delta = gl.load(Delta + stats + qb * (2 * SUB_M) + r)
+                        mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
+                        qs = q_smem.index(st)
+                        dos = do_smem.index(st)
+                        s_tok = warpgroup_mma(qs, k_h.permute((1, 0)), s_zero, use_acc=False,
+                                              is_async=True)
+                        if EARLY_DP:
+                            dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero,
+                                                   use_acc=False, is_async=True)
+                            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                        else:
+                            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                        if e < n_partial:
+                            w_row = (masks + mid * stride_mu + r * stride_mr
+                                     + (key0 // 32) * stride_mw)
+                            w0 = gl.load(w_row)
+                            w1 = gl.load(w_row + stride_mw)
+                            word = gl.where(c[None, :] < key0 + 32, w0[:, None], w1[:, None])
+                            s = gl.where(((word >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
+                        # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient.
+                        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                        p = gl.exp2(s * qk_scale - lse2[:, None])
+                        if not EARLY_DP:
+                            dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero,
+                                                   use_acc=False, is_async=True)
+                        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                        ds = p * (dp - delta[:, None])
+                        p_buf.store(p.to(dtype))
+                        ds_buf.store(ds.to(dtype))
+                        fence_async_shared()
+                        dv = warpgroup_mma(p_buf.permute((1, 0)), dos, dv, is_async=True)
+                        dk = warpgroup_mma(ds_buf.permute((1, 0)), qs, dk, is_async=True)
+                        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                        mbarrier.arrive(q_empty.index(st), count=1)
                     else:
-                        s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                    if e < n_partial:
-                        w_row = (masks + mid * stride_mu + r * stride_mr
-                                 + (key0 // 32) * stride_mw)
-                        w0 = gl.load(w_row)
-                        w1 = gl.load(w_row + stride_mw)
-                        word = gl.where(c[None, :] < key0 + 32, w0[:, None], w1[:, None])
-                        s = gl.where(((word >> (c[None, :] % 32)) & 1) != 0, s, float("-inf"))
-                    # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient.
-                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                    p = gl.exp2(s * qk_scale - lse2[:, None])
-                    if not EARLY_DP:
-                        dp_tok = warpgroup_mma(dos, v_h.permute((1, 0)), s_zero,
-                                               use_acc=False, is_async=True)
-                    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-                    ds = p * (dp - delta[:, None])
-                    p_buf.store(p.to(dtype))
-                    ds_buf.store(ds.to(dtype))
-                    fence_async_shared()
-                    dv = warpgroup_mma(p_buf.permute((1, 0)), dos, dv, is_async=True)
-                    dk = warpgroup_mma(ds_buf.permute((1, 0)), qs, dk, is_async=True)
-                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                    mbarrier.arrive(q_empty.index(st), count=1)
+                        # Waited before freeing, as the dQ pass's skipping warpgroup does.
+                        mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
+                        mbarrier.arrive(q_empty.index(st), count=1)
                     t += 1
         dk = dk * scale
         rows = kv_row0 + key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
@@ -1042,12 +1064,12 @@ if GLUON:
     @gluon.jit
     def _dkdv_consumer0(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
                           q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
-                          mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                          mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                           stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
                           off_g, start_n, kv_row0, LSE, Delta, DK, DV):
         _dkdv_consumer(0, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
                          q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
-                         mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                         mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                          stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
                          off_g, start_n, kv_row0, LSE, Delta, DK, DV)
 
@@ -1055,12 +1077,12 @@ if GLUON:
     @gluon.jit
     def _dkdv_consumer1(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
                           q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
-                          mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                          mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                           stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
                           off_g, start_n, kv_row0, LSE, Delta, DK, DV):
         _dkdv_consumer(1, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
                          q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
-                         mask_halves, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
+                         mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                          stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
                          off_g, start_n, kv_row0, LSE, Delta, DK, DV)
 
@@ -1068,7 +1090,7 @@ if GLUON:
     @gluon.jit
     def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
                                    k_count, k_partial, k_index, k_mask_id, masks, k_order,
-                                   mask_halves, qk_scale, scale, N, N_KV, H, GROUP,
+                                   mask_quarters, qk_scale, scale, N, N_KV, H, GROUP,
                                    stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                                    stride_mu, stride_mr, stride_mw,
                                    LSE, Delta, DK, DV,
@@ -1085,7 +1107,8 @@ if GLUON:
         producer warp loads K and V once and the Q and dO rows of each listed query tile (for
         each query head of the group in turn: GQA sums in a fixed order, no atomics) in 64-row
         steps into a ``STAGES`` ring (with ``HALF_STEPS``, the layout's ``half_steps``: only the
-        steps that ``mask_halves``, ``[U]``, says have a key); two consumer warpgroups
+        steps that ``mask_quarters``, ``[U]``, says have a key, each consumer computing those
+        where its keys have one); two consumer warpgroups
         (:func:`_dkdv_consumer`) own 64 keys each."""
         SUB_M: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -1120,7 +1143,7 @@ if GLUON:
             mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
         fence_async_shared()
         cargs = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty,
-                 early, skip, k_count, k_partial, k_index, k_mask_id, masks, mask_halves,
+                 early, skip, k_count, k_partial, k_index, k_mask_id, masks, mask_quarters,
                  stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
                  stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE,
                  Delta, DK, DV)
@@ -1129,6 +1152,6 @@ if GLUON:
             (_dkdv_consumer1, cargs),
             (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                             kv_bar, q_ready, q_empty, skip, k_count, k_partial, k_index,
-                            k_mask_id, mask_halves, stride_ch, stride_cm, stride_ih, stride_im,
+                            k_mask_id, mask_quarters, stride_ch, stride_cm, stride_ih, stride_im,
                             stride_ik, N, H, GROUP, off_b, off_g, start_n, kv_row0)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -60,7 +60,7 @@ __all__ = ["sparse_attention", "LayoutArrays", "layout_arrays"]
 
 _PER_HEAD = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial", "k_index",
              "k_mask_id", "q_order", "k_order")
-_META = (*_PER_HEAD, "masks", "mask_halves")
+_META = (*_PER_HEAD, "masks", "mask_quarters")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ class LayoutArrays:
     masks: jax.Array
     q_order: jax.Array
     k_order: jax.Array
-    mask_halves: jax.Array
+    mask_quarters: jax.Array
     seq_len: int = dataclasses.field(metadata=dict(static=True), default=0)
     # How launches order heads (schedule.head_groups; static). None: all heads interleaved
     # (schedule.grid_group).
@@ -113,8 +113,8 @@ class LayoutArrays:
     # rule reads it eagerly and under jit alike. False: the rule counts programs only.
     long_lists: bool = dataclasses.field(metadata=dict(static=True), default=False)
     # BlockLayout.half_steps of the sm_90 form (static, set by layout_arrays; False where the
-    # sm_90 kernels will not run it): whether their backward compiles its skip of half-tile
-    # steps with no key. Like long_lists, a pattern whose value differs from another's of
+    # sm_90 kernels will not run it): whether their backward compiles its skip of empty
+    # quarter tiles. Like long_lists, a pattern whose value differs from another's of
     # the same shapes takes a trace of its own; only sm_90 layouts can differ.
     half_steps: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
@@ -164,7 +164,7 @@ class LayoutArrays:
 
         spec = P(axis_name) if self.batch is None else P(batch_axis, axis_name)
         return dataclasses.replace(self, **{n: spec for n in _PER_HEAD}, masks=P(),
-                                   mask_halves=P())
+                                   mask_quarters=P())
 
     def heads(self, start: int, stop: int) -> LayoutArrays:
         """Heads ``[start, stop)`` (static bounds), like :meth:`BlockLayout.heads` (of every
