@@ -82,6 +82,8 @@ flags.DEFINE_string("base_hopper", None, "another commit's sparsetp/kernels/hopp
                     "show REV:sparsetp/kernels/hopper.py > FILE`), for the 'b' variants")
 flags.DEFINE_bool("ncu_once", False, "no check or timing: one call of each variant between "
                   "cudaProfilerStart/Stop, for `ncu --profile-from-start off`")
+flags.DEFINE_integer("dkdv_skip", -1, "the 'n' dK/dV pass's SKIP level where the layout "
+                     "skips quarters (-1: hopper.skip_levels')")
 flags.DEFINE_bool("gqa_mha_form", False, "GQA: also time the dK/dV pass as MHA (one program "
                   "per query head on K, V repeated per head; the group's dK, dV summed after)")
 
@@ -94,21 +96,31 @@ VARIANTS = {"n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
             "b2e232": ("b", 2, True, 232), "b2e240": ("b", 2, True, 240)}
 
 
-def _skip_flag(kernel, half_steps: bool) -> dict:
-    """The ``HALF_STEPS`` constexpr (the layout's ``half_steps``) where ``kernel`` takes it."""
-    return {"HALF_STEPS": half_steps} if "HALF_STEPS" in kernel.arg_names else {}
+def _skip_flag(kernel, skip_quarters: bool, dkdv: bool = False, group: int = 1) -> dict:
+    """The skip constexpr of ``kernel`` (the dQ pass, or with ``dkdv`` the dK/dV pass) for a
+    layout whose ``skip_quarters`` is given: ``SKIP`` (:func:`hopper.skip_levels`;
+    ``--dkdv_skip`` overrides the dK/dV pass's), a base commit's ``HALF_STEPS`` (8b23465; its
+    64-row steps only), or none (a kernel before 8b23465)."""
+    if "SKIP" in kernel.arg_names:
+        level = hopper.skip_levels(skip_quarters, group)[int(dkdv)]
+        if dkdv and skip_quarters and FLAGS.dkdv_skip >= 0:
+            level = FLAGS.dkdv_skip
+        return {"SKIP": level}
+    return {"HALF_STEPS": skip_quarters} if "HALF_STEPS" in kernel.arg_names else {}
 
 
 def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.DKDV_CONSUMER_REGS,
-                 half_steps: bool = True):
+                 skip_quarters: bool = True, group: int = 1):
     """(kernel, constexprs) of a variant: "n" the library's FA3-form kernel (flag: EARLY_DP)
     with ``regs`` registers a consumer, "b" the same kernel of ``--base_hopper`` (whose dQ
-    pass the "b" arms run too); ``half_steps``: the layout's (for a kernel that takes it)."""
+    pass the "b" arms run too); ``skip_quarters``: the layout's, ``group``: query heads per kv
+    head (for a kernel that skips)."""
     if form == "b" and not FLAGS.base_hopper:
         raise ValueError("variants of form 'b' need --base_hopper")
     module = base_module(FLAGS.base_hopper) if form == "b" else hopper
     kernel = module._attn_bwd_dkdv_kernel_sm90
-    return kernel, {"STAGES": stages, "EARLY_DP": flag, **_skip_flag(kernel, half_steps),
+    return kernel, {"STAGES": stages, "EARLY_DP": flag,
+                    **_skip_flag(kernel, skip_quarters, dkdv=True, group=group),
                     "CONSUMER_REGS": regs, "PRODUCER_REGS": hopper.PRODUCER_REGS}
 
 
@@ -151,8 +163,8 @@ def _dq_args(kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta):
             h // h_kv, h_kv, *strides, out, lse, lse, dq, delta)
 
 
-def _dq_constexprs(kernel, half_steps: bool) -> dict:
-    return {"STAGES": hopper.DQ_STAGES, "HAS_DLSE": False, **_skip_flag(kernel, half_steps),
+def _dq_constexprs(kernel, skip_quarters: bool) -> dict:
+    return {"STAGES": hopper.DQ_STAGES, "HAS_DLSE": False, **_skip_flag(kernel, skip_quarters),
             "CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
 
 
@@ -161,18 +173,20 @@ def _compile_only():
     print registers, spills, shared memory."""
     q, stats, meta = stand_ins(BLOCK)
     dq_kernel = hopper._attn_bwd_dq_kernel_sm90
-    for half_steps in (False, True):
+    for skip_quarters in (False, True):
         prof = sm90_profile(dq_kernel, _dq_args(dq_kernel, q, q, q, q, q, stats, meta, 0.1, q,
                                                 stats),
-                            {"ORDERED": True, **_dq_constexprs(dq_kernel, half_steps)},
+                            {"ORDERED": True, **_dq_constexprs(dq_kernel, skip_quarters)},
                             hopper.NUM_WARPS)
-        print(json.dumps({"kernel": "library dQ", "half_steps": half_steps, **prof}))
+        print(json.dumps({"kernel": "library dQ", "skip_quarters": skip_quarters, **prof}))
     meta = {**meta, **{key.replace("q_", "k_"): val for key, val in meta.items()
                        if key.startswith("q_")}}
     group = FLAGS.heads // (FLAGS.kv_heads or FLAGS.heads)
-    for name, half_steps in itertools.product(FLAGS.variants, (False, True)):
-        kernel, constexprs = _dkdv_launch(*VARIANTS[name], half_steps=half_steps)
-        if half_steps and "HALF_STEPS" not in constexprs:
+    for name, skip_quarters in itertools.product(FLAGS.variants, (False, True)):
+        kernel, constexprs = _dkdv_launch(*VARIANTS[name], skip_quarters=skip_quarters,
+                                          group=group)
+        skip = {k: v for k, v in constexprs.items() if k in ("SKIP", "HALF_STEPS")}
+        if skip_quarters and not skip:
             continue
         args = list(_dkdv_args(kernel, q, q, q, q, stats, stats, meta, 0.1, q, q))
         args[kernel.arg_names.index("GROUP")] = group
@@ -181,7 +195,7 @@ def _compile_only():
         one = {"GROUP": 1} if group == 1 else {}
         prof = sm90_profile(kernel, args, {"ORDERED": True, **constexprs, **one}, 4)
         print(json.dumps({"variant": name, "group": group,
-                          **({"half_steps": half_steps} if "HALF_STEPS" in constexprs else {}),
+                          **skip,
                           **prof}))
 
 
@@ -236,14 +250,15 @@ def _measure(spec, q, k, v, d_out):
                 for name, a, r in zip(("dq", "dk", "dv"), got, ref, strict=True)}
 
     def gluon_bwd(variant):
-        kernel, constexprs = _dkdv_launch(*VARIANTS[variant], half_steps=layout.half_steps)
+        kernel, constexprs = _dkdv_launch(*VARIANTS[variant], skip_quarters=layout.skip_quarters,
+                                          group=h // h_kv)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
         # Form "b" is the other commit's whole backward: its dQ pass too.
         dq_module = base_module(FLAGS.base_hopper) if VARIANTS[variant][0] == "b" else hopper
         dq_kernel = dq_module._attn_bwd_dq_kernel_sm90
         dq_kernel[q_grid](*_dq_args(dq_kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta),
-                          ORDERED=True, **_dq_constexprs(dq_kernel, layout.half_steps),
+                          ORDERED=True, **_dq_constexprs(dq_kernel, layout.skip_quarters),
                           num_warps=hopper.NUM_WARPS)
         kernel[kv_grid](*_dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv),
                         ORDERED=True, **constexprs, num_warps=4)
@@ -305,7 +320,7 @@ def _mha_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout):
     b, h, n, d = q.shape
     g = h // k.shape[1]
     k_x, v_x = (t.repeat_interleave(g, dim=1).contiguous() for t in (k, v))
-    kernel, constexprs = _dkdv_launch(*VARIANTS["n2e"], half_steps=layout.half_steps)
+    kernel, constexprs = _dkdv_launch(*VARIANTS["n2e"], skip_quarters=layout.skip_quarters)
     grid = schedule.list_grid(b, h, n // BLOCK, schedule.grid_group(
         {"k_head_group": schedule.head_groups(layout)[1]}, "k", b, h))
 
@@ -314,7 +329,7 @@ def _mha_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout):
         dk_h, dv_h = torch.empty_like(q), torch.empty_like(q)
         dq_kernel = hopper._attn_bwd_dq_kernel_sm90
         dq_kernel[q_grid](*_dq_args(dq_kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta),
-                          ORDERED=True, **_dq_constexprs(dq_kernel, layout.half_steps),
+                          ORDERED=True, **_dq_constexprs(dq_kernel, layout.skip_quarters),
                           num_warps=hopper.NUM_WARPS)
         kernel[grid](*_dkdv_args(kernel, q, k_x, v_x, d_out, lse, delta, meta, scale, dk_h,
                                  dv_h), ORDERED=True, **constexprs, num_warps=4)

@@ -167,23 +167,26 @@ class ForwardChoiceTest(parameterized.TestCase):
         self.assertFalse(sjax.layout_arrays(make_layout(P.causal(), 4096, 2, 128)).long_lists)
         self.assertFalse(sjax.layout_arrays(make_layout(P.dense(), 4096, 2, 64)).long_lists)
 
-    def test_half_steps_reach_the_backward_launches(self):
-        # Only a layout with enough empty quarters compiles the passes' skip.
+    def test_skip_quarters_reach_the_backward_launches(self):
+        # Only a layout with enough empty quarters compiles the passes' skip; GQA's dK/dV pass
+        # skips whole steps only (skip_levels).
         from sparsetp import jax as sjax  # noqa: PLC0415
 
         for pattern, n, want in ((P.causal(), 4096, False), (P.dense(), 512, False),
                                  (P.neighborhood((16, 32), (5, 9)), 512, True)):
-            lay = make_layout(pattern, n, 2, 128)
-            self.assertEqual(lay.half_steps, want)
+            lay = make_layout(pattern, n, 4, 128)
+            self.assertEqual(lay.skip_quarters, want)
             # Static in JAX, so only where the sm_90 kernels run the layout (not without a
             # head dim and dtype, not on a CPU): elsewhere patterns of one shape share a trace.
-            self.assertFalse(sjax.layout_arrays(lay).half_steps)
+            self.assertFalse(sjax.layout_arrays(lay).skip_quarters)
             meta = {**lay.metadata(), "q_head_group": None, "k_head_group": None}
-            launches = hopper.launches(meta, 1, 2, 2, n, n, 0.1, False,
-                                       half_steps=lay.half_steps)
-            self.assertEqual([launches[n].constexprs["HALF_STEPS"]
-                              for n in ("dq", "dq_dlse", "dkdv")], [want] * 3)
-            self.assertNotIn("HALF_STEPS", launches["fwd"].constexprs)
+            for kv_heads, dkdv in ((4, 2), (2, 1)):
+                launches = hopper.launches(meta, 1, 4, kv_heads, n, n, 0.1, False,
+                                           skip_quarters=lay.skip_quarters)
+                self.assertEqual([launches[n].constexprs["SKIP"]
+                                  for n in ("dq", "dq_dlse", "dkdv")],
+                                 [2, 2, dkdv] if want else [0, 0, 0])
+                self.assertNotIn("SKIP", launches["fwd"].constexprs)
 
     def test_layout_128(self):
         lay64 = make_layout(P.causal(), 512, 4, 64)
@@ -297,17 +300,20 @@ class Sm90ForwardTest(parameterized.TestCase):
         self.assertTrue((counts[3] == 0).all() and (counts[4:, 1:] == 0).all())
         self._check(layout, *_inputs(31, 1, 6, 3, n, n, 128, "bfloat16"), "bfloat16")
 
-    def test_gqa_steps_without_keys_are_skipped_alike(self):
-        # Partial tiles with a 64-row half that has no key: the dK/dV pass's producer and
-        # consumers skip those steps, head after head of a group, and must stay in step.
-        n, h, h_kv = 512, 4, 2
+    @parameterized.named_parameters(("mha", 4), ("gqa", 2))
+    def test_steps_and_quarters_without_keys_are_skipped_alike(self, h_kv):
+        # Partial tiles with a 64-row half that has no key, or a 64 x 64 quarter with no pair:
+        # the passes' producers and consumers skip those steps (MHA: the quarters too, each
+        # consumer its own; GQA's dK/dV: whole steps, head after head of a group) and must
+        # stay in step.
+        n, h = 512, 4
         halves = P.neighborhood((16, 32), (5, 9))
         pattern = P.per_head([halves, P.causal(), halves & P.causal(), halves])
         layout = make_layout(pattern, n, h, 128)
         quarters = np.asarray(layout.mask_quarters)
         # Steps with no key (a row half empty), and steps one consumer skips (a quarter).
         self.assertTrue(((quarters & 3) == 0).any() and ((quarters >> 2) == 0).any())
-        self.assertTrue(np.isin(quarters & 3, (1, 2)).any() and layout.half_steps)
+        self.assertTrue(np.isin(quarters & 3, (1, 2)).any() and layout.skip_quarters)
         self._check(layout, *_inputs(5, 3, h, h_kv, n, n, 128, "bfloat16"), "bfloat16")
 
     @parameterized.named_parameters(("causal_bf16", "causal", "bfloat16"),
@@ -932,7 +938,7 @@ class JaxSm90Test(parameterized.TestCase):
             meta["q_head_group"], meta["k_head_group"] = schedule.head_groups(layout)
             launches = hopper.launches(meta, *q.shape[:2], k.shape[1], q.shape[2],
                                        k.shape[2], 128 ** -0.5, plan.sm90.ordered,
-                                       half_steps=layout.half_steps)
+                                       skip_quarters=layout.skip_quarters)
         for name in ("fwd", "dq", "dkdv"):
             self.assertEqual(jhopper.compile_launch(launches[name], "bfloat16", 128).hash,
                              plan.sm90.compiled[name].hash, name)

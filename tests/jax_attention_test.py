@@ -433,8 +433,8 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
                    for nm in ("causal", "bigbird")]
         layouts.append(make_layout(PT.local(40, 10), n, h, bs))
         layouts.append(make_layout(PT.local(10, 40), n, h, bs))  # its mirror image
-        # A pair of equal shapes, one with half-empty tiles (half_steps) and one without: only
-        # sm_90 layouts carry half_steps into the trace.
+        # A pair of equal shapes, one with empty quarters (skip_quarters) and one without: only
+        # sm_90 layouts carry skip_quarters into the trace.
         layouts.append(make_layout(PT.local(0, 0), n, h, bs))  # the diagonal: empty quarters
         layouts.append(make_layout(PT.dense(), n, h, bs))
         shapes = [{k: a.shape for k, a in lay.metadata().items()} for lay in layouts]
@@ -444,7 +444,7 @@ class JaxAttentionExtrasTest(parameterized.TestCase):
         self.assertEqual(shapes[4], shapes[5])
         self.assertFalse(np.array_equal(layouts[0].block_mask, layouts[1].block_mask))
         self.assertFalse(np.array_equal(layouts[2].masks, layouts[3].masks))
-        self.assertNotEqual(layouts[4].half_steps, layouts[5].half_steps)
+        self.assertNotEqual(layouts[4].skip_quarters, layouts[5].skip_quarters)
         traces = []
 
         def loss(q, k, v, lay, d_out):

@@ -386,11 +386,11 @@ class PatternTest(parameterized.TestCase):
         # Causal's diagonal tile: all but the upper right (early queries, late keys).
         self.assertEqual(make_layout(P.causal(), 256, 1, 128).mask_quarters.tolist(), [13])
 
-    def test_half_steps_needs_a_twentieth_of_the_quarters_empty(self):
-        self.assertFalse(make_layout(P.causal(), 8192, 1, 128).half_steps)  # 1 of 130
-        self.assertTrue(make_layout(P.causal(), 256, 1, 128).half_steps)  # 1 of 12
-        self.assertFalse(make_layout(P.dense(), 512, 1, 128).half_steps)  # no partial tile
-        self.assertTrue(make_layout(P.neighborhood((16, 32), (5, 9)), 512, 1, 128).half_steps)
+    def test_skip_quarters_needs_a_twentieth_of_the_quarters_empty(self):
+        self.assertFalse(make_layout(P.causal(), 8192, 1, 128).skip_quarters)  # 1 of 130
+        self.assertTrue(make_layout(P.causal(), 256, 1, 128).skip_quarters)  # 1 of 12
+        self.assertFalse(make_layout(P.dense(), 512, 1, 128).skip_quarters)  # no partial tile
+        self.assertTrue(make_layout(P.neighborhood((16, 32), (5, 9)), 512, 1, 128).skip_quarters)
 
     def test_block_size_accepts_numpy_ints(self):
         lay = make_layout(P.causal(), 64, 1, np.int64(32))

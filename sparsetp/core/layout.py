@@ -254,7 +254,7 @@ class BlockLayout:
         return max(1, int(self.q_count.max(initial=0)))
 
     @property
-    def half_steps(self) -> bool:
+    def skip_quarters(self) -> bool:
         """Whether skipping the empty quarters of partial tiles (:attr:`mask_quarters`) saves
         at least 1/20 of the computed quarters: kernels that can skip them compile the skip
         only then, so layouts with few (causal's one quarter of each diagonal tile) pay

@@ -274,9 +274,25 @@ class Sm90Launch:
     constexprs: dict
 
 
+def skip_levels(skip_quarters: bool, group: int) -> tuple[int, int]:
+    """The ``SKIP`` constexprs of the dQ and the dK/dV pass (0: compute every 64-row step;
+    1: skip the steps with no key; 2: also, in each consumer warpgroup, the 64 x 64 quarters
+    of its own with no pair) for a layout whose ``BlockLayout.skip_quarters`` is
+    ``skip_quarters``, with ``group`` query heads per kv head. GQA's dK/dV pass stops at 1:
+    its consumers' quarter skip spilled beside the MMAs and cost it more than it saved
+    (KERNEL_NOTES). Off, both passes compile as if the skip did not exist.
+
+    >>> skip_levels(True, 1), skip_levels(True, 4), skip_levels(False, 1)
+    ((2, 2), (2, 1), (0, 0))
+    """
+    if not skip_quarters:
+        return 0, 0
+    return 2, 2 if group == 1 else 1
+
+
 def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: int,
              scale: float, ordered: bool, head_dim: int = 128, *,
-             half_steps: bool) -> dict[str, Sm90Launch]:
+             skip_quarters: bool) -> dict[str, Sm90Launch]:
     """The forward's (``"fwd"``), dQ pass's (``"dq"``, without an LSE cotangent; with one:
     ``"dq_dlse"``) and dK/dV pass's (``"dkdv"``) launches on block-128 layout metadata
     ``meta`` (``BlockLayout.metadata()`` form, arrays of either framework, plus the head
@@ -284,8 +300,8 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     head_dim]`` and k, v ``[batch, kv_heads, kv_len, head_dim]``; ``ordered``: the work order
     is not ``"natural"``. In the dQ pass's pointers ``d_lse`` is ``lse`` when there is no
     cotangent (never read). The backward's launches are for :data:`BWD_HEAD_DIMS` only.
-    ``half_steps``: the layout's (``BlockLayout.half_steps``), whether the backward's
-    launches compile the skip of steps with no key."""
+    ``skip_quarters``: the layout's (``BlockLayout.skip_quarters``), whether the backward's
+    launches compile the skip of empty quarter tiles (:func:`skip_levels`)."""
     arrays, strides = abi._check_meta(meta, "q", heads, seq_len // BLOCK, BLOCK)
     k_arrays, k_strides = abi._check_meta(meta, "k", heads, kv_len // BLOCK, BLOCK)
     qk_scale = float(scale) * 1.4426950408889634  # softmax in base 2 (exp2)
@@ -299,7 +315,7 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     regs = {"CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
     dq_args = (*arrays, meta["mask_quarters"], qk_scale, float(scale), seq_len, kv_len, heads,
                group, kv_heads, *strides)
-    half_steps = bool(half_steps)
+    dq_skip, dkdv_skip = skip_levels(skip_quarters, group)
     kv_box = KV_BOX[head_dim]
     out = {"fwd": Sm90Launch(
         "_attn_fwd_kernel_sm90", grid, (("q", half), ("k", kv_box), ("v", kv_box)),
@@ -310,14 +326,14 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
             "_attn_bwd_dq_kernel_sm90", grid, q_boxes, dq_args,
             ("out", "lse", "d_lse" if has_dlse else "lse", "dq", "delta"),
             {"ORDERED": ordered, "STAGES": DQ_STAGES, "HAS_DLSE": has_dlse,
-             "HALF_STEPS": half_steps, **regs})
+             "SKIP": dq_skip, **regs})
     out["dkdv"] = Sm90Launch(
         "_attn_bwd_dkdv_kernel_sm90", kv_grid, q_boxes,
         (*k_arrays, meta["mask_quarters"], qk_scale, float(scale), seq_len, kv_len, heads, group,
          *k_strides),
         ("lse", "delta", "dk", "dv"),
         {"ORDERED": ordered, "STAGES": DKDV_STAGES, "EARLY_DP": DKDV_EARLY_DP,
-         "HALF_STEPS": half_steps, **regs, "CONSUMER_REGS": DKDV_CONSUMER_REGS})
+         "SKIP": dkdv_skip, **regs, "CONSUMER_REGS": DKDV_CONSUMER_REGS})
     return out
 
 
@@ -479,15 +495,26 @@ if GLUON:
         return s
 
     @gluon.jit
-    def _quarters(e, n_partial, mask_id, mask_quarters):
-        """Which quarters of list entry ``e`` (its mask id at ``mask_id``) hold an allowed
-        pair, bit ``2 * (64-query half) + (64-key half)``: all of a full entry's, a partial
-        one's as its mask's ``mask_quarters`` entry says. Every party of a pass reads the same
-        bits of a step, so they skip it alike."""
-        bits = 15
-        if e < n_partial:
-            bits = gl.load(mask_quarters + gl.load(mask_id))
-        return bits
+    def _step_keys(e, sub, n_partial, mask_id, mask_quarters, SKIP: gl.constexpr):
+        """Of the 64 query rows ``sub`` (0 or 1) of list entry ``e`` (its mask id at
+        ``mask_id``): (whether they have an allowed key, whether keys ``[0, 64)`` hold one,
+        whether keys ``[64, 128)`` do), from the ``mask_quarters`` entry of a partial tile (a
+        full tile has all four quarters). ``SKIP`` (see :func:`skip_levels`): 0, every step
+        is computed (constants True, so the callers' branches compile away); 1, only the
+        first answer is read; 2, all three. Every party of a pass asks the same question of
+        a step, so they skip it alike."""
+        has_key = True
+        left = True
+        right = True
+        if SKIP > 0:
+            bits = 15
+            if e < n_partial:
+                bits = gl.load(mask_quarters + gl.load(mask_id))
+            has_key = ((bits >> (2 * sub)) & 3) != 0
+            if SKIP > 1:
+                left = ((bits >> (2 * sub)) & 1) != 0
+                right = ((bits >> (2 * sub + 1)) & 1) != 0
+        return has_key, left, right
 
     @gluon.jit
     def _online_softmax(s, m_i, l_i, qk_scale):
@@ -740,11 +767,11 @@ if GLUON:
         """Consumer warpgroup of the dQ pass: Delta and dQ of rows ``[HALF * 64, +64)`` of the
         query tile. Each key tile is walked in two 64-key halves: S and dP of 64 x 64 fp32,
         the dQ accumulator (64 x D fp32) and dS as an MMA operand fit the consumer's
-        registers, where whole 128-key tiles would not. ``HALF_STEPS``: a 64-key half whose quarter
-        of the mask (``mask_quarters``) holds no pair in these rows is skipped, and a tile
-        with neither, its stage still freed."""
+        registers, where whole 128-key tiles would not. ``SKIP`` 2: a 64-key half whose
+        quarter of the mask (``mask_quarters``) holds no pair in these rows is skipped, and a
+        tile with neither, its stage still freed."""
         HAS_DLSE: gl.constexpr = dlse_flag.shape[0] == 2
-        HALF_STEPS: gl.constexpr = skip.shape[0] == 2
+        SKIP: gl.constexpr = skip.shape[0] - 1
         SUB_M: gl.constexpr = q_smem.shape[1]
         STAGES_: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -787,17 +814,13 @@ if GLUON:
             # Waited even by a warpgroup that skips the tile: one that freed a stage without
             # waiting could free it twice before the other warpgroup freed it once.
             mbarrier.wait(k_ready.index(st), (e // STAGES_) & 1)
-            has_key = True
-            if HALF_STEPS:
-                bits = _quarters(e, n_partial, q_mask_id + row + e * stride_ik, mask_quarters)
-                has_key = ((bits >> (2 * HALF)) & 3) != 0
+            has_key, left, right = _step_keys(e, HALF, n_partial,
+                                              q_mask_id + row + e * stride_ik, mask_quarters,
+                                              SKIP)
             if has_key:
                 mbarrier.wait(v_ready.index(st), (e // STAGES_) & 1)
                 for h in gl.static_range(2):
-                    quarter = True
-                    if HALF_STEPS:
-                        quarter = ((bits >> (2 * HALF + h)) & 1) != 0
-                    if quarter:
+                    if left if h == 0 else right:
                         k_h = k_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
                         v_h = v_smem.index(st).slice(h * HALF_N, HALF_N, dim=0)
                         s_tok = warpgroup_mma(q, k_h.permute((1, 0)), s_zero, use_acc=False,
@@ -850,7 +873,7 @@ if GLUON:
                                  stride_mu, stride_mr, stride_mw,
                                  Out, LSE, DLSE, DQ, Delta,
                                  ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                                 HAS_DLSE: gl.constexpr, HALF_STEPS: gl.constexpr,
+                                 HAS_DLSE: gl.constexpr, SKIP: gl.constexpr,
                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                  num_warps: gl.constexpr):
         """dQ and Delta on sm_90, as :func:`sparsetp.kernels.attention._attn_bwd_dq_kernel`.
@@ -859,9 +882,9 @@ if GLUON:
         k_desc, v_desc: of ``[B * H_kv * N_KV, D]``, boxes of 128 rows; Out, DQ ``[B, H, N,
         D]`` and LSE, DLSE, Delta ``[B, H, N]`` (float32) contiguous; DLSE (the LSE cotangent)
         is read only with ``HAS_DLSE``. The forward's grid, lists and schedule
-        (producer warp, K/V ring, two consumer warpgroups of 64 rows); with ``HALF_STEPS``, a
-        warpgroup skips the 64-key halves whose ``mask_quarters`` bit says its rows have no
-        key there."""
+        (producer warp, K/V ring, two consumer warpgroups of 64 rows); with ``SKIP`` 2 (see
+        :func:`skip_levels`), a warpgroup skips the 64-key halves whose ``mask_quarters`` bit
+        says its rows have no key there."""
         SUB_M: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -887,8 +910,8 @@ if GLUON:
         # The consumers read HAS_DLSE off this array's length (as the forward's PINGPONG).
         dlse_flag = gl.allocate_shared_memory(gl.int64, [2 if HAS_DLSE else 1, 1],
                                               mbarrier.MBarrierLayout())
-        skip = gl.allocate_shared_memory(gl.int64, [2 if HALF_STEPS else 1, 1],
-                                         mbarrier.MBarrierLayout())
+        # The partitions read SKIP off this array's length.
+        skip = gl.allocate_shared_memory(gl.int64, [SKIP + 1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(qd_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
@@ -913,11 +936,11 @@ if GLUON:
                      mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik, N, H,
                      GROUP, off_b, off_g, start_n, kv_row0):
         """Producer warp: K and V once, then per query head of the group and listed query tile
-        the Q and dO rows of its 64-row steps (with ``HALF_STEPS``, those that have a key:
-        :func:`_step_has_key`), into ring stage ``t % NSTAGE``."""
+        the Q and dO rows of its 64-row steps (with ``SKIP``, those that have a key:
+        :func:`_step_keys`), into ring stage ``t % NSTAGE``."""
         NSTAGE: gl.constexpr = q_smem.shape[0]
         SUB_M: gl.constexpr = q_smem.shape[1]
-        HALF_STEPS: gl.constexpr = skip.shape[0] == 2
+        SKIP: gl.constexpr = skip.shape[0] - 1
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row0, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row0, 0], kv_bar, v_smem)
@@ -931,11 +954,8 @@ if GLUON:
             for it in range(2 * count):
                 e = it // 2
                 sub = it % 2
-                has_key = True
-                if HALF_STEPS:
-                    bits = _quarters(e, n_partial, k_mask_id + row + e * stride_ik,
-                                     mask_quarters)
-                    has_key = ((bits >> (2 * sub)) & 3) != 0
+                has_key, _, _ = _step_keys(e, sub, n_partial, k_mask_id + row + e * stride_ik,
+                                           mask_quarters, SKIP)
                 if has_key:
                     qb = gl.load(k_index + row + e * stride_ik)
                     s = t % NSTAGE
@@ -961,11 +981,11 @@ if GLUON:
         beside the 128 of the dK, dV accumulators); P and dS go through shared memory as the
         transposed A operands of dV += P^T dO and dK += dS^T Q. A partial tile's mask is two
         words a row (row vectors) expanded in registers, not a load per element.
-        ``EARLY_DP``: issue dP = dO V^T with S (else after the softmax). ``HALF_STEPS``: skip
-        the steps with no key, as the producer does, and free unread the steps whose quarter
-        of this consumer's keys holds no pair."""
+        ``EARLY_DP``: issue dP = dO V^T with S (else after the softmax). ``SKIP`` 1: skip
+        the steps with no key, as the producer does; 2: also free unread the steps whose
+        quarter of this consumer's keys holds no pair."""
         EARLY_DP: gl.constexpr = early.shape[0] == 2
-        HALF_STEPS: gl.constexpr = skip.shape[0] == 2
+        SKIP: gl.constexpr = skip.shape[0] - 1
         NSTAGE: gl.constexpr = q_smem.shape[0]
         SUB_M: gl.constexpr = q_smem.shape[1]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -999,16 +1019,12 @@ if GLUON:
             for it in range(2 * count):
                 e = it // 2
                 sub = it % 2
-                has_key = True
-                mine = True  # this consumer's 64 keys have a query in the step
-                if HALF_STEPS:
-                    bits = _quarters(e, n_partial, k_mask_id + row + e * stride_ik,
-                                     mask_quarters)
-                    has_key = ((bits >> (2 * sub)) & 3) != 0
-                    mine = ((bits >> (2 * sub + HALF)) & 1) != 0
+                has_key, left, right = _step_keys(e, sub, n_partial,
+                                                  k_mask_id + row + e * stride_ik,
+                                                  mask_quarters, SKIP)
                 if has_key:
                     st = t % NSTAGE
-                    if mine:
+                    if left if HALF == 0 else right:  # this consumer's keys have a query
                         qb = gl.load(k_index + row + e * stride_ik)
                         mid = gl.load(k_mask_id + row + e * stride_ik)
                         # The step's queries within the tile.
@@ -1095,7 +1111,7 @@ if GLUON:
                                    stride_mu, stride_mr, stride_mw,
                                    LSE, Delta, DK, DV,
                                    ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                                   EARLY_DP: gl.constexpr, HALF_STEPS: gl.constexpr,
+                                   EARLY_DP: gl.constexpr, SKIP: gl.constexpr,
                                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                    num_warps: gl.constexpr):
         """dK, dV on sm_90, as :func:`sparsetp.kernels.attention._attn_bwd_dkdv_kernel`.
@@ -1106,9 +1122,9 @@ if GLUON:
         One program per (key tile, b, kv head), the portable kernel's grid and work order: a
         producer warp loads K and V once and the Q and dO rows of each listed query tile (for
         each query head of the group in turn: GQA sums in a fixed order, no atomics) in 64-row
-        steps into a ``STAGES`` ring (with ``HALF_STEPS``, the layout's ``half_steps``: only the
-        steps that ``mask_quarters``, ``[U]``, says have a key, each consumer computing those
-        where its keys have one); two consumer warpgroups
+        steps into a ``STAGES`` ring (with ``SKIP``, see :func:`skip_levels`: only the steps
+        that ``mask_quarters``, ``[U]``, says have a key; with ``SKIP`` 2 each consumer
+        computing those where its keys have one); two consumer warpgroups
         (:func:`_dkdv_consumer`) own 64 keys each."""
         SUB_M: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -1135,8 +1151,8 @@ if GLUON:
         # The consumers read EARLY_DP off this array's length (as the forward's PINGPONG).
         early = gl.allocate_shared_memory(gl.int64, [2 if EARLY_DP else 1, 1],
                                           mbarrier.MBarrierLayout())
-        skip = gl.allocate_shared_memory(gl.int64, [2 if HALF_STEPS else 1, 1],
-                                         mbarrier.MBarrierLayout())
+        # The partitions read SKIP off this array's length.
+        skip = gl.allocate_shared_memory(gl.int64, [SKIP + 1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)

@@ -112,11 +112,11 @@ class LayoutArrays:
     # (kernels.hopper.AUTO_MIN_MEAN_TILES at block 128; static, set by layout_arrays): the
     # rule reads it eagerly and under jit alike. False: the rule counts programs only.
     long_lists: bool = dataclasses.field(metadata=dict(static=True), default=False)
-    # BlockLayout.half_steps of the sm_90 form (static, set by layout_arrays; False where the
+    # BlockLayout.skip_quarters of the sm_90 form (static, set by layout_arrays; False where the
     # sm_90 kernels will not run it): whether their backward compiles its skip of empty
     # quarter tiles. Like long_lists, a pattern whose value differs from another's of
     # the same shapes takes a trace of its own; only sm_90 layouts can differ.
-    half_steps: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    skip_quarters: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     def __post_init__(self):
         if not self.kv_len:
@@ -194,7 +194,7 @@ class LayoutArrays:
 jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
                                  meta_fields=["seq_len", "q_head_group", "k_head_group",
                                               "kv_len", "widest_row", "partial_row",
-                                              "row_widths", "long_lists", "half_steps"])
+                                              "row_widths", "long_lists", "skip_quarters"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
@@ -241,7 +241,7 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
                         seq_len=layout.seq_len, q_head_group=q_group, k_head_group=k_group,
                         kv_len=layout.kv_len, widest_row=layout.widest_row,
                         long_lists=long_lists,
-                        half_steps=lay128 is not None and layout.half_steps,
+                        skip_quarters=lay128 is not None and layout.skip_quarters,
                         **({"partial_row": int(layout.q_partial.max(initial=0)),
                             "row_widths": tuple(int(x) for x in layout.q_count.max(axis=0))}
                            if static_widths else {}))
@@ -337,7 +337,7 @@ def _choose(q, k, lay: LayoutArrays, scale: float,
         b, h, n, _ = q.shape
         launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
                                     _options.current().work_order != "natural", d,
-                                    half_steps=meta["half_steps"])
+                                    skip_quarters=meta["skip_quarters"])
         dtype = jnp.dtype(q.dtype).name
         fwd, bwd = (_failed_report(choice, _jhopper, [launches[n] for n in names], dtype, d)
                     for choice, names in ((fwd, ("fwd",)), (bwd, ("dq_dlse", "dkdv"))))
@@ -419,7 +419,7 @@ def _sm90_launches(q, k, meta, scale, names):
     b, h, n, d = q.shape
     launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
                                 _options.current().work_order != "natural", d,
-                                half_steps=meta["half_steps"])
+                                skip_quarters=meta["skip_quarters"])
     dtype = jnp.dtype(q.dtype).name
     for name in names:
         try:
@@ -551,13 +551,13 @@ def _arrays_only(meta):
 
 def _statics(lay: LayoutArrays) -> tuple:
     """What launches read of a layout besides its arrays (static): the head order
-    (schedule.grid_group) and ``half_steps``."""
-    return lay.q_head_group, lay.k_head_group, lay.half_steps
+    (schedule.grid_group) and ``skip_quarters``."""
+    return lay.q_head_group, lay.k_head_group, lay.skip_quarters
 
 
 def _with_statics(meta, statics):
     """The launch metadata: the arrays plus the layout's :func:`_statics`."""
-    return {**meta, **dict(zip(("q_head_group", "k_head_group", "half_steps"), statics,
+    return {**meta, **dict(zip(("q_head_group", "k_head_group", "skip_quarters"), statics,
                                strict=True))}
 
 
