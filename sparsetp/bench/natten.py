@@ -159,7 +159,8 @@ def bench_pattern(text: str, n: int, bs: int):
 def preset_config(device: str):
     """The ``natten`` preset: ours and cuDNN first, then JAX, then Flex row-major, then Flex
     tiled (a budget overrun loses the tail; Flex compiles take 5-48 s per mask and shape on the
-    GPU machine). About 3 minutes on one H100/H200."""
+    GPU machine). About 3 minutes on one H100/H200; the budget leaves room for the slowest
+    Flex compiles, so the last Flex row is not lost to it."""
     from sparsetp.bench.attention import BenchConfig, _case  # noqa: PLC0415
 
     gpu = device == "cuda"
@@ -179,7 +180,7 @@ def preset_config(device: str):
                 ("natten", flex_row_major, ["flex"]), ("natten", flex_tiled, ["flex"])]
     if gpu:  # flash: the dense anchor only where cuDNN's did not run (dense_order)
         sections.insert(1, ("natten", ours, ["sdpa_flash"]))
-    return BenchConfig("natten", device, sections, budget_s=150.0 if gpu else 120.0,
+    return BenchConfig("natten", device, sections, budget_s=210.0 if gpu else 120.0,
                        input_sets=3 if gpu else 2, cpu_reps=5,
                        dense_order=("sdpa_cudnn", "sdpa_flash", "sdpa"))
 

@@ -313,6 +313,7 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     half, full = BLOCK // 2, BLOCK
     q_boxes = (("q", half), ("d_out", half), ("k", full), ("v", full))
     regs = {"CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
+    dkdv_regs = {"CONSUMER_REGS": DKDV_CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
     dq_args = (*arrays, meta["mask_quarters"], qk_scale, float(scale), seq_len, kv_len, heads,
                group, kv_heads, *strides)
     dq_skip, dkdv_skip = skip_levels(skip_quarters, group)
@@ -333,7 +334,7 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
          *k_strides),
         ("lse", "delta", "dk", "dv"),
         {"ORDERED": ordered, "STAGES": DKDV_STAGES, "EARLY_DP": DKDV_EARLY_DP,
-         "SKIP": dkdv_skip, **regs, "CONSUMER_REGS": DKDV_CONSUMER_REGS})
+         "SKIP": dkdv_skip, **dkdv_regs})
     return out
 
 
