@@ -74,6 +74,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -180,6 +181,20 @@ def cache_dir() -> str:
         "sparsetp")
     os.makedirs(base, exist_ok=True)
     return base
+
+
+def cached_build(name: str, source: str, key) -> str:
+    """The path in :func:`cache_dir` of the library ``name`` built from the C++ file
+    ``source`` under ``key`` (the versions and compiler settings the binary depends on): one
+    file per source text and key, so an edit or an upgrade builds a new one.
+
+        >>> a = cached_build("x", __file__, ("torch 1",))
+        >>> a == cached_build("x", __file__, ("torch 1",)) != cached_build("x", __file__, 2)
+        True
+    """
+    with open(source, "rb") as f:
+        tag = hashlib.sha256(f.read() + repr(key).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), f"{name}-{tag}.so")
 
 
 def first_diagnostic(text: str) -> str:

@@ -95,10 +95,7 @@ def _library() -> ctypes.CDLL:
     cxx = _compiler()
     includes = [jax.ffi.include_dir(),
                 os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")]
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    tag = hashlib.sha256(source + repr((jaxlib.__version__, cxx, includes)).encode())
-    path = os.path.join(abi.cache_dir(), f"sm90_launch-{tag.hexdigest()[:16]}.so")
+    path = abi.cached_build("sm90_launch", _SOURCE, (jaxlib.__version__, cxx, includes))
     if not os.path.exists(path):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)

@@ -42,7 +42,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import os
@@ -84,12 +83,10 @@ def _target() -> str:
     if _STATE.get("target") is None:
         import torch  # noqa: PLC0415
 
-        with open(_SOURCE, "rb") as f:
-            source = f.read()
-        key = repr((torch.__version__, sys.version, sys.implementation.cache_tag,
-                    platform.machine(), os.environ.get("CXX"), _CFLAGS))
-        tag = hashlib.sha256(source + key.encode()).hexdigest()[:16]
-        _STATE["target"] = os.path.join(abi.cache_dir(), f"torch_native-{tag}.so")
+        _STATE["target"] = abi.cached_build(
+            "torch_native", _SOURCE, (torch.__version__, sys.version,
+                                      sys.implementation.cache_tag, platform.machine(),
+                                      os.environ.get("CXX"), _CFLAGS))
     return _STATE["target"]
 
 
