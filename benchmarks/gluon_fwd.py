@@ -216,10 +216,20 @@ VARIANTS = {
               hopper.NUM_WARPS),
     "ws3pp": ("_attn_fwd_kernel_sm90", BLOCK // 2, {"STAGES": 3, **_WS, "PINGPONG": True},
               hopper.NUM_WARPS),
+    # The library's kernel walking 64-key steps (K/V boxes of 64 rows, its head dim 256 form)
+    # at any head dim: what a 64-key step costs against half a 128-key one.
+    "ws3pp_k64": ("_attn_fwd_kernel_sm90", BLOCK // 2, {"STAGES": 3, **_WS, "PINGPONG": True},
+                  hopper.NUM_WARPS),
+    "ws6pp_k64": ("_attn_fwd_kernel_sm90", BLOCK // 2, {"STAGES": 6, **_WS, "PINGPONG": True},
+                  hopper.NUM_WARPS),  # as many K/V bytes in flight as ws3pp
     # The library's kernel as in --base_hopper (another commit's), beside this checkout's.
     "base_ws3pp": ("base:_attn_fwd_kernel_sm90", BLOCK // 2,
                    {"STAGES": 3, **_WS, "PINGPONG": True}, hopper.NUM_WARPS),
 }
+
+
+# K/V rows per TMA box where not a whole tile (BLOCK).
+KV_ROWS = {"ws3pp_k64": BLOCK // 2, "ws6pp_k64": BLOCK // 2}
 
 
 def _kernel(name):
@@ -230,11 +240,11 @@ def _kernel(name):
     return globals()[name] if name in globals() else getattr(hopper, name)
 
 
-def _launch_args(q, k, v, meta, scale, out, lse, q_rows):
+def _launch_args(q, k, v, meta, scale, out, lse, q_rows, kv_rows=BLOCK):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = list_args(meta)
-    return (tma_desc(q, q_rows), tma_desc(k, BLOCK), tma_desc(v, BLOCK), *arrays,
+    return (tma_desc(q, q_rows), tma_desc(k, kv_rows), tma_desc(v, kv_rows), *arrays,
             scale * 1.4426950408889634, n, n_kv, h, h // h_kv, h_kv, *strides, out, lse)
 
 
@@ -246,7 +256,8 @@ def gluon_forward(q, k, v, meta, grid, ordered, scale, variant="plain"):
     name, q_rows, consts, warps = VARIANTS[variant]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    _kernel(name)[grid](*_launch_args(q, k, v, meta, scale, out, lse, q_rows),
+    _kernel(name)[grid](*_launch_args(q, k, v, meta, scale, out, lse, q_rows,
+                                      KV_ROWS.get(variant, BLOCK)),
                           ORDERED=ordered, **consts, num_warps=warps)
     return out, lse
 
@@ -257,7 +268,7 @@ def _compile_only():
     q, stats, meta = stand_ins(BLOCK, FLAGS.head_dim)
     for variant in FLAGS.variants:
         name, q_rows, consts, warps = VARIANTS[variant]
-        args = _launch_args(q, q, q, meta, 0.1, q, stats, q_rows)
+        args = _launch_args(q, q, q, meta, 0.1, q, stats, q_rows, KV_ROWS.get(variant, BLOCK))
         prof = sm90_profile(_kernel(name), args, {"ORDERED": True, **consts}, warps)
         print(json.dumps({"variant": variant, **prof}))
 
