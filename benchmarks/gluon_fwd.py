@@ -240,7 +240,9 @@ def _kernel(name):
     return globals()[name] if name in globals() else getattr(hopper, name)
 
 
-def _launch_args(q, k, v, meta, scale, out, lse, q_rows, kv_rows=BLOCK):
+def _launch_args(q, k, v, meta, scale, out, lse, variant):
+    """The kernel arguments of ``variant``: its TMA boxes (query rows, K/V rows) and the lists."""
+    q_rows, kv_rows = VARIANTS[variant][1], KV_ROWS.get(variant, BLOCK)
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = list_args(meta)
@@ -253,11 +255,10 @@ def gluon_forward(q, k, v, meta, grid, ordered, scale, variant="plain"):
     the device; ``grid`` and ``ordered`` as the portable kernel's launch)."""
     import torch  # noqa: PLC0415
 
-    name, q_rows, consts, warps = VARIANTS[variant]
+    name, _, consts, warps = VARIANTS[variant]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    _kernel(name)[grid](*_launch_args(q, k, v, meta, scale, out, lse, q_rows,
-                                      KV_ROWS.get(variant, BLOCK)),
+    _kernel(name)[grid](*_launch_args(q, k, v, meta, scale, out, lse, variant),
                           ORDERED=ordered, **consts, num_warps=warps)
     return out, lse
 
@@ -267,8 +268,8 @@ def _compile_only():
     spills, shared memory and instruction counts."""
     q, stats, meta = stand_ins(BLOCK, FLAGS.head_dim)
     for variant in FLAGS.variants:
-        name, q_rows, consts, warps = VARIANTS[variant]
-        args = _launch_args(q, q, q, meta, 0.1, q, stats, q_rows, KV_ROWS.get(variant, BLOCK))
+        name, _, consts, warps = VARIANTS[variant]
+        args = _launch_args(q, q, q, meta, 0.1, q, stats, variant)
         prof = sm90_profile(_kernel(name), args, {"ORDERED": True, **consts}, warps)
         print(json.dumps({"variant": variant, **prof}))
 

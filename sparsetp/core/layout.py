@@ -128,17 +128,14 @@ def mask_quarters(masks: np.ndarray) -> np.ndarray:
     array([4, 6], dtype=int32)
     """
     u, bs = masks.shape[:2]
-    words = masks.reshape(u, bs, -1).view(np.uint32)
-    # Bits of key half c in each word (word w holds keys 32 w .. 32 w + 31).
-    key = np.arange(words.shape[2] * 32).reshape(-1, 32)
+    rows = masks.reshape(u, 2, bs // 2, -1).view(np.uint32)  # [U, query half, rows, words]
+    key = np.arange(rows.shape[-1] * 32).reshape(-1, 32)  # word w holds keys 32 w .. 32 w + 31
     bit = np.uint32(1) << np.arange(32, dtype=np.uint32)
-    halves = [((key >= c * bs // 2) & (key < (c + 1) * bs // 2)) * bit for c in range(2)]
-    rows = words.reshape(u, 2, bs // 2, -1)  # [U, r, rows, words]
     out = np.zeros(u, np.int32)
-    for r in range(2):
-        for c in range(2):
-            sel = np.bitwise_or.reduce(halves[c], axis=1).astype(np.uint32)
-            out |= (((rows[:, r] & sel) != 0).any(axis=(1, 2)) << (2 * r + c)).astype(np.int32)
+    for c in range(2):  # the bits of key half c, per word
+        sel = (((key >= c * bs // 2) & (key < (c + 1) * bs // 2)) * bit).sum(1, np.uint32)
+        hit = ((rows & sel) != 0).any(axis=(2, 3))  # [U, query half]
+        out |= (hit[:, 0] << c | hit[:, 1] << (2 + c)).astype(np.int32)
     return out
 
 
@@ -262,8 +259,7 @@ class BlockLayout:
         ids = self.q_mask_id[self.q_mask_id >= 0]
         if not ids.size:
             return False
-        bits = self.mask_quarters[ids]
-        empty = 4 * ids.size - sum(int(((bits >> i) & 1).sum()) for i in range(4))
+        empty = 4 * ids.size - int(np.bitwise_count(self.mask_quarters[ids]).sum())
         return bool(20 * empty >= 4 * int(self.q_count.sum()))
 
     def metadata(self) -> dict[str, np.ndarray]:
@@ -372,9 +368,9 @@ def check_tables(layout) -> None:
     masks = shapes.get("masks")
     if masks is not None and masks[1:] != (bs, _words(bs)):
         bad.append(f"masks {masks}")
-    halves = shapes.get("mask_quarters")
-    if halves is not None and masks is not None and halves != masks[:1]:
-        bad.append(f"mask_quarters {halves}")
+    quarters = shapes.get("mask_quarters")
+    if quarters is not None and masks is not None and quarters != masks[:1]:
+        bad.append(f"mask_quarters {quarters}")
     if bad:
         raise ValueError(
             f"layout is inconsistent: it says seq_len={n}, kv_len={kv}, num_heads={heads}, "
