@@ -10,12 +10,16 @@ forward (output and LSE) before it is timed:
   in the loop, so the warpgroups run in lockstep.
 * ``ws2`` / ``ws3``: the library's :func:`sparsetp.kernels.hopper._attn_fwd_kernel_sm90`
   (a producer warp, two consumer warpgroups, ready/empty mbarriers) with a 2- or 3-stage ring.
+* ``ws3pp_k64`` / ``ws6pp_k64``: the library's kernel in 64-key steps at head dim 128 (what a
+  64-key step costs against a 128-key one); ``ws3pp_pairs``: the library's kernel packing half
+  entries two to a step (``PAIRS``), on any layout.
 * ``portable`` (the portable forward), ``library`` (``sparse_attention`` as users call it, with
   its dispatch) and, on causal, cuDNN.
 
 Measured and removed (KERNEL_NOTES, "Session 25"; their code is at commit a8a9c72): a
 persistent form of the library's kernel (``p3pp``, ``p2pp``) and half-tile steps (``h4pp``,
-``h6pp``).
+``h6pp``); (KERNEL_NOTES, "Session 35", not committed) half entries as a second loop of 64-key
+steps before the whole tiles.
 
 Run on a Hopper GPU::
 
@@ -222,6 +226,10 @@ VARIANTS = {
                   hopper.NUM_WARPS),
     "ws6pp_k64": ("_attn_fwd_kernel_sm90", BLOCK // 2, {"STAGES": 6, **_WS, "PINGPONG": True},
                   hopper.NUM_WARPS),  # as many K/V bytes in flight as ws3pp
+    # The library's kernel computing the half entries (BlockLayout.q_halves) two to a step,
+    # what it compiles where BlockLayout.skip_halves holds, on any layout.
+    "ws3pp_pairs": ("_attn_fwd_kernel_sm90", BLOCK // 2,
+                {"STAGES": 3, **_WS, "PINGPONG": True, "PAIRS": True}, hopper.NUM_WARPS),
     # The library's kernel as in --base_hopper (another commit's), beside this checkout's.
     "base_ws3pp": ("base:_attn_fwd_kernel_sm90", BLOCK // 2,
                    {"STAGES": 3, **_WS, "PINGPONG": True}, hopper.NUM_WARPS),
@@ -229,7 +237,7 @@ VARIANTS = {
 
 
 # K/V rows per TMA box where not a whole tile (BLOCK).
-KV_ROWS = {"ws3pp_k64": BLOCK // 2, "ws6pp_k64": BLOCK // 2}
+KV_ROWS = {"ws3pp_k64": BLOCK // 2, "ws6pp_k64": BLOCK // 2, "ws3pp_pairs": BLOCK // 2}
 
 
 def _kernel(name):
@@ -246,8 +254,19 @@ def _launch_args(q, k, v, meta, scale, out, lse, variant):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = list_args(meta)
+    if "q_halves" in _kernel(VARIANTS[variant][0]).arg_names:
+        arrays = (*arrays, meta["q_halves"], meta["mask_quarters"])
     return (tma_desc(q, q_rows), tma_desc(k, kv_rows), tma_desc(v, kv_rows), *arrays,
             scale * 1.4426950408889634, n, n_kv, h, h // h_kv, h_kv, *strides, out, lse)
+
+
+def _constexprs(variant) -> dict:
+    """``variant``'s constexprs, with ``PAIRS`` off where its kernel takes one it does not
+    set (a base commit's kernel may predate it)."""
+    consts = VARIANTS[variant][2]
+    if "PAIRS" in _kernel(VARIANTS[variant][0]).arg_names:
+        return {"PAIRS": False, **consts}
+    return consts
 
 
 def gluon_forward(q, k, v, meta, grid, ordered, scale, variant="plain"):
@@ -255,7 +274,8 @@ def gluon_forward(q, k, v, meta, grid, ordered, scale, variant="plain"):
     the device; ``grid`` and ``ordered`` as the portable kernel's launch)."""
     import torch  # noqa: PLC0415
 
-    name, _, consts, warps = VARIANTS[variant]
+    name, _, _, warps = VARIANTS[variant]
+    consts = _constexprs(variant)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     _kernel(name)[grid](*_launch_args(q, k, v, meta, scale, out, lse, variant),
@@ -268,7 +288,8 @@ def _compile_only():
     spills, shared memory and instruction counts."""
     q, stats, meta = stand_ins(BLOCK, FLAGS.head_dim)
     for variant in FLAGS.variants:
-        name, _, consts, warps = VARIANTS[variant]
+        name, _, _, warps = VARIANTS[variant]
+        consts = _constexprs(variant)
         args = _launch_args(q, q, q, meta, 0.1, q, stats, variant)
         prof = sm90_profile(_kernel(name), args, {"ORDERED": True, **consts}, warps)
         print(json.dumps({"variant": variant, **prof}))

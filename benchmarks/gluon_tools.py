@@ -95,7 +95,8 @@ def stand_ins(block: int, head_dim: int = 128):
     i32 = torch.empty(2, 2, 4, dtype=torch.int32)
     meta = {"q_count": i32[:, :, 0], "q_partial": i32[:, :, 0], "q_index": i32,
             "q_mask_id": i32, "masks": torch.empty(3, block, 4, dtype=torch.int32),
-            "q_order": i32[:, :, 0], "mask_quarters": torch.empty(3, dtype=torch.int32)}
+            "q_order": i32[:, :, 0], "mask_quarters": torch.empty(3, dtype=torch.int32),
+            "q_halves": i32[:, :, 0]}
     return (torch.empty(1, 2, 256, head_dim, dtype=torch.bfloat16), torch.empty(1, 2, 256),
             meta)
 

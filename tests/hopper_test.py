@@ -182,11 +182,31 @@ class ForwardChoiceTest(parameterized.TestCase):
             meta = {**lay.metadata(), "q_head_group": None, "k_head_group": None}
             for kv_heads, dkdv in ((4, 2), (2, 1)):
                 launches = hopper.launches(meta, 1, 4, kv_heads, n, n, 0.1, False,
-                                           skip_quarters=lay.skip_quarters)
+                                           skip_quarters=lay.skip_quarters,
+                                           skip_halves=lay.skip_halves)
                 self.assertEqual([launches[n].constexprs["SKIP"]
                                   for n in ("dq", "dq_dlse", "dkdv")],
                                  [2, 2, dkdv] if want else [0, 0, 0])
                 self.assertNotIn("SKIP", launches["fwd"].constexprs)
+
+    def test_skip_halves_reach_the_forward_launch(self):
+        # Only a layout with enough half entries compiles the forward's 64-key steps for them,
+        # with 64-row K/V boxes; head dim 256 walks 64-key steps anyway and never does.
+        from sparsetp import jax as sjax  # noqa: PLC0415
+
+        for pattern, n, want in ((P.causal(), 4096, False), (P.local(320, 320), 2048, True),
+                                 (P.neighborhood((8, 16, 16), (3, 9, 9), tile_shape=(2, 8, 8)),
+                                  2048, True)):
+            lay = make_layout(pattern, n, 2, 128)
+            self.assertEqual(lay.skip_halves, want)
+            self.assertFalse(sjax.layout_arrays(lay).skip_halves)  # as skip_quarters
+            meta = {**lay.metadata(), "q_head_group": None, "k_head_group": None}
+            for d, halves in ((128, want), (256, False)):
+                fwd = hopper.launches(meta, 1, 2, 2, n, n, 0.1, False, d,
+                                      skip_quarters=lay.skip_quarters,
+                                      skip_halves=lay.skip_halves)["fwd"]
+                self.assertEqual(fwd.constexprs["PAIRS"], halves)
+                self.assertEqual(dict(fwd.boxes)["k"], 64 if halves or d == 256 else 128)
 
     def test_layout_128(self):
         lay64 = make_layout(P.causal(), 512, 4, 64)
@@ -315,6 +335,21 @@ class Sm90ForwardTest(parameterized.TestCase):
         self.assertTrue(((quarters & 3) == 0).any() and ((quarters >> 2) == 0).any())
         self.assertTrue(np.isin(quarters & 3, (1, 2)).any() and layout.skip_quarters)
         self._check(layout, *_inputs(5, 3, h, h_kv, n, n, 128, "bfloat16"), "bfloat16")
+
+    @parameterized.named_parameters(("mha", 4), ("gqa", 2))
+    def test_half_entries_run_as_64_key_steps(self, h_kv):
+        # The forward computes half entries (one 64-key half of the tile holds every pair) in
+        # a ring of 64-key stages before the whole tiles: rows with more half entries than
+        # that ring has stages (it wraps), with none, and heads without any.
+        n, h = 2048, 4
+        many = P.neighborhood((8, 16, 16), (3, 9, 9), tile_shape=(2, 8, 8))
+        some = P.neighborhood((16, 16, 8), (5, 9, 5), tile_shape=(2, 8, 8))
+        layout = make_layout(P.per_head([many, P.causal(), many & P.causal(), some]), n, h, 128)
+        halves = np.asarray(layout.q_halves)
+        self.assertTrue(layout.skip_halves and halves.max() > 2 * hopper.STAGES)
+        self.assertTrue((halves[3] == 0).any() and (halves[3] > 0).any())
+        self.assertTrue((halves[1] == 0).all())
+        self._check(layout, *_inputs(6, 3, h, h_kv, n, n, 128, "bfloat16"), "bfloat16")
 
     @parameterized.named_parameters(("causal_bf16", "causal", "bfloat16"),
                                     ("masked_rows_bf16", "masked_rows", "bfloat16"),
@@ -763,6 +798,14 @@ class JaxSm90Test(parameterized.TestCase):
         layout = make_layout(example_pattern(name, n, 128), n, h, 128)
         self._check(layout, *_inputs(20, 1, h, h, n, n, 128, "bfloat16"))
 
+    def test_half_entries_match_torch_bitwise(self):
+        # JAX launches the forward's half-entry steps too (skip_halves is static there).
+        n, h = 2048, 2
+        pattern = P.neighborhood((8, 16, 16), (3, 9, 9), tile_shape=(2, 8, 8))
+        layout = make_layout(pattern, n, h, 128)
+        self.assertTrue(layout.skip_halves)
+        self._check(layout, *_inputs(22, 1, h, h, n, n, 128, "bfloat16"))
+
     def test_float16_gqa_and_more_keys_than_queries(self):
         h, h_kv, n, n_kv = 4, 2, 256, 512
         layout = make_layout(P.causal(), n, h, 128, kv_len=n_kv)
@@ -938,7 +981,8 @@ class JaxSm90Test(parameterized.TestCase):
             meta["q_head_group"], meta["k_head_group"] = schedule.head_groups(layout)
             launches = hopper.launches(meta, *q.shape[:2], k.shape[1], q.shape[2],
                                        k.shape[2], 128 ** -0.5, plan.sm90.ordered,
-                                       skip_quarters=layout.skip_quarters)
+                                       skip_quarters=layout.skip_quarters,
+                                       skip_halves=layout.skip_halves)
         for name in ("fwd", "dq", "dkdv"):
             self.assertEqual(jhopper.compile_launch(launches[name], "bfloat16", 128).hash,
                              plan.sm90.compiled[name].hash, name)

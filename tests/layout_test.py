@@ -1,5 +1,6 @@
 """Spec layer: patterns mean exactly their documented token-level rule; layouts agree with them."""
 
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from absl.testing import absltest, parameterized
 from sparsetp.core import make_layout
 from sparsetp.core import patterns as P
 from sparsetp.core.examples import EXAMPLE_PATTERNS, example_pattern
-from sparsetp.core.layout import work_order
+from sparsetp.core.layout import half_masks, work_order
 
 
 def _random_spec(per_row, block, seed):
@@ -391,6 +392,36 @@ class PatternTest(parameterized.TestCase):
         self.assertTrue(make_layout(P.causal(), 256, 1, 128).skip_quarters)  # 1 of 12
         self.assertFalse(make_layout(P.dense(), 512, 1, 128).skip_quarters)  # no partial tile
         self.assertTrue(make_layout(P.neighborhood((16, 32), (5, 9)), 512, 1, 128).skip_quarters)
+
+    def test_half_entries_lead_each_list_and_are_counted(self):
+        # Of each query-major list: the half entries (a key half of the tile with no pair for
+        # any row), then the other partial entries, then the full ones, each ascending.
+        for pattern, n, bs in ((P.neighborhood((8, 16, 16), (3, 9, 9), tile_shape=(2, 8, 8)),
+                                2048, 128), (P.local(320, 320) | P.global_tokens(5), 2048, 128),
+                               (example_pattern("neighborhood_2d", 512, 64), 512, 64),
+                               (P.causal(), 512, 128)):
+            lay = make_layout(pattern, n, 2, bs)
+            half = bs // 2
+            for h in range(2):
+                for i in range(lay.num_blocks):
+                    groups = []
+                    for e in range(lay.q_count[h, i]):
+                        kj = lay.q_index[h, i, e]
+                        tile = lay.tile_mask(h, i, kj)
+                        if e >= lay.q_partial[h, i]:
+                            group = 2
+                        else:
+                            group = int(tile[:, :half].any() and tile[:, half:].any())
+                        groups.append((group, kj))
+                    self.assertEqual(groups, sorted(groups), (pattern, h, i))
+                    self.assertEqual(lay.q_halves[h, i], sum(g == 0 for g, _ in groups))
+            self.assertEqual(lay.skip_halves, 20 * lay.q_halves.sum() >= lay.q_count.sum() > 0)
+            # A layout given no counts derives them; a head slice keeps its heads'.
+            np.testing.assert_array_equal(dataclasses.replace(lay, q_halves=None).q_halves,
+                                          lay.q_halves)
+            np.testing.assert_array_equal(lay.heads(1, 2).q_halves, lay.q_halves[1:])
+        self.assertEqual(half_masks(np.array([1, 3, 5, 15, 9], np.int32)).tolist(),
+                         [True, False, True, False, False])
 
     def test_block_size_accepts_numpy_ints(self):
         lay = make_layout(P.causal(), 64, 1, np.int64(32))

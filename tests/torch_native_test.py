@@ -165,7 +165,8 @@ class NativeSm90CellsTest(absltest.TestCase):
         lay = make_layout(P.causal(), 256, 2, 128)
         meta = tlaunch.device_metadata(lay, torch.device("cpu"))
         launches = hopper_kernels.launches(meta, 1, 2, 1, 256, 256, 0.125, False, 128,
-                                           skip_quarters=lay.skip_quarters)
+                                           skip_quarters=lay.skip_quarters,
+                                           skip_halves=lay.skip_halves)
         fake = SimpleNamespace(Kernel=lambda **kw: kw)  # what the C++ Kernel is handed
         rows = {"q": 512, "d_out": 512, "k": 256, "v": 256}
         for which in ("fwd", "dq", "dkdv"):
@@ -199,7 +200,8 @@ class NativeSm90CellsTest(absltest.TestCase):
         lay = make_layout(P.causal(), 256, 1, 128)
         meta = tlaunch.device_metadata(lay, torch.device("cpu"))
         launch = hopper_kernels.launches(meta, 1, 1, 1, 256, 256, 0.125, False, 128,
-                                         skip_quarters=lay.skip_quarters)["fwd"]
+                                         skip_quarters=lay.skip_quarters,
+                                         skip_halves=lay.skip_halves)["fwd"]
         fake = SimpleNamespace(Kernel=lambda **kw: kw)
         rows = {"q": 256, "k": 256, "v": 256}
         compiled = _fake_sm90_compiled(launch)

@@ -48,7 +48,11 @@ Query-major lists (forward and dQ), padded ("ELL") so every array has a static s
     ``q_count[h, I]`` key tiles listed for query tile ``I``; ``q_partial[h, I]`` how many of them,
     listed *first*, are partial; ``q_index[h, I, k]`` the key tile; ``q_mask_id[h, I, k]`` the
     row of ``masks`` for partial entries (-1 for full entries and padding). Entries past
-    ``q_count`` are padding (index 0) and must not be read.
+    ``q_count`` are padding (index 0) and must not be read. ``q_halves[h, I]``: how many of the
+    partial entries, listed first among them, are *half entries*: tiles one of whose two key
+    halves (``bs/2`` keys) holds no allowed pair for any of its rows (``mask_quarters``), so
+    a kernel can compute two of them in one step (a 3-D neighbourhood's tiles often are).
+    Each group (half entries, other partial entries, full entries) is in ascending key order.
 
 Key-major lists (dK/dV): ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id`` with the roles of
 query and key tiles swapped (``k_index`` lists query tiles; ``k_mask_id`` still names the mask of
@@ -139,6 +143,17 @@ def mask_quarters(masks: np.ndarray) -> np.ndarray:
     return out
 
 
+def half_masks(quarters: np.ndarray) -> np.ndarray:
+    """bool[U]: whether one key half of each mask (its :func:`mask_quarters` entry) holds no
+    allowed pair for any row, the mask of a half entry (module docstring, ``q_halves``).
+
+    >>> half_masks(np.array([4, 6, 15, 5], np.int32)).tolist()
+    [True, False, False, True]
+    """
+    quarters = np.asarray(quarters)
+    return ((quarters & 5) == 0) | ((quarters & 10) == 0)
+
+
 def work_order(count: np.ndarray) -> np.ndarray:
     """int32[H, T]: per head, the tiles sorted by ``count`` descending (stable).
 
@@ -175,6 +190,7 @@ class BlockLayout:
     q_order: np.ndarray | None = None
     k_order: np.ndarray | None = None
     mask_quarters: np.ndarray | None = None
+    q_halves: np.ndarray | None = None
     # The layout a head slice (:meth:`heads`) was cut from, and the slice's first head in it;
     # None and 0 for a whole layout.
     source: BlockLayout | None = dataclasses.field(default=None, repr=False)
@@ -197,6 +213,12 @@ class BlockLayout:
                 object.__setattr__(self, name, work_order(getattr(self, name[0] + "_count")))
         if self.mask_quarters is None:
             object.__setattr__(self, "mask_quarters", mask_quarters(self.masks))
+        if self.q_halves is None:  # the leading run of half entries of each list
+            mid = self.q_mask_id
+            lead = (mid >= 0) & half_masks(self.mask_quarters)[np.maximum(mid, 0)]
+            object.__setattr__(self, "q_halves", np.logical_and.accumulate(
+                lead, axis=-1).sum(-1, dtype=np.int32) if lead.shape[-1] else
+                np.zeros(mid.shape[:-1], np.int32))
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, np.ndarray):
@@ -262,10 +284,18 @@ class BlockLayout:
         empty = 4 * ids.size - int(np.bitwise_count(self.mask_quarters[ids]).sum())
         return bool(20 * empty >= 4 * int(self.q_count.sum()))
 
+    @property
+    def skip_halves(self) -> bool:
+        """Whether the half entries (:attr:`q_halves`) are at least 1/20 of the listed tiles:
+        kernels that can pack them two to a step (the sm_90 forward) compile that only then,
+        so layouts with none run the binaries they would without it."""
+        return bool(20 * int(self.q_halves.sum()) >= int(self.q_count.sum()) > 0)
+
     def metadata(self) -> dict[str, np.ndarray]:
         """The arrays a kernel launch needs, by name (all int32)."""
         names = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial",
-                 "k_index", "k_mask_id", "masks", "q_order", "k_order", "mask_quarters")
+                 "k_index", "k_mask_id", "masks", "q_order", "k_order", "mask_quarters",
+                 "q_halves")
         return {n: getattr(self, n) for n in names}
 
     def tile_mask(self, h: int, qi: int, kj: int) -> np.ndarray:
@@ -279,8 +309,7 @@ class BlockLayout:
             return np.zeros((bs, bs), bool)
         if kind == FULL:
             return rows[:, None] & cols[None, :]
-        k = int(np.searchsorted(self.q_index[h, qi, : self.q_partial[h, qi]], kj))
-        # q_index partial entries are sorted ascending, so searchsorted finds the slot.
+        k = int(np.flatnonzero(self.q_index[h, qi, : self.q_partial[h, qi]] == kj)[0])
         return _unpack(self.masks[self.q_mask_id[h, qi, k]], bs)
 
     def dense_mask(self) -> np.ndarray:
@@ -326,7 +355,7 @@ class BlockLayout:
             head_offset=self.head_offset + start,
             **{name: sl(getattr(self, name)) for name in (
                 "block_mask", "q_count", "q_partial", "q_index", "q_mask_id", "k_count",
-                "k_partial", "k_index", "k_mask_id", "q_order", "k_order")})
+                "k_partial", "k_index", "k_mask_id", "q_order", "k_order", "q_halves")})
 
     def __repr__(self):
         kv = "" if self.kv_len == self.seq_len else f"kv_len={self.kv_len}, "
@@ -358,6 +387,7 @@ def check_tables(layout) -> None:
     if block_mask is not None:
         shapes["block_mask"] = tuple(int(x) for x in block_mask.shape)
     want = {"q_count": (h, nbq), "q_partial": (h, nbq), "q_order": (h, nbq),
+            "q_halves": (h, nbq),
             "k_count": (h, nbk), "k_partial": (h, nbk), "k_order": (h, nbk),
             "block_mask": (h, nbq, nbk)}
     bad = [f"{name} {shapes[name]}" for name, shape in want.items()
@@ -618,14 +648,19 @@ def _classify(pattern: Pattern, h: int, bs: int, g: _Geometry, qi, kj, mask_ids:
     return rep_kind[inverse].astype(np.int8), rep_id[inverse]
 
 
-def _ell(rows, cols, kind, mid, nb: int):
-    """Row lists of one head from its non-empty tiles: partial tiles first, then full tiles,
-    each ascending."""
+def _ell(rows, cols, kind, mid, nb: int, half=None):
+    """Row lists of one head from its non-empty tiles: partial tiles first (those whose mask
+    is a half mask, ``half[mask_id]``, first among them), then full tiles, each ascending; and
+    per row the count of those half entries (zeros without ``half``)."""
     span = int(cols.max(initial=0)) + 1  # one stable int64 key: lexsort is several x slower
-    order = np.argsort((rows * 2 + (kind == FULL)) * span + cols, kind="stable")
-    rows, cols, kind, mid = rows[order], cols[order], kind[order], mid[order]
+    group = np.where(kind == FULL, 2, 1)
+    if half is not None:
+        group[(kind == PARTIAL) & half[np.maximum(mid, 0)]] = 0
+    order = np.argsort((rows * 3 + group) * span + cols, kind="stable")
+    rows, cols, kind, mid, group = rows[order], cols[order], kind[order], mid[order], group[order]
     count = np.bincount(rows, minlength=nb).astype(np.int32)
     n_part = np.bincount(rows[kind == PARTIAL], minlength=nb).astype(np.int32)
+    n_half = np.bincount(rows[group == 0], minlength=nb).astype(np.int32)
     width = max(1, int(count.max(initial=0)))
     index = np.zeros((nb, width), np.int32)
     mask_id = np.full((nb, width), -1, np.int32)
@@ -633,7 +668,7 @@ def _ell(rows, cols, kind, mid, nb: int):
     pos = np.arange(rows.size) - start[rows]
     index[rows, pos] = cols
     mask_id[rows, pos] = mid
-    return count, n_part, index, mask_id
+    return count, n_part, index, mask_id, n_half
 
 
 # ELL widths are rounded up to a multiple of this. Triton specialises every integer kernel
@@ -701,22 +736,27 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
     mask_ids: dict[bytes, int] = {}
     by_key: dict = {}
     per_head = []
+    nbq, nbk = -(-seq_len // block_size), -(-kv_len // block_size)
     for h in range(num_heads * (rows or 1)):
         key = flat.head_key(h)
         if key not in by_key:
             qi, kj, kind, mid = _head_tiles(flat, h, block_size, geom, mask_ids)
-            nbq, nbk = -(-seq_len // block_size), -(-kv_len // block_size)
             kinds = np.zeros((nbq, nbk), np.int8)
             kinds[qi, kj] = kind
-            by_key[key] = (kinds, None, _ell(qi, kj, kind, mid, nbq),
-                           _ell(kj, qi, kind, mid, nbk))
-        per_head.append(by_key[key])
+            by_key[key] = (kinds, (qi, kj, kind, mid))
+        per_head.append(key)
     w = _words(block_size)
     if mask_ids:
         masks = np.frombuffer(b"".join(mask_ids), dtype="<i4").astype(np.int32)
         masks = masks.reshape(len(mask_ids), block_size, w)
     else:  # a valid pointer for kernels that never read it
         masks = np.zeros((1, block_size, w), np.int32)
+    quarters = mask_quarters(masks)
+    half = half_masks(quarters)  # the lists need every head's masks: built after them all
+    for key, (kinds, (qi, kj, kind, mid)) in by_key.items():
+        by_key[key] = (kinds, None, _ell(qi, kj, kind, mid, nbq, half),
+                       _ell(kj, qi, kind, mid, nbk))
+    per_head = [by_key[key] for key in per_head]
     return BlockLayout(
         pattern=pattern, seq_len=seq_len, kv_len=kv_len, num_heads=num_heads, batch=rows,
         block_size=block_size,
@@ -730,4 +770,6 @@ def make_layout(pattern: Pattern, seq_len: int, num_heads: int,
         k_index=_stack_padded([p[3][2] for p in per_head], 0),
         k_mask_id=_stack_padded([p[3][3] for p in per_head], -1),
         masks=masks,
+        mask_quarters=quarters,
+        q_halves=np.stack([p[2][4] for p in per_head]),
     )

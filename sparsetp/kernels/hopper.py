@@ -292,7 +292,7 @@ def skip_levels(skip_quarters: bool, group: int) -> tuple[int, int]:
 
 def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: int,
              scale: float, ordered: bool, head_dim: int = 128, *,
-             skip_quarters: bool) -> dict[str, Sm90Launch]:
+             skip_quarters: bool, skip_halves: bool) -> dict[str, Sm90Launch]:
     """The forward's (``"fwd"``), dQ pass's (``"dq"``, without an LSE cotangent; with one:
     ``"dq_dlse"``) and dK/dV pass's (``"dkdv"``) launches on block-128 layout metadata
     ``meta`` (``BlockLayout.metadata()`` form, arrays of either framework, plus the head
@@ -301,7 +301,9 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     is not ``"natural"``. In the dQ pass's pointers ``d_lse`` is ``lse`` when there is no
     cotangent (never read). The backward's launches are for :data:`BWD_HEAD_DIMS` only.
     ``skip_quarters``: the layout's (``BlockLayout.skip_quarters``), whether the backward's
-    launches compile the skip of empty quarter tiles (:func:`skip_levels`)."""
+    launches compile the skip of empty quarter tiles (:func:`skip_levels`); ``skip_halves``:
+    the layout's (``BlockLayout.skip_halves``), whether the forward computes its half entries
+    two to a step (``PAIRS``; head dim 128 only, with K/V boxes of 64 rows)."""
     arrays, strides = abi._check_meta(meta, "q", heads, seq_len // BLOCK, BLOCK)
     k_arrays, k_strides = abi._check_meta(meta, "k", heads, kv_len // BLOCK, BLOCK)
     qk_scale = float(scale) * 1.4426950408889634  # softmax in base 2 (exp2)
@@ -317,11 +319,14 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     dq_args = (*arrays, meta["mask_quarters"], qk_scale, float(scale), seq_len, kv_len, heads,
                group, kv_heads, *strides)
     dq_skip, dkdv_skip = skip_levels(skip_quarters, group)
-    kv_box = KV_BOX[head_dim]
+    pairs = bool(skip_halves) and KV_BOX[head_dim] == full
+    kv_box = half if pairs else KV_BOX[head_dim]
     out = {"fwd": Sm90Launch(
         "_attn_fwd_kernel_sm90", grid, (("q", half), ("k", kv_box), ("v", kv_box)),
-        (*arrays, qk_scale, seq_len, kv_len, heads, group, kv_heads, *strides), ("out", "lse"),
-        {"ORDERED": ordered, "STAGES": FWD_STAGES[head_dim], **regs, "PINGPONG": PINGPONG})}
+        (*arrays, meta["q_halves"], meta["mask_quarters"], qk_scale, seq_len, kv_len, heads,
+         group, kv_heads, *strides), ("out", "lse"),
+        {"ORDERED": ordered, "STAGES": FWD_STAGES[head_dim], **regs, "PINGPONG": PINGPONG,
+         "PAIRS": pairs})}
     for name, has_dlse in (("dq", False), ("dq_dlse", True)):
         out[name] = Sm90Launch(
             "_attn_bwd_dq_kernel_sm90", grid, q_boxes, dq_args,
@@ -560,24 +565,102 @@ if GLUON:
 
     @gluon.jit
     def _fwd_loader(k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                    kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik):
-        """Producer warp: both halves of the Q tile once, then the K/V ring (:func:`_kv_ring`)."""
+                    kv_empty, pairs, q_index, q_mask_id, mask_quarters, row, count, n_half,
+                    q_row0, kv_row0, stride_ik):
+        """Producer warp: both halves of the Q tile once, then the K/V ring (:func:`_kv_ring`;
+        with paired half entries, ``pairs`` of length 2, :func:`_pair_ring`)."""
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [q_row0 + q_desc.block_type.shape[0], 0],
                                         q_bar, q_smem.index(1))
-        _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index, row, count,
-                 kv_row0, stride_ik, 2 * q_desc.block_type.shape[0])
+        if pairs.shape[0] == 2:
+            _pair_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index,
+                       q_mask_id, mask_quarters, row, count, n_half, kv_row0, stride_ik)
+        else:
+            _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index, row,
+                     count, kv_row0, stride_ik, 2 * q_desc.block_type.shape[0])
+
+    @gluon.jit
+    def _half_side(mask_id, mask_quarters, HALF_N: gl.constexpr):
+        """The first key of the half of a half entry's tile (its mask ``mask_id``) that holds
+        its pairs: 0 or ``HALF_N`` (the other half has none, says ``mask_quarters``)."""
+        return gl.where((gl.load(mask_quarters + mask_id) & 5) != 0, 0, HALF_N)
+
+    @gluon.jit
+    def _pair_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, q_index,
+                   q_mask_id, mask_quarters, row, count, n_half, kv_row0, stride_ik):
+        """The forward producer's ring over a list whose first ``n_half`` entries are half
+        entries (one 64-key half of the tile holds all its pairs): step ``j <
+        ceil(n_half / 2)`` loads the keys of half entries ``2j`` and ``2j + 1`` as the two
+        halves of one stage (an odd last one twice; the consumers mask the copy), every later
+        step one remaining tile whole. Boxes of 64 rows, two per stage."""
+        BOX: gl.constexpr = k_desc.block_type.shape[0]
+        STAGES_: gl.constexpr = k_smem.shape[0]
+        TILE: gl.constexpr = k_smem.shape[1]
+        n_pairs = (n_half + 1) // 2
+        for j in range(count - n_half + n_pairs):
+            s = j % STAGES_
+            mbarrier.wait(kv_empty.index(s), ((j // STAGES_) & 1) ^ 1)
+            if j < n_pairs:
+                a = 2 * j
+                b = gl.minimum(a + 1, n_half - 1)
+                r0 = (kv_row0 + gl.load(q_index + row + a * stride_ik) * TILE
+                      + _half_side(gl.load(q_mask_id + row + a * stride_ik), mask_quarters, BOX))
+                r1 = (kv_row0 + gl.load(q_index + row + b * stride_ik) * TILE
+                      + _half_side(gl.load(q_mask_id + row + b * stride_ik), mask_quarters, BOX))
+            else:
+                r0 = kv_row0 + gl.load(q_index + row + (j - n_pairs + n_half) * stride_ik) * TILE
+                r1 = r0 + BOX
+            mbarrier.expect(k_ready.index(s), 2 * k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [r0, 0], k_ready.index(s),
+                                            k_smem.index(s).slice(0, BOX))
+            tma.async_copy_global_to_shared(k_desc, [r1, 0], k_ready.index(s),
+                                            k_smem.index(s).slice(BOX, BOX))
+            mbarrier.expect(v_ready.index(s), 2 * v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [r0, 0], v_ready.index(s),
+                                            v_smem.index(s).slice(0, BOX))
+            tma.async_copy_global_to_shared(v_desc, [r1, 0], v_ready.index(s),
+                                            v_smem.index(s).slice(BOX, BOX))
+
+    @gluon.jit
+    def _pair_scores(s, j, n_half, q_mask_id, mask_quarters, row, stride_ik, masks, stride_mu,
+                     stride_mr, stride_mw, row0, s_layout: gl.constexpr, ROWS: gl.constexpr,
+                     COLS: gl.constexpr):
+        """Scores [ROWS, COLS] of pair step ``j`` (:func:`_pair_ring`), -inf where the pair is
+        not allowed: keys ``[0, COLS/2)`` are half entry ``2j``'s, the rest ``2j + 1``'s
+        (none, all -inf, when ``2j + 1`` is past ``n_half``), each masked by its tile's
+        bitmask rows at its half's columns."""
+        HALF_N: gl.constexpr = COLS // 2
+        a = 2 * j
+        has_b = a + 1 < n_half
+        b = gl.where(has_b, a + 1, a)
+        mid_a = gl.load(q_mask_id + row + a * stride_ik)
+        mid_b = gl.load(q_mask_id + row + b * stride_ik)
+        side_a = _half_side(mid_a, mask_quarters, HALF_N)
+        side_b = _half_side(mid_b, mask_quarters, HALF_N)
+        c = gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))
+        second = c >= HALF_N
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        # One load per half with a scalar base: the compiler then loads each word once per
+        # thread, not once per element (a per-column mask id defeats that).
+        word = masks + rows[:, None] * stride_mr + ((c % HALF_N) // 32)[None, :] * stride_mw
+        words = gl.where(second[None, :],
+                         gl.load(word + mid_b * stride_mu + (side_b // 32) * stride_mw),
+                         gl.load(word + mid_a * stride_mu + (side_a // 32) * stride_mw))
+        ok = (((words >> (c[None, :] % 32)) & 1) != 0) & (has_b | ~second)[None, :]
+        return gl.where(ok, s, float("-inf"))
 
     @gluon.jit
     def _fwd_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                      kv_empty, turn, count, n_partial, q_index, q_mask_id, row, stride_ik, masks,
-                      stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out,
-                      LSE):
+                      kv_empty, turn, pairs, count, n_half, n_partial, q_index, q_mask_id,
+                      mask_quarters, row, stride_ik, masks, stride_mu, stride_mr, stride_mw,
+                      qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
         """Consumer warpgroup: rows ``[HALF * 64, +64)`` of the query tile. Tile sizes come
         from the buffers' shapes (constexpr arguments do not cross the partition boundary).
         A step is one ring stage: a whole 128-key tile, or (boxes of 64 keys, head dim 256,
-        where a whole tile's K, V and scores do not fit) half of one.
+        where a whole tile's K, V and scores do not fit) half of one; with paired half
+        entries (``pairs`` of length 2), the first ``ceil(n_half / 2)`` steps hold two half
+        entries each (:func:`_pair_ring`).
 
         Per step e >= 1: issue S_e = Q K_e^T and O += P_{e-1} V_{e-1} (async), wait for S_e
         only, mask it and compute its softmax while the P V MMA runs, then wait for that MMA,
@@ -587,6 +670,7 @@ if GLUON:
         MMAs: each waits for its turn, issues, and hands the turn to the other, so one
         warpgroup's softmax runs while the other's MMAs hold the tensor cores."""
         PINGPONG: gl.constexpr = turn.shape[0] == 2
+        PAIRS: gl.constexpr = pairs.shape[0] == 2
         SUB_M: gl.constexpr = q_smem.shape[1]
         STAGES_: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]  # keys a step
@@ -613,7 +697,11 @@ if GLUON:
         mbarrier.wait(q_bar, 0)
         if PINGPONG and HALF == 1:
             mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
-        steps = count * SPLIT
+        if PAIRS:
+            n_pairs = (n_half + 1) // 2
+            steps = count - n_half + n_pairs
+        else:
+            steps = count * SPLIT
         if steps > 0:
             mbarrier.wait(k_ready.index(0), 0)
             if PINGPONG:
@@ -623,8 +711,19 @@ if GLUON:
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
-            s = _masked_scores(s, 0, n_partial, q_mask_id, row, stride_ik, masks, stride_mu,
-                               stride_mr, stride_mw, row0, 0, s_layout, SUB_M, BLOCK_N)
+            if PAIRS:
+                if n_pairs > 0:
+                    s = _pair_scores(s, 0, n_half, q_mask_id, mask_quarters, row, stride_ik,
+                                     masks, stride_mu, stride_mr, stride_mw, row0, s_layout,
+                                     SUB_M, BLOCK_N)
+                else:
+                    s = _masked_scores(s, 0, n_partial, q_mask_id, row, stride_ik, masks,
+                                       stride_mu, stride_mr, stride_mw, row0, 0, s_layout,
+                                       SUB_M, BLOCK_N)
+            else:
+                s = _masked_scores(s, 0, n_partial, q_mask_id, row, stride_ik, masks,
+                                   stride_mu, stride_mr, stride_mw, row0, 0, s_layout, SUB_M,
+                                   BLOCK_N)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             p = gl.convert_layout(pf.to(dtype), p_layout)
         for e in range(1, steps):
@@ -640,9 +739,19 @@ if GLUON:
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_e done; P V may still run
-            s = _masked_scores(s, e // SPLIT, n_partial, q_mask_id, row, stride_ik, masks,
-                               stride_mu, stride_mr, stride_mw, row0, (e % SPLIT) * BLOCK_N,
-                               s_layout, SUB_M, BLOCK_N)
+            if PAIRS:
+                if e < n_pairs:
+                    s = _pair_scores(s, e, n_half, q_mask_id, mask_quarters, row, stride_ik,
+                                     masks, stride_mu, stride_mr, stride_mw, row0, s_layout,
+                                     SUB_M, BLOCK_N)
+                else:
+                    s = _masked_scores(s, e - n_pairs + n_half, n_partial, q_mask_id, row,
+                                       stride_ik, masks, stride_mu, stride_mr, stride_mw, row0,
+                                       0, s_layout, SUB_M, BLOCK_N)
+            else:
+                s = _masked_scores(s, e // SPLIT, n_partial, q_mask_id, row, stride_ik, masks,
+                                   stride_mu, stride_mr, stride_mw, row0,
+                                   (e % SPLIT) * BLOCK_N, s_layout, SUB_M, BLOCK_N)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(kv_empty.index(pst), count=1)  # K_{e-1} and V_{e-1} are read
@@ -667,45 +776,54 @@ if GLUON:
         gl.store(LSE + (off_bh * N).to(gl.int64) + rows_s, lse)
 
     @gluon.jit
-    def _fwd_consumer0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count,
-                       n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                       stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
-        _fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count,
-                      n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                      stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+    def _fwd_consumer0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs,
+                       count, n_half, n_partial, q_index, q_mask_id, mask_quarters, row,
+                       stride_ik, masks, stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV,
+                       start_m, off_bh, Out, LSE):
+        _fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs,
+                      count, n_half, n_partial, q_index, q_mask_id, mask_quarters, row,
+                      stride_ik, masks, stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV,
+                      start_m, off_bh, Out, LSE)
 
     @gluon.jit
-    def _fwd_consumer1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count,
-                       n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                       stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
-        _fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count,
-                      n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
-                      stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+    def _fwd_consumer1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs,
+                       count, n_half, n_partial, q_index, q_mask_id, mask_quarters, row,
+                       stride_ik, masks, stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV,
+                       start_m, off_bh, Out, LSE):
+        _fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs,
+                      count, n_half, n_partial, q_index, q_mask_id, mask_quarters, row,
+                      stride_ik, masks, stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV,
+                      start_m, off_bh, Out, LSE)
 
     @gluon.jit
     def _attn_fwd_kernel_sm90(q_desc, k_desc, v_desc,
                               q_count, q_partial, q_index, q_mask_id, masks, q_order,
-                              qk_scale, N, N_KV, H, GROUP, H_KV,
+                              q_halves, mask_quarters, qk_scale, N, N_KV, H, GROUP, H_KV,
                               stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                               stride_mu, stride_mr, stride_mw,
                               Out, LSE,
                               ORDERED: gl.constexpr, STAGES: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                              PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                              PINGPONG: gl.constexpr, PAIRS: gl.constexpr,
+                              num_warps: gl.constexpr):
         """Forward on sm_90: Out, LSE as :func:`sparsetp.kernels.attention._attn_fwd_kernel`.
 
         q_desc, k_desc, v_desc: TMA descriptors of the ``[B * H * N, D]`` and
         ``[B * H_kv * N_KV, D]`` views, boxes of 64 query rows / 128 key rows (64 at head
-        dim 256: :data:`KV_BOX`); Out
-        ``[B, H, N, D]`` and LSE ``[B, H, N]`` (float32) contiguous; ``qk_scale`` = scale *
-        log2(e) (softmax in base 2). N and N_KV are multiples of 128. One program per (query
-        tile, b, h) as the portable forward."""
+        dim 256, and with ``PAIRS``); Out ``[B, H, N, D]`` and LSE ``[B, H, N]`` (float32)
+        contiguous; ``qk_scale`` = scale * log2(e) (softmax in base 2). N and N_KV are
+        multiples of 128. One program per (query tile, b, h) as the portable forward.
+        ``PAIRS`` (head dim 128): the first ``q_halves`` entries of each list are half
+        entries (``BlockLayout.q_halves``), computed two to a step (:func:`_pair_ring`)."""
         SUB_M: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        # Keys a K/V stage holds: with PAIRS a whole tile, in boxes of 64 keys.
+        STAGE_N: gl.constexpr = 2 * SUB_M if PAIRS else BLOCK_N
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert((2 * SUB_M) % BLOCK_N == 0,
                          "two 64-row consumers per 128-row query tile; whole or half key tiles")
+        gl.static_assert(not PAIRS or 2 * BLOCK_N == STAGE_N, "half entries take 64-key boxes")
         start_m, off_bh = _program(q_order, stride_ch, stride_cm, H, gl.cdiv(N, 2 * SUB_M), 1,
                                    ORDERED)
         off_b = off_bh // H
@@ -714,19 +832,24 @@ if GLUON:
         kv_row0 = (off_b * H_KV + off_h // GROUP) * N_KV  # GQA: kv head h // GROUP
         count = gl.load(q_count + off_h * stride_ch + start_m * stride_cm)
         n_partial = gl.load(q_partial + off_h * stride_ch + start_m * stride_cm)
+        n_half = 0
+        if PAIRS:
+            n_half = gl.load(q_halves + off_h * stride_ch + start_m * stride_cm)
         row = off_h * stride_ih + start_m * stride_im
 
         q_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_DIM], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, STAGE_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, STAGE_N, HEAD_DIM], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # The consumers read PINGPONG off this array's length (constexprs stay on this side of
-        # the partition boundary).
+        # The partitions read PINGPONG and PAIRS off these arrays' lengths (constexprs stay on
+        # this side of the partition boundary).
         turn = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1],
                                          mbarrier.MBarrierLayout())
+        pairs = gl.allocate_shared_memory(gl.int64, [2 if PAIRS else 1, 1],
+                                          mbarrier.MBarrierLayout())
         for i in gl.static_range(2 if PINGPONG else 1):
             mbarrier.init(turn.index(i), count=1)
         mbarrier.init(q_bar, count=1)
@@ -735,14 +858,15 @@ if GLUON:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
         fence_async_shared()
-        cargs = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, count, n_partial,
-                 q_index, q_mask_id, row, stride_ik, masks, stride_mu, stride_mr, stride_mw,
-                 qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+        cargs = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs, count,
+                 n_half, n_partial, q_index, q_mask_id, mask_quarters, row, stride_ik, masks,
+                 stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
         gl.warp_specialize([
             (_fwd_consumer0, cargs),
             (_fwd_consumer1, cargs),
             (_fwd_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
-                           v_ready, kv_empty, q_index, row, count, q_row0, kv_row0, stride_ik)),
+                           v_ready, kv_empty, pairs, q_index, q_mask_id, mask_quarters, row,
+                           count, n_half, q_row0, kv_row0, stride_ik)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit

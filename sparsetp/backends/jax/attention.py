@@ -59,7 +59,7 @@ from sparsetp.kernels import schedule as _schedule
 __all__ = ["sparse_attention", "LayoutArrays", "layout_arrays"]
 
 _PER_HEAD = ("q_count", "q_partial", "q_index", "q_mask_id", "k_count", "k_partial", "k_index",
-             "k_mask_id", "q_order", "k_order")
+             "k_mask_id", "q_order", "k_order", "q_halves")
 _META = (*_PER_HEAD, "masks", "mask_quarters")
 
 
@@ -67,7 +67,7 @@ _META = (*_PER_HEAD, "masks", "mask_quarters")
 class LayoutArrays:
     """The kernel metadata of a :class:`~sparsetp.core.layout.BlockLayout` as JAX arrays.
 
-    A pytree: the twelve int32 arrays are leaves (operands of the kernels), ``seq_len`` is static.
+    A pytree: the thirteen int32 arrays are leaves (operands of the kernels), ``seq_len`` is static.
     ``num_heads`` and ``block_size`` are read off the array shapes, so a head slice of the arrays
     (inside ``shard_map``) is itself a valid :class:`LayoutArrays` of its heads.
 
@@ -89,6 +89,7 @@ class LayoutArrays:
     q_order: jax.Array
     k_order: jax.Array
     mask_quarters: jax.Array
+    q_halves: jax.Array
     seq_len: int = dataclasses.field(metadata=dict(static=True), default=0)
     # How launches order heads (schedule.head_groups; static). None: all heads interleaved
     # (schedule.grid_group).
@@ -117,6 +118,9 @@ class LayoutArrays:
     # quarter tiles. Like long_lists, a pattern whose value differs from another's of
     # the same shapes takes a trace of its own; only sm_90 layouts can differ.
     skip_quarters: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    # BlockLayout.skip_halves of the sm_90 form, as skip_quarters (whether the sm_90 forward
+    # compiles its half entries as 64-key steps).
+    skip_halves: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     def __post_init__(self):
         if not self.kv_len:
@@ -194,7 +198,8 @@ class LayoutArrays:
 jax.tree_util.register_dataclass(LayoutArrays, data_fields=list(_META),
                                  meta_fields=["seq_len", "q_head_group", "k_head_group",
                                               "kv_len", "widest_row", "partial_row",
-                                              "row_widths", "long_lists", "skip_quarters"])
+                                              "row_widths", "long_lists", "skip_quarters",
+                                              "skip_halves"])
 
 LayoutLike = BlockLayout | LayoutArrays
 
@@ -242,6 +247,7 @@ def layout_arrays(layout: LayoutLike, *, head_dim: int | None = None, dtype=None
                         kv_len=layout.kv_len, widest_row=layout.widest_row,
                         long_lists=long_lists,
                         skip_quarters=lay128 is not None and layout.skip_quarters,
+                        skip_halves=lay128 is not None and layout.skip_halves,
                         **({"partial_row": int(layout.q_partial.max(initial=0)),
                             "row_widths": tuple(int(x) for x in layout.q_count.max(axis=0))}
                            if static_widths else {}))
@@ -337,7 +343,8 @@ def _choose(q, k, lay: LayoutArrays, scale: float,
         b, h, n, _ = q.shape
         launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
                                     _options.current().work_order != "natural", d,
-                                    skip_quarters=meta["skip_quarters"])
+                                    skip_quarters=meta["skip_quarters"],
+                                    skip_halves=meta["skip_halves"])
         dtype = jnp.dtype(q.dtype).name
         fwd, bwd = (_failed_report(choice, _jhopper, [launches[n] for n in names], dtype, d)
                     for choice, names in ((fwd, ("fwd",)), (bwd, ("dq_dlse", "dkdv"))))
@@ -419,7 +426,8 @@ def _sm90_launches(q, k, meta, scale, names):
     b, h, n, d = q.shape
     launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
                                 _options.current().work_order != "natural", d,
-                                skip_quarters=meta["skip_quarters"])
+                                skip_quarters=meta["skip_quarters"],
+                                skip_halves=meta["skip_halves"])
     dtype = jnp.dtype(q.dtype).name
     for name in names:
         try:
@@ -551,14 +559,14 @@ def _arrays_only(meta):
 
 def _statics(lay: LayoutArrays) -> tuple:
     """What launches read of a layout besides its arrays (static): the head order
-    (schedule.grid_group) and ``skip_quarters``."""
-    return lay.q_head_group, lay.k_head_group, lay.skip_quarters
+    (schedule.grid_group), ``skip_quarters`` and ``skip_halves``."""
+    return lay.q_head_group, lay.k_head_group, lay.skip_quarters, lay.skip_halves
 
 
 def _with_statics(meta, statics):
     """The launch metadata: the arrays plus the layout's :func:`_statics`."""
-    return {**meta, **dict(zip(("q_head_group", "k_head_group", "skip_quarters"), statics,
-                               strict=True))}
+    return {**meta, **dict(zip(("q_head_group", "k_head_group", "skip_quarters", "skip_halves"),
+                               statics, strict=True))}
 
 
 # ``opts``: the launch options the call was made under (kernels.options, a hashable frozen

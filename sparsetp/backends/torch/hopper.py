@@ -103,7 +103,8 @@ class Sm90Kernels:
         b, h, n, d = q.shape
         self.ordered = _options.current().work_order != "natural"
         self.launches = hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
-                                        self.ordered, d, skip_quarters=lay.skip_quarters)
+                                        self.ordered, d, skip_quarters=lay.skip_quarters,
+                                        skip_halves=lay.skip_halves)
         # The direct launch's values: metadata as pointers (kept alive by ``meta``).
         self.values = {name: tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
                                    for a in launch.args)
