@@ -18,8 +18,9 @@ forward (output and LSE) before it is timed:
 
 Measured and removed (KERNEL_NOTES, "Session 25"; their code is at commit a8a9c72): a
 persistent form of the library's kernel (``p3pp``, ``p2pp``) and half-tile steps (``h4pp``,
-``h6pp``); (KERNEL_NOTES, "Session 35", not committed) half entries as a second loop of 64-key
-steps before the whole tiles.
+``h6pp``); (KERNEL_NOTES, "Session 35"; branch ``lead/fwd-half-loop``) half entries as a
+second loop of 64-key steps before the whole tiles. ``base_ws3pp_pairs``: the base commit's
+kernel with its half entries paired, beside ``ws3pp_pairs``.
 
 Run on a Hopper GPU::
 
@@ -233,11 +234,15 @@ VARIANTS = {
     # The library's kernel as in --base_hopper (another commit's), beside this checkout's.
     "base_ws3pp": ("base:_attn_fwd_kernel_sm90", BLOCK // 2,
                    {"STAGES": 3, **_WS, "PINGPONG": True}, hopper.NUM_WARPS),
+    "base_ws3pp_pairs": ("base:_attn_fwd_kernel_sm90", BLOCK // 2,
+                         {"STAGES": 3, **_WS, "PINGPONG": True, "PAIRS": True},
+                         hopper.NUM_WARPS),
 }
 
 
 # K/V rows per TMA box where not a whole tile (BLOCK).
-KV_ROWS = {"ws3pp_k64": BLOCK // 2, "ws6pp_k64": BLOCK // 2, "ws3pp_pairs": BLOCK // 2}
+KV_ROWS = {"ws3pp_k64": BLOCK // 2, "ws6pp_k64": BLOCK // 2, "ws3pp_pairs": BLOCK // 2,
+           "base_ws3pp_pairs": BLOCK // 2}
 
 
 def _kernel(name):
