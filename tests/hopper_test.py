@@ -190,8 +190,8 @@ class ForwardChoiceTest(parameterized.TestCase):
                 self.assertNotIn("SKIP", launches["fwd"].constexprs)
 
     def test_skip_halves_reach_the_forward_launch(self):
-        # Only a layout with enough half entries compiles the forward's 64-key steps for them,
-        # with 64-row K/V boxes; head dim 256 walks 64-key steps anyway and never does.
+        # Only a layout with enough half entries compiles the forward's pairing of them, with
+        # 64-row K/V boxes; head dim 256 walks 64-key steps anyway and never does.
         from sparsetp import jax as sjax  # noqa: PLC0415
 
         for pattern, n, want in ((P.causal(), 4096, False), (P.local(320, 320), 2048, True),
@@ -336,19 +336,22 @@ class Sm90ForwardTest(parameterized.TestCase):
         self.assertTrue(np.isin(quarters & 3, (1, 2)).any() and layout.skip_quarters)
         self._check(layout, *_inputs(5, 3, h, h_kv, n, n, 128, "bfloat16"), "bfloat16")
 
-    @parameterized.named_parameters(("mha", 4), ("gqa", 2))
-    def test_half_entries_run_as_64_key_steps(self, h_kv):
-        # The forward computes half entries (one 64-key half of the tile holds every pair) in
-        # a ring of 64-key stages before the whole tiles: rows with more half entries than
-        # that ring has stages (it wraps), with none, and heads without any.
-        n, h = 2048, 4
+    @parameterized.named_parameters(("mha", 6), ("gqa", 3))
+    def test_half_entries_are_paired_two_to_a_step(self, h_kv):
+        # The forward packs half entries (one 64-key half of the tile holds every pair) two to
+        # a ring stage before the whole tiles: rows with more pairs than the ring has stages
+        # (it wraps), with an odd count (the last half entry's copy is masked out), with none,
+        # and heads without any.
+        n, h = 2048, 6
         many = P.neighborhood((8, 16, 16), (3, 9, 9), tile_shape=(2, 8, 8))
         some = P.neighborhood((16, 16, 8), (5, 9, 5), tile_shape=(2, 8, 8))
-        layout = make_layout(P.per_head([many, P.causal(), many & P.causal(), some]), n, h, 128)
+        odd = P.local(320, 320)
+        layout = make_layout(P.per_head([many, P.causal(), many & P.causal(), some, odd,
+                                         odd & P.causal()]), n, h, 128)
         halves = np.asarray(layout.q_halves)
         self.assertTrue(layout.skip_halves and halves.max() > 2 * hopper.STAGES)
         self.assertTrue((halves[3] == 0).any() and (halves[3] > 0).any())
-        self.assertTrue((halves[1] == 0).all())
+        self.assertTrue((halves[1] == 0).all() and (halves[4] % 2 == 1).any())
         self._check(layout, *_inputs(6, 3, h, h_kv, n, n, 128, "bfloat16"), "bfloat16")
 
     @parameterized.named_parameters(("causal_bf16", "causal", "bfloat16"),
@@ -801,9 +804,10 @@ class JaxSm90Test(parameterized.TestCase):
     def test_half_entries_match_torch_bitwise(self):
         # JAX launches the forward's half-entry steps too (skip_halves is static there).
         n, h = 2048, 2
-        pattern = P.neighborhood((8, 16, 16), (3, 9, 9), tile_shape=(2, 8, 8))
+        pattern = P.per_head([P.neighborhood((8, 16, 16), (3, 9, 9), tile_shape=(2, 8, 8)),
+                              P.local(320, 320)])  # even and odd counts of half entries
         layout = make_layout(pattern, n, h, 128)
-        self.assertTrue(layout.skip_halves)
+        self.assertTrue(layout.skip_halves and (np.asarray(layout.q_halves) % 2 == 1).any())
         self._check(layout, *_inputs(22, 1, h, h, n, n, 128, "bfloat16"))
 
     def test_float16_gqa_and_more_keys_than_queries(self):
