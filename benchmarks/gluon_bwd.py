@@ -84,6 +84,8 @@ flags.DEFINE_bool("ncu_once", False, "no check or timing: one call of each varia
                   "cudaProfilerStart/Stop, for `ncu --profile-from-start off`")
 flags.DEFINE_integer("dkdv_skip", -1, "the 'n' dK/dV pass's SKIP level where the layout "
                      "skips quarters (-1: hopper.skip_levels')")
+flags.DEFINE_bool("base_key_order", False, "the 'b' arms read lists whose partial entries "
+                  "are in key order (as before session 35, which leads them with half entries)")
 flags.DEFINE_bool("gqa_mha_form", False, "GQA: also time the dK/dV pass as MHA (one program "
                   "per query head on K, V repeated per head; the group's dK, dV summed after)")
 
@@ -141,6 +143,19 @@ def _skip_table(kernel, meta) -> tuple:
         q = meta["mask_quarters"]
         return ((((q & 3) != 0).int() | (((q >> 2) & 3) != 0).int() * 2).int(),)
     return ()
+
+
+def key_order(layout) -> dict:
+    """``q_index`` and ``q_mask_id`` of ``layout`` with each row's partial entries in key
+    order, the rest in place: the query lists as they were before half entries led them."""
+    import numpy as np  # noqa: PLC0415
+
+    idx, mid = layout.q_index, layout.q_mask_id
+    pos = np.arange(idx.shape[-1])
+    key = np.where(pos < layout.q_partial[..., None], idx, (1 << 30) + pos)
+    order = np.argsort(key, axis=-1, kind="stable")
+    return {"q_index": np.take_along_axis(idx, order, -1),
+            "q_mask_id": np.take_along_axis(mid, order, -1)}
 
 
 def _dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv):
@@ -237,6 +252,10 @@ def _measure(spec, q, k, v, d_out):
     scale = d ** -0.5
     layout = make_layout(lab_pattern(spec, n, BLOCK, h), n, h, BLOCK)
     meta = {key: torch.from_numpy(val.copy()).cuda() for key, val in layout.metadata().items()}
+    base_meta = meta
+    if FLAGS.base_key_order:
+        base_meta = {**meta, **{key: torch.from_numpy(val).cuda()
+                                for key, val in key_order(layout).items()}}
     q_group, k_group = schedule.head_groups(layout)
     q_grid = schedule.list_grid(b, h, n // BLOCK,
                                 schedule.grid_group({"q_head_group": q_group}, "q", b, h))
@@ -257,7 +276,8 @@ def _measure(spec, q, k, v, d_out):
         # Form "b" is the other commit's whole backward: its dQ pass too.
         dq_module = base_module(FLAGS.base_hopper) if VARIANTS[variant][0] == "b" else hopper
         dq_kernel = dq_module._attn_bwd_dq_kernel_sm90
-        dq_kernel[q_grid](*_dq_args(dq_kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta),
+        lists = base_meta if VARIANTS[variant][0] == "b" else meta
+        dq_kernel[q_grid](*_dq_args(dq_kernel, q, k, v, d_out, out, lse, lists, scale, dq, delta),
                           ORDERED=True, **_dq_constexprs(dq_kernel, layout.skip_quarters),
                           num_warps=hopper.NUM_WARPS)
         kernel[kv_grid](*_dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv),
