@@ -651,6 +651,28 @@ if GLUON:
         return gl.where(ok, s, float("-inf"))
 
     @gluon.jit
+    def _step_scores(s, e, PAIRS: gl.constexpr, SPLIT: gl.constexpr, n_pairs, n_half,
+                     n_partial, q_mask_id, mask_quarters, row, stride_ik, masks, stride_mu,
+                     stride_mr, stride_mw, row0, s_layout: gl.constexpr, ROWS: gl.constexpr,
+                     COLS: gl.constexpr):
+        """The forward's scores of ring step ``e``, masked: with ``PAIRS``, a pair step's
+        (:func:`_pair_scores`) or, after the ``n_pairs`` of them, list entry ``e - n_pairs +
+        n_half``'s; else part ``e % SPLIT`` of entry ``e // SPLIT`` (:func:`_masked_scores`)."""
+        if PAIRS:
+            if e < n_pairs:
+                s = _pair_scores(s, e, n_half, q_mask_id, mask_quarters, row, stride_ik, masks,
+                                 stride_mu, stride_mr, stride_mw, row0, s_layout, ROWS, COLS)
+            else:
+                s = _masked_scores(s, e - n_pairs + n_half, n_partial, q_mask_id, row,
+                                   stride_ik, masks, stride_mu, stride_mr, stride_mw, row0, 0,
+                                   s_layout, ROWS, COLS)
+        else:
+            s = _masked_scores(s, e // SPLIT, n_partial, q_mask_id, row, stride_ik, masks,
+                               stride_mu, stride_mr, stride_mw, row0, (e % SPLIT) * COLS,
+                               s_layout, ROWS, COLS)
+        return s
+
+    @gluon.jit
     def _fwd_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                       kv_empty, turn, pairs, count, n_half, n_partial, q_index, q_mask_id,
                       mask_quarters, row, stride_ik, masks, stride_mu, stride_mr, stride_mw,
@@ -701,6 +723,7 @@ if GLUON:
             n_pairs = (n_half + 1) // 2
             steps = count - n_half + n_pairs
         else:
+            n_pairs = 0
             steps = count * SPLIT
         if steps > 0:
             mbarrier.wait(k_ready.index(0), 0)
@@ -711,19 +734,9 @@ if GLUON:
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
-            if PAIRS:
-                if n_pairs > 0:
-                    s = _pair_scores(s, 0, n_half, q_mask_id, mask_quarters, row, stride_ik,
-                                     masks, stride_mu, stride_mr, stride_mw, row0, s_layout,
-                                     SUB_M, BLOCK_N)
-                else:
-                    s = _masked_scores(s, 0, n_partial, q_mask_id, row, stride_ik, masks,
-                                       stride_mu, stride_mr, stride_mw, row0, 0, s_layout,
-                                       SUB_M, BLOCK_N)
-            else:
-                s = _masked_scores(s, 0, n_partial, q_mask_id, row, stride_ik, masks,
-                                   stride_mu, stride_mr, stride_mw, row0, 0, s_layout, SUB_M,
-                                   BLOCK_N)
+            s = _step_scores(s, 0, PAIRS, SPLIT, n_pairs, n_half, n_partial, q_mask_id,
+                             mask_quarters, row, stride_ik, masks, stride_mu, stride_mr,
+                             stride_mw, row0, s_layout, SUB_M, BLOCK_N)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             p = gl.convert_layout(pf.to(dtype), p_layout)
         for e in range(1, steps):
@@ -739,19 +752,9 @@ if GLUON:
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_e done; P V may still run
-            if PAIRS:
-                if e < n_pairs:
-                    s = _pair_scores(s, e, n_half, q_mask_id, mask_quarters, row, stride_ik,
-                                     masks, stride_mu, stride_mr, stride_mw, row0, s_layout,
-                                     SUB_M, BLOCK_N)
-                else:
-                    s = _masked_scores(s, e - n_pairs + n_half, n_partial, q_mask_id, row,
-                                       stride_ik, masks, stride_mu, stride_mr, stride_mw, row0,
-                                       0, s_layout, SUB_M, BLOCK_N)
-            else:
-                s = _masked_scores(s, e // SPLIT, n_partial, q_mask_id, row, stride_ik, masks,
-                                   stride_mu, stride_mr, stride_mw, row0,
-                                   (e % SPLIT) * BLOCK_N, s_layout, SUB_M, BLOCK_N)
+            s = _step_scores(s, e, PAIRS, SPLIT, n_pairs, n_half, n_partial, q_mask_id,
+                             mask_quarters, row, stride_ik, masks, stride_mu, stride_mr,
+                             stride_mw, row0, s_layout, SUB_M, BLOCK_N)
             pf, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(kv_empty.index(pst), count=1)  # K_{e-1} and V_{e-1} are read
