@@ -168,7 +168,8 @@ class NativeSm90CellsTest(absltest.TestCase):
                                            skip_quarters=lay.skip_quarters,
                                            skip_halves=lay.skip_halves)
         fake = SimpleNamespace(Kernel=lambda **kw: kw)  # what the C++ Kernel is handed
-        rows = {"q": 512, "d_out": 512, "k": 256, "v": 256}
+        rows = {"q": 512, "d_out": 512, "out": 512, "dq": 512, "k": 256, "v": 256, "dk": 256,
+                "dv": 256}
         for which in ("fwd", "dq", "dkdv"):
             with self.subTest(which):
                 launch = launches[which]
@@ -203,7 +204,7 @@ class NativeSm90CellsTest(absltest.TestCase):
                                          skip_quarters=lay.skip_quarters,
                                          skip_halves=lay.skip_halves)["fwd"]
         fake = SimpleNamespace(Kernel=lambda **kw: kw)
-        rows = {"q": 256, "k": 256, "v": 256}
+        rows = {"q": 256, "out": 256, "k": 256, "v": 256}
         compiled = _fake_sm90_compiled(launch)
         compiled.metadata.global_scratch_size = 64
         with self.assertRaisesRegex(ValueError, "scratch"):

@@ -262,7 +262,7 @@ def layout_128(layout):
 class Sm90Launch:
     """What one sm_90 kernel launch takes, framework-neutral (both frontends launch from it):
     ``kernel`` (its name in this module), ``grid``, ``boxes`` (the TMA descriptor operands:
-    names among q, k, v, d_out and their box rows), ``args`` (layout arrays and scalars, in the
+    names among q, k, v, d_out, out and their box rows), ``args`` (layout arrays and scalars, in the
     kernel's order), ``pointers`` (names of the pointer operands after them: inputs, then
     outputs) and ``constexprs`` (in the kernel's order; ``num_warps`` is :data:`NUM_WARPS`)."""
 
@@ -322,22 +322,23 @@ def launches(meta, batch: int, heads: int, kv_heads: int, seq_len: int, kv_len: 
     pairs = bool(skip_halves) and KV_BOX[head_dim] == full
     kv_box = half if pairs else KV_BOX[head_dim]
     out = {"fwd": Sm90Launch(
-        "_attn_fwd_kernel_sm90", grid, (("q", half), ("k", kv_box), ("v", kv_box)),
+        "_attn_fwd_kernel_sm90", grid,
+        (("q", half), ("k", kv_box), ("v", kv_box), ("out", half)),
         (*arrays, meta["q_halves"], meta["mask_quarters"], qk_scale, seq_len, kv_len, heads,
-         group, kv_heads, *strides), ("out", "lse"),
+         group, kv_heads, *strides), ("lse",),
         {"ORDERED": ordered, "STAGES": FWD_STAGES[head_dim], **regs, "PINGPONG": PINGPONG,
          "PAIRS": pairs})}
     for name, has_dlse in (("dq", False), ("dq_dlse", True)):
         out[name] = Sm90Launch(
-            "_attn_bwd_dq_kernel_sm90", grid, q_boxes, dq_args,
-            ("out", "lse", "d_lse" if has_dlse else "lse", "dq", "delta"),
+            "_attn_bwd_dq_kernel_sm90", grid, (*q_boxes, ("dq", half)), dq_args,
+            ("out", "lse", "d_lse" if has_dlse else "lse", "delta"),
             {"ORDERED": ordered, "STAGES": DQ_STAGES, "HAS_DLSE": has_dlse,
              "SKIP": dq_skip, **regs})
     out["dkdv"] = Sm90Launch(
-        "_attn_bwd_dkdv_kernel_sm90", kv_grid, q_boxes,
+        "_attn_bwd_dkdv_kernel_sm90", kv_grid, (*q_boxes, ("dk", full), ("dv", full)),
         (*k_arrays, meta["mask_quarters"], qk_scale, float(scale), seq_len, kv_len, heads, group,
          *k_strides),
-        ("lse", "delta", "dk", "dv"),
+        ("lse", "delta"),
         {"ORDERED": ordered, "STAGES": DKDV_STAGES, "EARLY_DP": DKDV_EARLY_DP,
          "SKIP": dkdv_skip, **dkdv_regs})
     return out
@@ -676,7 +677,7 @@ if GLUON:
     def _fwd_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                       kv_empty, turn, pairs, count, n_half, n_partial, q_index, q_mask_id,
                       mask_quarters, row, stride_ik, masks, stride_mu, stride_mr, stride_mw,
-                      qk_scale, N, N_KV, start_m, off_bh, Out, LSE):
+                      qk_scale, N, N_KV, start_m, off_bh, o_desc, LSE):
         """Consumer warpgroup: rows ``[HALF * 64, +64)`` of the query tile. Tile sizes come
         from the buffers' shapes (constexpr arguments do not cross the partition boundary).
         A step is one ring stage: a whole 128-key tile, or (boxes of 64 keys, head dim 256,
@@ -771,47 +772,50 @@ if GLUON:
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(kv_empty.index(last % STAGES_), count=1)
         out, lse = _finish(acc, m_i, l_i, row_o)
-        rows_o = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M, layout=row_o)
-        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        base = Out + (off_bh * N).to(gl.int64) * HEAD_DIM  # int64: B*H*N*D passes 2^31
-        gl.store(base + rows_o[:, None] * HEAD_DIM + cols_o[None, :], out.to(dtype))
+        # O leaves through this warpgroup's Q half (free once its last S has returned) and one
+        # TMA store: stored from the MMA layout, 64 rows took 32 scattered 4-byte stores a
+        # thread, a tenth of a short-row forward's time (KERNEL_NOTES, session 36).
+        q.store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_bh * N + start_m * 2 * SUB_M + row0, 0], q)
         rows_s = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M, layout=row_s)
         gl.store(LSE + (off_bh * N).to(gl.int64) + rows_s, lse)
+        tma.store_wait(0)  # the CTA's shared memory must outlive the store's reads
 
     @gluon.jit
     def _fwd_consumer0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs,
                        count, n_half, n_partial, q_index, q_mask_id, mask_quarters, row,
                        stride_ik, masks, stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV,
-                       start_m, off_bh, Out, LSE):
+                       start_m, off_bh, o_desc, LSE):
         _fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs,
                       count, n_half, n_partial, q_index, q_mask_id, mask_quarters, row,
                       stride_ik, masks, stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV,
-                      start_m, off_bh, Out, LSE)
+                      start_m, off_bh, o_desc, LSE)
 
     @gluon.jit
     def _fwd_consumer1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs,
                        count, n_half, n_partial, q_index, q_mask_id, mask_quarters, row,
                        stride_ik, masks, stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV,
-                       start_m, off_bh, Out, LSE):
+                       start_m, off_bh, o_desc, LSE):
         _fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs,
                       count, n_half, n_partial, q_index, q_mask_id, mask_quarters, row,
                       stride_ik, masks, stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV,
-                      start_m, off_bh, Out, LSE)
+                      start_m, off_bh, o_desc, LSE)
 
     @gluon.jit
-    def _attn_fwd_kernel_sm90(q_desc, k_desc, v_desc,
+    def _attn_fwd_kernel_sm90(q_desc, k_desc, v_desc, o_desc,
                               q_count, q_partial, q_index, q_mask_id, masks, q_order,
                               q_halves, mask_quarters, qk_scale, N, N_KV, H, GROUP, H_KV,
                               stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                               stride_mu, stride_mr, stride_mw,
-                              Out, LSE,
+                              LSE,
                               ORDERED: gl.constexpr, STAGES: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                               PINGPONG: gl.constexpr, PAIRS: gl.constexpr,
                               num_warps: gl.constexpr):
         """Forward on sm_90: Out, LSE as :func:`sparsetp.kernels.attention._attn_fwd_kernel`.
 
-        q_desc, k_desc, v_desc: TMA descriptors of the ``[B * H * N, D]`` and
+        q_desc, k_desc, v_desc, o_desc: TMA descriptors of the ``[B * H * N, D]`` (Q, Out) and
         ``[B * H_kv * N_KV, D]`` views, boxes of 64 query rows / 128 key rows (64 at head
         dim 256, and with ``PAIRS``); Out ``[B, H, N, D]`` and LSE ``[B, H, N]`` (float32)
         contiguous; ``qk_scale`` = scale * log2(e) (softmax in base 2). N and N_KV are
@@ -863,7 +867,8 @@ if GLUON:
         fence_async_shared()
         cargs = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, pairs, count,
                  n_half, n_partial, q_index, q_mask_id, mask_quarters, row, stride_ik, masks,
-                 stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, Out, LSE)
+                 stride_mu, stride_mr, stride_mw, qk_scale, N, N_KV, start_m, off_bh, o_desc,
+                 LSE)
         gl.warp_specialize([
             (_fwd_consumer0, cargs),
             (_fwd_consumer1, cargs),
@@ -891,7 +896,7 @@ if GLUON:
     def _dq_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready,
                      v_ready, kv_empty, count, n_partial, q_index, q_mask_id, row, stride_ik,
                      masks, stride_mu, stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m,
-                     off_bh, dlse_flag, skip, mask_quarters, Out, LSE, DLSE, DQ, Delta):
+                     off_bh, dlse_flag, skip, mask_quarters, Out, LSE, DLSE, dq_desc, Delta):
         """Consumer warpgroup of the dQ pass: Delta and dQ of rows ``[HALF * 64, +64)`` of the
         query tile. Each key tile is walked in two 64-key halves: S and dP of 64 x 64 fp32,
         the dQ accumulator (64 x D fp32) and dS as an MMA operand fit the consumer's
@@ -967,39 +972,40 @@ if GLUON:
             mbarrier.arrive(kv_empty.index(st), count=1)  # K and V of this stage are read
         # dS is the gradient w.r.t. the natural-log scaled scores: scale, not qk_scale.
         dq = dq * scale
-        rows_o = start_m * 2 * SUB_M + row0 + gl.arange(0, SUB_M,
-                                                         layout=gl.SliceLayout(1, dq_layout))
-        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-        gl.store(DQ + base * HEAD_DIM + rows_o[:, None] * HEAD_DIM + cols_o[None, :],
-                 dq.to(dtype))
+        # Out through this warpgroup's Q half and one TMA store, as the forward's O.
+        q.store(dq.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [off_bh * N + start_m * 2 * SUB_M + row0, 0],
+                                        q)
+        tma.store_wait(0)
 
     @gluon.jit
     def _dq_consumer0(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                       count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                       stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                      skip, mask_quarters, Out, LSE, DLSE, DQ, Delta):
+                      skip, mask_quarters, Out, LSE, DLSE, dq_desc, Delta):
         _dq_consumer(0, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                      count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                      stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                     skip, mask_quarters, Out, LSE, DLSE, DQ, Delta)
+                     skip, mask_quarters, Out, LSE, DLSE, dq_desc, Delta)
 
     @gluon.jit
     def _dq_consumer1(q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                       count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                       stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                      skip, mask_quarters, Out, LSE, DLSE, DQ, Delta):
+                      skip, mask_quarters, Out, LSE, DLSE, dq_desc, Delta):
         _dq_consumer(1, q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty,
                      count, n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu,
                      stride_mr, stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag,
-                     skip, mask_quarters, Out, LSE, DLSE, DQ, Delta)
+                     skip, mask_quarters, Out, LSE, DLSE, dq_desc, Delta)
 
     @gluon.jit
-    def _attn_bwd_dq_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
+    def _attn_bwd_dq_kernel_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc,
                                  q_count, q_partial, q_index, q_mask_id, masks, q_order,
                                  mask_quarters, qk_scale, scale, N, N_KV, H, GROUP, H_KV,
                                  stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                                  stride_mu, stride_mr, stride_mw,
-                                 Out, LSE, DLSE, DQ, Delta,
+                                 Out, LSE, DLSE, Delta,
                                  ORDERED: gl.constexpr, STAGES: gl.constexpr,
                                  HAS_DLSE: gl.constexpr, SKIP: gl.constexpr,
                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -1007,8 +1013,9 @@ if GLUON:
         """dQ and Delta on sm_90, as :func:`sparsetp.kernels.attention._attn_bwd_dq_kernel`.
 
         q_desc, do_desc: TMA descriptors of the ``[B * H * N, D]`` views, boxes of 64 rows;
-        k_desc, v_desc: of ``[B * H_kv * N_KV, D]``, boxes of 128 rows; Out, DQ ``[B, H, N,
-        D]`` and LSE, DLSE, Delta ``[B, H, N]`` (float32) contiguous; DLSE (the LSE cotangent)
+        k_desc, v_desc: of ``[B * H_kv * N_KV, D]``, boxes of 128 rows; dq_desc: of dQ's
+        ``[B * H * N, D]`` view, boxes of 64 rows; Out, dQ ``[B, H, N, D]`` and LSE, DLSE,
+        Delta ``[B, H, N]`` (float32) contiguous; DLSE (the LSE cotangent)
         is read only with ``HAS_DLSE``. The forward's grid, lists and schedule
         (producer warp, K/V ring, two consumer warpgroups of 64 rows); with ``SKIP`` 2 (see
         :func:`skip_levels`), a warpgroup skips the 64-key halves whose ``mask_quarters`` bit
@@ -1049,7 +1056,7 @@ if GLUON:
         cargs = (q_smem, do_smem, k_smem, v_smem, qd_bar, k_ready, v_ready, kv_empty, count,
                  n_partial, q_index, q_mask_id, row, stride_ik, masks, stride_mu, stride_mr,
                  stride_mw, qk_scale, scale, N, N_KV, start_m, off_bh, dlse_flag, skip,
-                 mask_quarters, Out, LSE, DLSE, DQ, Delta)
+                 mask_quarters, Out, LSE, DLSE, dq_desc, Delta)
         gl.warp_specialize([
             (_dq_consumer0, cargs),
             (_dq_consumer1, cargs),
@@ -1059,13 +1066,14 @@ if GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit
-    def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                     q_ready, q_empty, skip, k_count, k_partial, k_index, k_mask_id,
-                     mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik, N, H,
-                     GROUP, off_b, off_g, start_n, kv_row0):
+    def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem,
+                     k_smem, v_smem, kv_bar, out_bar, q_ready, q_empty, skip, k_count, k_partial,
+                     k_index, k_mask_id, mask_quarters, stride_ch, stride_cm, stride_ih,
+                     stride_im, stride_ik, N, H, GROUP, off_b, off_g, start_n, kv_row0):
         """Producer warp: K and V once, then per query head of the group and listed query tile
         the Q and dO rows of its 64-row steps (with ``SKIP``, those that have a key:
-        :func:`_step_keys`), into ring stage ``t % NSTAGE``."""
+        :func:`_step_keys`), into ring stage ``t % NSTAGE``; last, once both consumers have
+        left dK and dV in the K and V buffers (``out_bar``), their TMA stores."""
         NSTAGE: gl.constexpr = q_smem.shape[0]
         SUB_M: gl.constexpr = q_smem.shape[1]
         SKIP: gl.constexpr = skip.shape[0] - 1
@@ -1096,13 +1104,17 @@ if GLUON:
                     tma.async_copy_global_to_shared(do_desc, [r, 0], q_ready.index(s),
                                                     do_smem.index(s))
                     t += 1
+        mbarrier.wait(out_bar, 0)
+        tma.async_copy_shared_to_global(dk_desc, [kv_row0, 0], k_smem)
+        tma.async_copy_shared_to_global(dv_desc, [kv_row0, 0], v_smem)
+        tma.store_wait(0)  # the CTA's shared memory must outlive the stores' reads
 
     @gluon.jit
     def _dkdv_consumer(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
                          kv_bar, q_ready, q_empty, early, skip, k_count, k_partial, k_index,
                          k_mask_id, masks, mask_quarters, stride_ch, stride_cm, stride_ih,
                          stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale, scale,
-                         N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, DK, DV):
+                         N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE, Delta, out_bar):
         """Consumer warpgroup of the dK/dV pass: keys ``[HALF * 64, +64)`` of the key tile, in
         FA3's form. Scores are not transposed (S = Q K^T is [64 queries, 64 keys], so a
         per-query vector costs 2 registers a thread, where transposed scores cost 16 and spill
@@ -1198,11 +1210,13 @@ if GLUON:
                         mbarrier.arrive(q_empty.index(st), count=1)
                     t += 1
         dk = dk * scale
-        rows = kv_row0 + key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-        cols_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        offs = rows.to(gl.int64)[:, None] * HEAD_DIM + cols_d[None, :]
-        gl.store(DK + offs, dk.to(dtype))
-        gl.store(DV + offs, dv.to(dtype))
+        # Out through this warpgroup's K and V halves (no MMA reads them any more); the
+        # producer stores the tiles by TMA. Holding the descriptors here spilled beside the
+        # MMAs (KERNEL_NOTES, session 36).
+        k_h.store(dk.to(dtype))
+        v_h.store(dv.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(out_bar, count=1)
 
 
     @gluon.jit
@@ -1210,12 +1224,12 @@ if GLUON:
                           q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
                           mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                           stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
-                          off_g, start_n, kv_row0, LSE, Delta, DK, DV):
+                          off_g, start_n, kv_row0, LSE, Delta, out_bar):
         _dkdv_consumer(0, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
                          q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
                          mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                          stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
-                         off_g, start_n, kv_row0, LSE, Delta, DK, DV)
+                         off_g, start_n, kv_row0, LSE, Delta, out_bar)
 
 
     @gluon.jit
@@ -1223,21 +1237,21 @@ if GLUON:
                           q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
                           mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                           stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
-                          off_g, start_n, kv_row0, LSE, Delta, DK, DV):
+                          off_g, start_n, kv_row0, LSE, Delta, out_bar):
         _dkdv_consumer(1, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready,
                          q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks,
                          mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                          stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
-                         off_g, start_n, kv_row0, LSE, Delta, DK, DV)
+                         off_g, start_n, kv_row0, LSE, Delta, out_bar)
 
 
     @gluon.jit
-    def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc,
+    def _attn_bwd_dkdv_kernel_sm90(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc,
                                    k_count, k_partial, k_index, k_mask_id, masks, k_order,
                                    mask_quarters, qk_scale, scale, N, N_KV, H, GROUP,
                                    stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
                                    stride_mu, stride_mr, stride_mw,
-                                   LSE, Delta, DK, DV,
+                                   LSE, Delta,
                                    ORDERED: gl.constexpr, STAGES: gl.constexpr,
                                    EARLY_DP: gl.constexpr, SKIP: gl.constexpr,
                                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -1245,8 +1259,9 @@ if GLUON:
         """dK, dV on sm_90, as :func:`sparsetp.kernels.attention._attn_bwd_dkdv_kernel`.
 
         q_desc, do_desc: TMA descriptors of the ``[B * H * N, D]`` views, boxes of 64 rows;
-        k_desc, v_desc: of ``[B * H_kv * N_KV, D]``, boxes of 128 rows; LSE, Delta ``[B, H,
-        N]`` (float32; Delta from the dQ pass) and DK, DV ``[B, H_kv, N_KV, D]`` contiguous.
+        k_desc, v_desc: of ``[B * H_kv * N_KV, D]``, boxes of 128 rows; dk_desc, dv_desc: of
+        dK's and dV's (``[B, H_kv, N_KV, D]``, contiguous), boxes of 128 rows; LSE, Delta ``[B,
+        H, N]`` (float32; Delta from the dQ pass) contiguous.
         One program per (key tile, b, kv head), the portable kernel's grid and work order: a
         producer warp loads K and V once and the Q and dO rows of each listed query tile (for
         each query head of the group in turn: GQA sums in a fixed order, no atomics) in 64-row
@@ -1274,6 +1289,7 @@ if GLUON:
         p_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, BLOCK_N // 2], pl)  # per consumer
         ds_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, BLOCK_N // 2], pl)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        out_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # The consumers read EARLY_DP off this array's length (as the forward's PINGPONG).
@@ -1282,6 +1298,7 @@ if GLUON:
         # The partitions read SKIP off this array's length.
         skip = gl.allocate_shared_memory(gl.int64, [SKIP + 1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
+        mbarrier.init(out_bar, count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -1290,12 +1307,13 @@ if GLUON:
                  early, skip, k_count, k_partial, k_index, k_mask_id, masks, mask_quarters,
                  stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu, stride_mr,
                  stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g, start_n, kv_row0, LSE,
-                 Delta, DK, DV)
+                 Delta, out_bar)
         gl.warp_specialize([
             (_dkdv_consumer0, cargs),
             (_dkdv_consumer1, cargs),
-            (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                            kv_bar, q_ready, q_empty, skip, k_count, k_partial, k_index,
-                            k_mask_id, mask_quarters, stride_ch, stride_cm, stride_ih, stride_im,
-                            stride_ik, N, H, GROUP, off_b, off_g, start_n, kv_row0)),
+            (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_smem, do_smem,
+                            k_smem, v_smem, kv_bar, out_bar, q_ready, q_empty, skip, k_count,
+                            k_partial, k_index, k_mask_id, mask_quarters, stride_ch, stride_cm,
+                            stride_ih, stride_im, stride_ik, N, H, GROUP, off_b, off_g, start_n,
+                            kv_row0)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -262,8 +263,8 @@ def _plan(launch, compiled, operand: dict, array_operand: dict, rows: dict,
 def operand_order(launch: hopper.Sm90Launch, outputs) -> tuple[list[str], list[int]]:
     """(names of ``launch``'s input operands: its boxes, then the input pointers, each once;
     positions in ``launch.args`` of its layout arrays). A launch's operands are those inputs,
-    then the layout arrays, then ``outputs``."""
-    boxed = [n for n, _ in launch.boxes]
+    then the layout arrays, then ``outputs`` (a box may be one: the forward stores O by TMA)."""
+    boxed = [n for n, _ in launch.boxes if n not in outputs]
     names = list(dict.fromkeys(boxed + [n for n in launch.pointers if n not in outputs]))
     return names, [i for i, a in enumerate(launch.args) if not isinstance(a, (int, float))]
 
@@ -281,7 +282,8 @@ def call(launch: hopper.Sm90Launch, dtype: str, head_dim: int, operands: dict,
     operand = {n: i for i, n in enumerate(in_names)}
     operand.update({n: len(in_names) + len(array_pos) + i for i, n in enumerate(out_names)})
     array_operand = {pos: len(in_names) + j for j, pos in enumerate(array_pos)}
-    rows = {n: operands[n].size // head_dim for n, _ in launch.boxes}
+    rows = {n: math.prod((operands[n] if n in operands else outputs[n]).shape) // head_dim
+            for n, _ in launch.boxes}
     key = _plan(launch, compiled, operand, array_operand, rows, head_dim)
     ins = [operands[n] for n in in_names] + [launch.args[i] for i in array_pos]
     outs = jax.ffi.ffi_call(_TARGET, [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype))

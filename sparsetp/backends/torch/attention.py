@@ -288,8 +288,9 @@ class _Plan:
         if compiled is None:
             return None
         d = q.shape[-1]
-        rows = {"q": q.numel() // d, "d_out": q.numel() // d, "k": k.numel() // d,
-                "v": k.numel() // d}
+        n_q, n_k = q.numel() // d, k.numel() // d
+        rows = {"q": n_q, "d_out": n_q, "out": n_q, "dq": n_q, "k": n_k, "v": n_k, "dk": n_k,
+                "dv": n_k}
         return _native.sm90_kernel(module, name, self.sm90.launches[name], compiled, rows, d)
 
     def _backward_descriptions(self, q, k, v, out, lse, d_out, d_lse, delta, dq, dk, dv):
