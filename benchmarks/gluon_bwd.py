@@ -59,6 +59,7 @@ from gluon_tools import (
     base_module,
     lab_pattern,
     list_args,
+    output_args,
     run_cases,
     sm90_profile,
     stand_ins,
@@ -162,10 +163,7 @@ def _dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = _key_lists(meta)
-    # A kernel that stores dK, dV by TMA takes their descriptors after V's (a base commit's
-    # may not).
-    outs = (((tma_desc(dk, BLOCK), tma_desc(dv, BLOCK)), ()) if "dk_desc" in kernel.arg_names
-            else ((), (dk, dv)))
+    outs = output_args(kernel, {"dk": (dk, BLOCK), "dv": (dv, BLOCK)})
     return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
             *outs[0], *arrays, *_skip_table(kernel, meta), scale * 1.4426950408889634, scale, n,
             n_kv, h, h // h_kv, *strides, lse, delta, *outs[1])
@@ -177,7 +175,7 @@ def _dq_args(kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = list_args(meta)
-    outs = ((tma_desc(dq, SUB),), ()) if "dq_desc" in kernel.arg_names else ((), (dq,))
+    outs = output_args(kernel, {"dq": (dq, SUB)})
     return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
             *outs[0], *arrays, *_skip_table(kernel, meta), scale * 1.4426950408889634, scale, n,
             n_kv, h, h // h_kv, h_kv, *strides, out, lse, lse, *outs[1], delta)

@@ -48,6 +48,7 @@ from gluon_tools import (
     base_module,
     lab_pattern,
     list_args,
+    output_args,
     run_cases,
     sm90_profile,
     stand_ins,
@@ -259,14 +260,13 @@ def _launch_args(q, k, v, meta, scale, out, lse, variant):
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     arrays, strides = list_args(meta)
-    names = _kernel(VARIANTS[variant][0]).arg_names
-    if "q_halves" in names:
+    kernel = _kernel(VARIANTS[variant][0])
+    if "q_halves" in kernel.arg_names:
         arrays = (*arrays, meta["q_halves"], meta["mask_quarters"])
     descs = (tma_desc(q, q_rows), tma_desc(k, kv_rows), tma_desc(v, kv_rows))
-    # A kernel that stores O by TMA takes its descriptor after V's (a base commit's may not).
-    outs = ((tma_desc(out, q_rows),), (lse,)) if "o_desc" in names else ((), (out, lse))
-    return (*descs, *outs[0], *arrays, scale * 1.4426950408889634, n, n_kv, h, h // h_kv, h_kv,
-            *strides, *outs[1])
+    out_descs, out_ptrs = output_args(kernel, {"o": (out, q_rows)})
+    return (*descs, *out_descs, *arrays, scale * 1.4426950408889634, n, n_kv, h, h // h_kv, h_kv,
+            *strides, *out_ptrs, lse)
 
 
 def _constexprs(variant) -> dict:

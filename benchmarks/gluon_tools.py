@@ -65,6 +65,16 @@ def run_cases(measure, seq_lens, patterns, out: str | None = None,
     return records
 
 
+def output_args(kernel, outputs: dict) -> tuple[tuple, tuple]:
+    """(descriptors, pointers) of ``kernel``'s outputs ``{name: (tensor, box rows)}``, each in
+    the given order: an output whose ``<name>_desc`` parameter ``kernel`` has is stored by TMA
+    (its descriptor follows the inputs' descriptors); another commit's kernel may take the
+    pointer instead (after the input pointers)."""
+    by_tma = {n: f"{n}_desc" in kernel.arg_names for n in outputs}
+    return (tuple(tma_desc(t, rows) for n, (t, rows) in outputs.items() if by_tma[n]),
+            tuple(t for n, (t, _) in outputs.items() if not by_tma[n]))
+
+
 def tma_desc(t, rows: int):
     """A host TMA descriptor of the contiguous ``t`` viewed as ``[numel / D, D]``, boxes of
     ``rows`` rows (the library's kernels read ``[B * H * N, D]`` this way)."""
