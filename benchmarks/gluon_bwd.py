@@ -25,12 +25,10 @@ code is at commit e5b3f45): the library's consumer with its dV/dK MMAs left in f
 loads issued early (form ``m``).
 ``--gqa_mha_form`` (KERNEL_NOTES, "Session 28: where GQA's causal backward loses"): GQA's
 dK/dV pass as MHA's, a program per query head, the group's dK, dV summed after.
-Form ``x`` (KERNEL_NOTES, "Session 37"): form ``t``'s transposed scores again, with what
-the library's consumer learnt since (one loop of steps, the quarter skip, the output through
-the K/V buffers, two mask words a row: here the bitmasks transposed, :func:`transposed_masks`)
-and LSE/Delta loaded at use (``x2``/``x3``), under the S^T/dP^T MMAs (``x2e``/``x3e``) or
-before the ring wait (``x2q``); or loaded one query a thread and spread by ``convert_layout``
-(``x2c`` at use, ``x2cq``/``x3cq`` first), so no 16-wide pointer vector is live.
+Measured and removed (KERNEL_NOTES, "Session 37"; its code is at commit 36b0a3d): form
+``x``, form ``t``'s transposed scores with the library consumer's later habits (bitmasks
+transposed, LSE/Delta at use, under the MMAs, first, or one query a thread spread by
+``convert_layout``; ``x2``..``x3cq``): 0.78-1.01x of ``n2e``.
 
 Compile for sm_90 without a GPU (Triton 3.6 beside the local one; ``--kv_heads=4`` for GQA's
 binary, MHA's compiles GROUP = 1 as a constant)::
@@ -74,18 +72,6 @@ from gluon_tools import (
 
 from sparsetp.kernels import hopper
 
-if hopper.GLUON:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    from sparsetp.kernels.hopper import _dkdv_loader, _program, _step_keys
-
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("compile_only", False, "compile for sm_90 here and report registers/shared")
 flags.DEFINE_list("patterns", ["causal", "window:1024", "bigbird", "strided_causal"],
@@ -114,14 +100,7 @@ SUB = 64  # queries per step (one TMA box of Q and of dO)
 # stages x 32 KB + 32 KB of P, dS
 VARIANTS = {"n2": ("n", 2, False), "n3": ("n", 3, False), "n3e": ("n", 3, True),
             "n2e": ("n", 2, True), "n2e232": ("n", 2, True, 232),
-            "b2e232": ("b", 2, True, 232), "b2e240": ("b", 2, True, 240),
-            # form "x" (session 37): transposed scores, P^T and dS^T as register operands,
-            # the partial tiles' bitmasks transposed (:func:`transposed_masks`); no P, dS
-            # buffers, so 3 stages fit
-            "x2": ("x", 2, True), "x3": ("x", 3, True),
-            # LSE and Delta loaded while S^T and dP^T run ("e") or before the ring wait ("q")
-            "x2e": ("x", 2, "e"), "x3e": ("x", 3, "e"), "x2q": ("x", 2, "q"),
-            "x2c": ("x", 2, "c"), "x2cq": ("x", 2, "cq"), "x3cq": ("x", 3, "cq")}
+            "b2e232": ("b", 2, True, 232), "b2e240": ("b", 2, True, 240)}
 
 
 def _skip_flag(kernel, skip_quarters: bool, dkdv: bool = False, group: int = 1) -> dict:
@@ -146,231 +125,10 @@ def _dkdv_launch(form: str, stages: int, flag: bool, regs: int = hopper.DKDV_CON
     if form == "b" and not FLAGS.base_hopper:
         raise ValueError("variants of form 'b' need --base_hopper")
     module = base_module(FLAGS.base_hopper) if form == "b" else hopper
-    kernel = (_attn_bwd_dkdv_kernel_sm90_x if form == "x"
-              else module._attn_bwd_dkdv_kernel_sm90)
-    if form == "x":  # EARLY_DP carries where the consumers load LSE and Delta
-        flag = {True: 1, "e": 2, "q": 3, "c": 4, "cq": 5}[flag]
+    kernel = module._attn_bwd_dkdv_kernel_sm90
     return kernel, {"STAGES": stages, "EARLY_DP": flag,
                     **_skip_flag(kernel, skip_quarters, dkdv=True, group=group),
                     "CONSUMER_REGS": regs, "PRODUCER_REGS": hopper.PRODUCER_REGS}
-
-
-def transposed_masks(masks):
-    """The partial tiles' bitmasks with rows and bits swapped, numpy int32 ``[U, 128, 4]``:
-    row = key, bit ``r % 32`` of word ``r // 32`` = query ``r`` (``masks``: row = query, bits
-    over keys), so a transposed-score consumer reads two words per key row.
-
-    >>> import numpy as np
-    >>> m = np.zeros((1, 128, 4), np.int32); m[0, 5, 2] = 1 << 7  # query 5, key 71
-    >>> t = transposed_masks(m); int(t[0, 71, 0]) == 1 << 5, int(np.count_nonzero(t))
-    (True, 1)
-    """
-    import numpy as np  # noqa: PLC0415
-
-    bits = np.unpackbits(masks.astype("<u4").view(np.uint8), axis=-1, bitorder="little")
-    bits = bits.reshape(masks.shape[0], 128, 128).transpose(0, 2, 1)
-    packed = np.packbits(np.ascontiguousarray(bits), axis=-1, bitorder="little")
-    return packed.view("<u4").reshape(masks.shape).view(np.int32)
-
-
-if hopper.GLUON:
-    LOG2E = gl.constexpr(1.4426950408889634)
-
-    @gluon.jit
-    def _dkdv_consumer_x(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready,
-                         q_empty, early, skip, k_count, k_partial, k_index, k_mask_id, masks_t,
-                         mask_quarters, stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
-                         stride_mu, stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b,
-                         off_g, start_n, LSE, Delta, out_bar):
-        """Consumer warpgroup of form "x": keys ``[HALF * 64, +64)``; S^T = K Q^T and dP^T =
-        V dO^T [64 keys, 64 queries]; P^T and dS^T go to dV += P^T dO and dK += dS^T Q as
-        register operands (no shared memory, no fence); per-query vectors (LSE, Delta) are
-        loaded right before use (16 registers a thread in this layout); a partial tile's
-        transposed mask is two words a key row."""
-        SKIP: gl.constexpr = skip.shape[0] - 1
-        LOAD_AT: gl.constexpr = early.shape[0]  # 1: at use, 2: under the MMAs, 3: first
-        NSTAGE: gl.constexpr = q_smem.shape[0]
-        SUB_M: gl.constexpr = q_smem.shape[1]
-        HEAD_DIM: gl.constexpr = q_smem.shape[2]
-        KEYS: gl.constexpr = k_smem.shape[0] // 2
-        dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                      k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # keys
-        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # queries
-        key0: gl.constexpr = HALF * KEYS
-        k_h = k_smem.slice(key0, KEYS, dim=0)
-        v_h = v_smem.slice(key0, KEYS, dim=0)
-        c = key0 + gl.arange(0, KEYS, layout=row_s)  # key within the tile
-        rr = gl.arange(0, SUB_M, layout=col_s)  # query within the step
-        # The step's queries one per thread (LSE, Delta loaded compactly, then spread).
-        rc = gl.arange(0, SUB_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        s_zero = gl.zeros([KEYS, SUB_M], gl.float32, layout=s_layout)
-        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-        mbarrier.wait(kv_bar, 0)
-        t = 0
-        for j in range(GROUP):
-            h = off_g * GROUP + j
-            count = gl.load(k_count + h * stride_ch + start_n * stride_cm)
-            n_partial = gl.load(k_partial + h * stride_ch + start_n * stride_cm)
-            row = h * stride_ih + start_n * stride_im
-            stats = (off_b * H + h).to(gl.int64) * N
-            for it in range(2 * count):
-                e = it // 2
-                sub = it % 2
-                has_key, left, right = _step_keys(e, sub, n_partial,
-                                                         k_mask_id + row + e * stride_ik,
-                                                         mask_quarters, SKIP)
-                if has_key:
-                    st = t % NSTAGE
-                    if left if HALF == 0 else right:
-                        qb = gl.load(k_index + row + e * stride_ik)
-                        stat = stats + qb * (2 * SUB_M) + sub * SUB_M + rr
-                        stat_c = stats + qb * (2 * SUB_M) + sub * SUB_M + rc
-                        if LOAD_AT == 5:
-                            lse_c = gl.load(LSE + stat_c)
-                            delta_c = gl.load(Delta + stat_c)
-                        if LOAD_AT == 3:
-                            lse = gl.load(LSE + stat)
-                            delta = gl.load(Delta + stat)
-                        mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
-                        qs = q_smem.index(st)
-                        dos = do_smem.index(st)
-                        s_tok = warpgroup_mma(k_h, qs.permute((1, 0)), s_zero, use_acc=False,
-                                              is_async=True)
-                        dp_tok = warpgroup_mma(v_h, dos.permute((1, 0)), s_zero,
-                                               use_acc=False, is_async=True)
-                        if LOAD_AT == 2:
-                            lse = gl.load(LSE + stat)
-                            delta = gl.load(Delta + stat)
-                        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                        if e < n_partial:
-                            mid = gl.load(k_mask_id + row + e * stride_ik)
-                            w_row = (masks_t + mid * stride_mu + c * stride_mr
-                                     + (2 * sub) * stride_mw)
-                            w0 = gl.load(w_row)
-                            w1 = gl.load(w_row + stride_mw)
-                            word = gl.where(rr[None, :] < 32, w0[:, None], w1[:, None])
-                            # Two shifts: the second by a constant per register (8 x the
-                            # query's byte), so only rr % 8 is a register (2 values a thread).
-                            bit = (word >> (rr[None, :] % 8)) >> ((rr[None, :] // 8) % 4 * 8)
-                            s = gl.where((bit & 1) != 0, s, float("-inf"))
-                        if LOAD_AT == 1:
-                            lse = gl.load(LSE + stat)
-                        if LOAD_AT == 4:
-                            lse_c = gl.load(LSE + stat_c)
-                        if LOAD_AT >= 4:
-                            lse = gl.convert_layout(lse_c, col_s)
-                        # Rows with no key (LSE -inf) get +inf: P = 0 and no gradient.
-                        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                        p = gl.exp2(s * qk_scale - lse2[None, :])
-                        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-                        if LOAD_AT == 1:
-                            delta = gl.load(Delta + stat)
-                        if LOAD_AT == 4:
-                            delta_c = gl.load(Delta + stat_c)
-                        if LOAD_AT >= 4:
-                            delta = gl.convert_layout(delta_c, col_s)
-                        ds = p * (dp - delta[None, :])
-                        p_op = gl.convert_layout(p.to(dtype), op_layout)
-                        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-                        dv = warpgroup_mma(p_op, dos, dv, is_async=True)
-                        dk = warpgroup_mma(ds_op, qs, dk, is_async=True)
-                        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                        mbarrier.arrive(q_empty.index(st), count=1)
-                    else:
-                        mbarrier.wait(q_ready.index(st), (t // NSTAGE) & 1)
-                        mbarrier.arrive(q_empty.index(st), count=1)
-                    t += 1
-        dk = dk * scale
-        k_h.store(dk.to(dtype))
-        v_h.store(dv.to(dtype))
-        fence_async_shared()
-        mbarrier.arrive(out_bar, count=1)
-
-    @gluon.jit
-    def _dkdv_consumer_x0(q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, early, skip,
-                          k_count, k_partial, k_index, k_mask_id, masks_t, mask_quarters,
-                          stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
-                          stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g,
-                          start_n, LSE, Delta, out_bar):
-        _dkdv_consumer_x(0, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, early,
-                         skip, k_count, k_partial, k_index, k_mask_id, masks_t, mask_quarters,
-                         stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
-                         stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g,
-                         start_n, LSE, Delta, out_bar)
-
-    @gluon.jit
-    def _dkdv_consumer_x1(q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, early, skip,
-                          k_count, k_partial, k_index, k_mask_id, masks_t, mask_quarters,
-                          stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
-                          stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g,
-                          start_n, LSE, Delta, out_bar):
-        _dkdv_consumer_x(1, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, early,
-                         skip, k_count, k_partial, k_index, k_mask_id, masks_t, mask_quarters,
-                         stride_ch, stride_cm, stride_ih, stride_im, stride_ik, stride_mu,
-                         stride_mr, stride_mw, qk_scale, scale, N, H, GROUP, off_b, off_g,
-                         start_n, LSE, Delta, out_bar)
-
-    @gluon.jit
-    def _attn_bwd_dkdv_kernel_sm90_x(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc,
-                                     k_count, k_partial, k_index, k_mask_id, masks, k_order,
-                                     mask_quarters, qk_scale, scale, N, N_KV, H, GROUP,
-                                     stride_ch, stride_cm, stride_ih, stride_im, stride_ik,
-                                     stride_mu, stride_mr, stride_mw,
-                                     LSE, Delta,
-                                     ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                                     EARLY_DP: gl.constexpr, SKIP: gl.constexpr,
-                                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                     num_warps: gl.constexpr):
-        """The library's dK/dV kernel (same arguments, grid, loader and outputs) with form
-        "x" consumers; ``masks`` must be :func:`transposed_masks` of the layout's."""
-        SUB_M: gl.constexpr = q_desc.block_type.shape[0]
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        dtype: gl.constexpr = q_desc.dtype
-        gl.static_assert(2 * SUB_M == BLOCK_N, "two 64-key consumers, 64-query steps")
-        H_KV = H // GROUP
-        start_n, off_bh = _program(k_order, stride_ch, stride_cm, H_KV,
-                                          gl.cdiv(N_KV, BLOCK_N), GROUP, ORDERED)
-        off_b = off_bh // H_KV
-        off_g = off_bh % H_KV
-        kv_row0 = off_bh * N_KV + start_n * BLOCK_N
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, SUB_M, HEAD_DIM], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        out_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        skip = gl.allocate_shared_memory(gl.int64, [SKIP + 1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        mbarrier.init(out_bar, count=2)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)
-        fence_async_shared()
-        # The consumers read where to load LSE and Delta off this array's length.
-        early = gl.allocate_shared_memory(gl.int64, [EARLY_DP, 1], mbarrier.MBarrierLayout())
-        cargs = (q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, early, skip, k_count,
-                 k_partial, k_index, k_mask_id, masks, mask_quarters, stride_ch, stride_cm,
-                 stride_ih, stride_im, stride_ik, stride_mu, stride_mr, stride_mw, qk_scale,
-                 scale, N, H, GROUP, off_b, off_g, start_n, LSE, Delta, out_bar)
-        gl.warp_specialize([
-            (_dkdv_consumer_x0, cargs),
-            (_dkdv_consumer_x1, cargs),
-            (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_smem,
-                                   do_smem, k_smem, v_smem, kv_bar, out_bar, q_ready, q_empty,
-                                   skip, k_count, k_partial, k_index, k_mask_id, mask_quarters,
-                                   stride_ch, stride_cm, stride_ih, stride_im, stride_ik, N, H,
-                                   GROUP, off_b, off_g, start_n, kv_row0)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _key_lists(meta) -> tuple:
@@ -501,8 +259,6 @@ def _measure(spec, q, k, v, d_out):
     scale = d ** -0.5
     layout = make_layout(lab_pattern(spec, n, BLOCK, h), n, h, BLOCK)
     meta = {key: torch.from_numpy(val.copy()).cuda() for key, val in layout.metadata().items()}
-    meta_x = {**meta, "masks": torch.from_numpy(transposed_masks(layout.metadata()["masks"]))
-              .cuda()}  # form "x" reads the bitmasks transposed
     base_meta = meta
     if FLAGS.base_key_order:
         base_meta = {**meta, **{key: torch.from_numpy(val).cuda()
@@ -531,9 +287,7 @@ def _measure(spec, q, k, v, d_out):
         dq_kernel[q_grid](*_dq_args(dq_kernel, q, k, v, d_out, out, lse, lists, scale, dq, delta),
                           ORDERED=True, **_dq_constexprs(dq_kernel, layout.skip_quarters),
                           num_warps=hopper.NUM_WARPS)
-        kv_lists = meta_x if VARIANTS[variant][0] == "x" else meta
-        kernel[kv_grid](*_dkdv_args(kernel, q, k, v, d_out, lse, delta, kv_lists, scale, dk,
-                                    dv),
+        kernel[kv_grid](*_dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv),
                         ORDERED=True, **constexprs, num_warps=4)
         return dq, dk, dv
 
