@@ -21,7 +21,6 @@ On the GPU machine, FA4 installed by ``../shared/peers/fa4.sh``::
 from __future__ import annotations
 
 import functools
-import json
 
 from absl import app, flags
 
@@ -105,20 +104,10 @@ def _measure(n: int, spec: str) -> dict:
 def main(argv):
     del argv
     import torch  # noqa: PLC0415
+    from gluon_tools import run_cases  # noqa: PLC0415
 
-    records = []
-    for n in map(int, FLAGS.seq_lens):
-        for spec in FLAGS.patterns:
-            try:
-                rec = _measure(n, spec)
-            except Exception as exc:  # noqa: BLE001 (a failed case is recorded, not fatal)
-                rec = {"pattern": spec, "N": n, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-            print(json.dumps(rec), flush=True)
-            records.append(rec)
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rounds": FLAGS.rounds,
-                       "records": records}, f, indent=1)
+    run_cases(lambda spec, n: _measure(n, spec), FLAGS.seq_lens, FLAGS.patterns, FLAGS.out,
+              {"device": torch.cuda.get_device_name(), "rounds": FLAGS.rounds})
 
 
 if __name__ == "__main__":
