@@ -261,10 +261,11 @@ def layout_128(layout):
 @dataclasses.dataclass(frozen=True)
 class Sm90Launch:
     """What one sm_90 kernel launch takes, framework-neutral (both frontends launch from it):
-    ``kernel`` (its name in this module), ``grid``, ``boxes`` (the TMA descriptor operands:
-    names among q, k, v, d_out, out and their box rows), ``args`` (layout arrays and scalars, in the
-    kernel's order), ``pointers`` (names of the pointer operands after them: inputs, then
-    outputs) and ``constexprs`` (in the kernel's order; ``num_warps`` is :data:`NUM_WARPS`)."""
+    ``kernel`` (its name in this module), ``grid``, ``boxes`` (the TMA descriptor operands and
+    their box rows: inputs among q, k, v, d_out, then the outputs stored by TMA among out, dq,
+    dk, dv), ``args`` (layout arrays and scalars, in the kernel's order), ``pointers`` (names of
+    the pointer operands after them: inputs, then outputs) and ``constexprs`` (in the kernel's
+    order; ``num_warps`` is :data:`NUM_WARPS`)."""
 
     kernel: str
     grid: tuple[int, int, int]
