@@ -38,12 +38,10 @@ def _prepare(n: int, spec: str) -> tuple:
 
     from sparsetp.bench import attention as bench  # noqa: PLC0415
     from sparsetp.bench import frontier  # noqa: PLC0415
-    from sparsetp.core import make_layout  # noqa: PLC0415
 
     cfg = frontier.preset_config("cuda")
     case = bench._case(spec, n)
-    bp = bench.bench_pattern(spec, n, case["block"], case["H"])
-    layout = make_layout(bp.pattern, n, case["H"], case["block"])
+    bp, layout, _ = bench._Layouts().get(case)
     rec = {"pattern": spec, "N": n}
     arms = {"sparsetp": bench._prep_sparsetp(cfg, case, layout, bp, rec),
             "fa4": frontier.prep_fa4(cfg, case, layout, bp, rec)}
@@ -78,7 +76,7 @@ def _bitwise_repeat(prep, n_sets: int) -> bool:
 
 
 def _measure(n: int, spec: str) -> dict:
-    from triton.testing import do_bench  # noqa: PLC0415
+    from sparsetp.bench.attention import _time_torch  # noqa: PLC0415
 
     rec, arms, cfg = _prepare(n, spec)
     rec["bitwise_repeat"] = {arm: _bitwise_repeat(prep, cfg.input_sets)
@@ -87,11 +85,8 @@ def _measure(n: int, spec: str) -> dict:
     for _ in range(FLAGS.rounds):
         for arm, prep in arms.items():
             for kind, fn in (("fwd", prep.fwd), ("fwd_bwd", prep.fwd_bwd)):
-                fn()
-                times[arm][kind].append(float(do_bench(
-                    fn, warmup=cfg.gpu_warmup_ms, rep=cfg.gpu_rep_ms,
-                    grad_to_none=prep.grads if kind == "fwd_bwd" else None,
-                    return_mode="median")))
+                grads = prep.grads if kind == "fwd_bwd" else None
+                times[arm][kind].append(_time_torch(cfg, fn, grads)[0])
     med = {arm: {k: sorted(v)[len(v) // 2] for k, v in t.items()} for arm, t in times.items()}
     for m in med.values():
         m["bwd"] = m["fwd_bwd"] - m["fwd"]
