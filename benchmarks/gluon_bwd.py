@@ -4,10 +4,11 @@
 Question (issue #34 backward at 0.61-0.76 of FA4; #23 GQA and packed-document backward at
 0.99-1.07 of FlexAttention): does the forward's warp-specialised schedule carry over to the
 deterministic key-major pass (dK/dV, 61% of the portable backward)? Per key tile of 128 keys
-and (b, kv head), one program: a producer warp loads K and V once and, for each query head of
-the kv head's group in turn (GQA: a fixed order, no atomics), each listed query tile in two
-64-row steps (Q and dO by TMA into a ring); two consumer warpgroups own 64 keys each and keep
-their dK, dV accumulators (64 x 128 fp32) in registers. The step is FA3's form (``n``, the
+and (b, kv head), one program: a producer warp loads K and V once and each listed query tile in
+two 64-row steps (Q and dO by TMA into a ring; GQA: the group's merged lists,
+``hopper.group_key_lists``; a base commit before session 39 walks the group's heads in turn);
+two consumer warpgroups own 64 keys each and keep their dK, dV accumulators (64 x 128 fp32) in
+registers. The step is FA3's form (``n``, the
 library's ``_attn_bwd_dkdv_kernel_sm90``): S = Q K^T [64 queries, 64 keys], P and dS through
 shared memory as transposed A operands; ``EARLY_DP`` issues dP with S.
 
@@ -23,6 +24,8 @@ warp adds it by TMA in a fixed turn order; ``w2d``/``w2u``/``w2f``/``w2fu``).
 Measured and removed (KERNEL_NOTES, "Session 30: the dK/dV consumer's waits and loads"; their
 code is at commit e5b3f45): the library's consumer with its dV/dK MMAs left in flight and its
 loads issued early (form ``m``).
+``--gqa_merged`` (KERNEL_NOTES, "Session 39"): GQA's dK/dV pass on the merged lists in other
+entry orders (``--merged_orders``), and MHA on the same queries in the same rounds.
 ``--gqa_mha_form`` (KERNEL_NOTES, "Session 28: where GQA's causal backward loses"): GQA's
 dK/dV pass as MHA's, a program per query head, the group's dK, dV summed after.
 Measured and removed (KERNEL_NOTES, "Session 37"; its code is at commit 36b0a3d): form
@@ -91,6 +94,10 @@ flags.DEFINE_integer("dkdv_skip", -1, "the 'n' dK/dV pass's SKIP level where the
                      "skips quarters (-1: hopper.skip_levels')")
 flags.DEFINE_bool("base_key_order", False, "the 'b' arms read lists whose partial entries "
                   "are in key order (as before session 35, which leads them with half entries)")
+flags.DEFINE_bool("gqa_merged", False, "GQA: also time the dK/dV pass on the group's key "
+                  "lists merged into one (MHA's binary, GROUP 1, over G * N query rows)")
+flags.DEFINE_list("merged_orders", ["head"], "--gqa_merged: the merged lists' entry "
+                  "orders (merged_lists), an arm each")
 flags.DEFINE_bool("gqa_mha_form", False, "GQA: also time the dK/dV pass as MHA (one program "
                   "per query head on K, V repeated per head; the group's dK, dV summed after)")
 
@@ -109,7 +116,9 @@ def _skip_flag(kernel, skip_quarters: bool, dkdv: bool = False, group: int = 1) 
     ``--dkdv_skip`` overrides the dK/dV pass's), a base commit's ``HALF_STEPS`` (8b23465; its
     64-row steps only), or none (a kernel before 8b23465)."""
     if "SKIP" in kernel.arg_names:
-        level = hopper.skip_levels(skip_quarters, group)[int(dkdv)]
+        level = hopper.skip_levels(skip_quarters)[int(dkdv)]
+        if dkdv and group > 1 and "GROUP" in kernel.arg_names:
+            level = min(level, 1)  # a base commit's group walk spilled at 2 (KERNEL_NOTES)
         if dkdv and skip_quarters and FLAGS.dkdv_skip >= 0:
             level = FLAGS.dkdv_skip
         return {"SKIP": level}
@@ -164,13 +173,41 @@ def key_order(layout) -> dict:
 
 
 def _dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv):
+    """The dK/dV ``kernel``'s arguments. The library's kernel (no ``GROUP``) runs GQA as MHA:
+    q, d_out, lse, delta viewed as ``H_kv`` heads of ``G * N`` rows over the merged lists
+    (:func:`hopper.group_key_lists`, built here from ``meta``'s); a base commit's takes
+    ``GROUP`` and walks each group."""
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
+    group = () if "GROUP" not in kernel.arg_names else (h // h_kv,)
+    if not group and h_kv < h:
+        import numpy as np  # noqa: PLC0415
+
+        g = h // h_kv
+        key = (meta["k_index"].data_ptr(), g)
+        if key not in _MERGED:  # built once, outside the timed calls
+            merged = hopper.group_key_lists(np, {n_: a.cpu().numpy() for n_, a in meta.items()
+                                                 if n_.startswith("k_")}, g, n // BLOCK)
+            _MERGED[key] = {"k" + n_[2:]: a_.to(meta["k_index"].device)
+                            for n_, a_ in _torch_arrays(merged).items()}
+        meta = {**meta, **_MERGED[key]}
+        q, d_out = (t.view(t.shape[0], h_kv, g * n, t.shape[-1]) for t in (q, d_out))
+        lse, delta = (t.view(t.shape[0], h_kv, g * n) for t in (lse, delta))
+        h, n = h_kv, g * n
     arrays, strides = _key_lists(meta)
     outs = output_args(kernel, {"dk": (dk, BLOCK), "dv": (dv, BLOCK)})
     return (tma_desc(q, SUB), tma_desc(d_out, SUB), tma_desc(k, BLOCK), tma_desc(v, BLOCK),
             *outs[0], *arrays, *_skip_table(kernel, meta), scale * 1.4426950408889634, scale, n,
-            n_kv, h, h // h_kv, *strides, lse, delta, *outs[1])
+            n_kv, h, *group, *strides, lse, delta, *outs[1])
+
+
+_MERGED: dict = {}
+
+
+def _torch_arrays(arrays: dict) -> dict:
+    import torch  # noqa: PLC0415
+
+    return {n_: torch.from_numpy(a) for n_, a in arrays.items()}
 
 
 def _dq_args(kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta):
@@ -211,7 +248,8 @@ def _compile_only():
         if skip_quarters and not skip:
             continue
         args = list(_dkdv_args(kernel, q, q, q, q, stats, stats, meta, 0.1, q, q))
-        args[kernel.arg_names.index("GROUP")] = group
+        if "GROUP" in kernel.arg_names:  # a base commit's group walk
+            args[kernel.arg_names.index("GROUP")] = group
         # MHA's launches pass GROUP = 1, which Triton compiles as a constant: another binary
         # with other spills than GQA's (KERNEL_NOTES, "Session 31").
         one = {"GROUP": 1} if group == 1 else {}
@@ -321,6 +359,14 @@ def _measure(spec, q, k, v, d_out):
     rec["bwd_kernel"] = backward_kernel(q, k, v, layout).name
     arms = {"portable": portable_bwd, "library": library_bwd,
             **{v_: (lambda v_=v_: gluon_bwd(v_)) for v_ in FLAGS.variants}}
+    if FLAGS.gqa_merged and h_kv < h:
+        for order in FLAGS.merged_orders:
+            arms["merged_" + order] = _merged_form(q, k, v, d_out, out, lse, meta, scale,
+                                                   q_grid, layout, order)
+            rec["check"]["merged_" + order] = diffs(arms["merged_" + order]())
+        # MHA on the same queries (K, V repeated per query head), timed in the same rounds.
+        k_x, v_x = (t.repeat_interleave(h // h_kv, dim=1).contiguous() for t in (k, v))
+        arms["mha"] = lambda: tattn._backward(q, k_x, v_x, out, lse, d_out, None, layout, scale)
     if FLAGS.gqa_mha_form and h_kv < h:
         arms["mha_form"] = _mha_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout)
         rec["check"]["mha_form"] = diffs(arms["mha_form"]())
@@ -331,6 +377,18 @@ def _measure(spec, q, k, v, d_out):
     rec["ms"] = {k_: sorted(t)[len(t) // 2] for k_, t in times.items()}
     rec["kernel_ms"] = {name: _kernel_ms(fn) for name, fn in arms.items()}
     return rec
+
+
+def _library_dq(q, k, v, d_out, out, lse, meta, scale, q_grid, layout):
+    """The library's sm_90 dQ pass: (dQ, Delta)."""
+    import torch  # noqa: PLC0415
+
+    dq, delta = torch.empty_like(q), torch.empty_like(lse)
+    dq_kernel = hopper._attn_bwd_dq_kernel_sm90
+    dq_kernel[q_grid](*_dq_args(dq_kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta),
+                      ORDERED=True, **_dq_constexprs(dq_kernel, layout.skip_quarters),
+                      num_warps=hopper.NUM_WARPS)
+    return dq, delta
 
 
 def _mha_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout):
@@ -352,15 +410,77 @@ def _mha_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout):
         {"k_head_group": schedule.head_groups(layout)[1]}, "k", b, h))
 
     def run():
-        dq, delta = torch.empty_like(q), torch.empty_like(lse)
+        dq, delta = _library_dq(q, k, v, d_out, out, lse, meta, scale, q_grid, layout)
         dk_h, dv_h = torch.empty_like(q), torch.empty_like(q)
-        dq_kernel = hopper._attn_bwd_dq_kernel_sm90
-        dq_kernel[q_grid](*_dq_args(dq_kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta),
-                          ORDERED=True, **_dq_constexprs(dq_kernel, layout.skip_quarters),
-                          num_warps=hopper.NUM_WARPS)
         kernel[grid](*_dkdv_args(kernel, q, k_x, v_x, d_out, lse, delta, meta, scale, dk_h,
                                  dv_h), ORDERED=True, **constexprs, num_warps=4)
         dk, dv = (t.view(b, h // g, g, n, d).float().sum(2).to(q.dtype) for t in (dk_h, dv_h))
+        return dq, dk, dv
+    return run
+
+
+def merged_lists(layout, group: int, order: str = "head") -> dict:
+    """The key-major lists of ``layout`` (H query heads) merged per kv head: for key tile j of
+    kv head g, the entries of query heads g * G .. g * G + G - 1 as one list over G * N query
+    rows (query tile ``r * NT + i`` is tile i of the group's head r), partial entries first,
+    so the dK/dV kernel runs them with GROUP 1 over q viewed as ``[B, H_kv, G * N, D]``.
+    ``order`` within the partial and the full entries: "head" (head by head, each head's list
+    order), "tile" (by query tile, the heads of one tile together), "desc" (head by head,
+    query tiles descending), "tile_desc"."""
+    import numpy as np  # noqa: PLC0415
+
+    from sparsetp.core.layout import work_order  # noqa: PLC0415
+
+    kc, kp, ki, km = layout.k_count, layout.k_partial, layout.k_index, layout.k_mask_id
+    h, t, w = ki.shape
+    h_kv, nt = h // group, layout.num_blocks
+    width = -(-group * w // 16) * 16
+    idx = np.zeros((h_kv, t, width), np.int32)
+    mid = np.full((h_kv, t, width), -1, np.int32)
+    for g in range(h_kv):
+        for j in range(t):
+            heads = range(g * group, (g + 1) * group)
+            full = np.concatenate([np.arange(kc[x, j]) >= kp[x, j] for x in heads])
+            head = np.concatenate([np.full(kc[x, j], r) for r, x in enumerate(heads)])
+            tile = np.concatenate([ki[x, j, :kc[x, j]] for x in heads])
+            pos = np.concatenate([np.arange(kc[x, j]) for x in heads])
+            ids = np.concatenate([km[x, j, :kc[x, j]] for x in heads])
+            sign = -1 if order.endswith("desc") else 1
+            keys = ((head, sign * tile) if order == "desc" else (head, pos) if order == "head"
+                    else (sign * tile, head))
+            perm = np.lexsort((*keys[::-1], full))
+            idx[g, j, :perm.size] = (tile + head * nt)[perm]
+            mid[g, j, :perm.size] = ids[perm]
+    count = kc.reshape(h_kv, group, t).sum(1).astype(np.int32)
+    return {"k_count": count, "k_partial": kp.reshape(h_kv, group, t).sum(1).astype(np.int32),
+            "k_index": idx, "k_mask_id": mid, "k_order": work_order(count),
+            "masks": layout.masks, "mask_quarters": layout.mask_quarters}
+
+
+def _merged_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout, order):
+    """GQA's backward with the dK/dV pass on the merged lists (:func:`merged_lists`): the
+    library's dQ pass, then the library's dK/dV kernel with GROUP 1, H = H_kv, N = G * N."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from sparsetp.kernels import schedule  # noqa: PLC0415
+
+    b, h, n, d = q.shape
+    h_kv = k.shape[1]
+    g = h // h_kv
+    mm = {key: torch.from_numpy(np.ascontiguousarray(val)).cuda()
+          for key, val in merged_lists(layout, g, order).items()}
+    kernel, constexprs = _dkdv_launch(*VARIANTS["n2e"], skip_quarters=layout.skip_quarters)
+    grid = schedule.list_grid(b, h_kv, n // BLOCK, schedule.grid_group(
+        {"k_head_group": schedule.head_group(mm["k_count"].cpu().numpy(), 132)}, "k", b, h_kv))
+    qv, dov = (t.view(b, h_kv, g * n, d) for t in (q, d_out))
+    lsev = lse.view(b, h_kv, g * n)
+
+    def run():
+        dq, delta = _library_dq(q, k, v, d_out, out, lse, meta, scale, q_grid, layout)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        kernel[grid](*_dkdv_args(kernel, qv, k, v, dov, lsev, delta.view(b, h_kv, g * n), mm,
+                                 scale, dk, dv), ORDERED=True, **constexprs, num_warps=4)
         return dq, dk, dv
     return run
 

@@ -169,7 +169,7 @@ class ForwardChoiceTest(parameterized.TestCase):
 
     def test_skip_quarters_reach_the_backward_launches(self):
         # Only a layout with enough empty quarters compiles the passes' skip; GQA's dK/dV pass
-        # skips whole steps only (skip_levels).
+        # runs MHA's program on its merged lists, so it skips alike.
         from sparsetp import jax as sjax  # noqa: PLC0415
 
         for pattern, n, want in ((P.causal(), 4096, False), (P.dense(), 512, False),
@@ -180,14 +180,75 @@ class ForwardChoiceTest(parameterized.TestCase):
             # head dim and dtype, not on a CPU): elsewhere patterns of one shape share a trace.
             self.assertFalse(sjax.layout_arrays(lay).skip_quarters)
             meta = {**lay.metadata(), "q_head_group": None, "k_head_group": None}
-            for kv_heads, dkdv in ((4, 2), (2, 1)):
-                launches = hopper.launches(meta, 1, 4, kv_heads, n, n, 0.1, False,
-                                           skip_quarters=lay.skip_quarters,
+            for kv_heads in (4, 2):
+                merged = hopper.group_key_lists(np, meta, 4 // kv_heads, n // 128)
+                launches = hopper.launches({**meta, **merged}, 1, 4, kv_heads, n, n, 0.1,
+                                           False, skip_quarters=lay.skip_quarters,
                                            skip_halves=lay.skip_halves)
                 self.assertEqual([launches[n].constexprs["SKIP"]
                                   for n in ("dq", "dq_dlse", "dkdv")],
-                                 [2, 2, dkdv] if want else [0, 0, 0])
+                                 [2, 2, 2] if want else [0, 0, 0])
                 self.assertNotIn("SKIP", launches["fwd"].constexprs)
+
+    def test_gqa_dkdv_launch_runs_the_merged_lists_as_mha(self):
+        # One program per (key tile, kv head) over the group's lists merged (group_key_lists):
+        # MHA's program over q viewed as [B, H_kv, G * N, D]. Without the merged lists there
+        # is no GQA dK/dV launch.
+        n, h, h_kv = 1024, 8, 2
+        lay = make_layout(P.per_head([P.causal(), P.local(200, 100)] * 4), n, h, 128)
+        meta = {**lay.metadata(), "q_head_group": None, "k_head_group": None}
+        kw = dict(skip_quarters=lay.skip_quarters, skip_halves=lay.skip_halves)
+        self.assertNotIn("dkdv", hopper.launches(meta, 2, h, h_kv, n, n, 0.1, True, **kw))
+        merged = hopper.group_key_lists(np, meta, h // h_kv, n // 128)
+        launch = hopper.launches({**meta, **merged}, 2, h, h_kv, n, n, 0.1, True, **kw)["dkdv"]
+        # k_count, k_partial, k_index, k_mask_id, masks, k_order, mask_quarters, qk_scale,
+        # scale, N, N_KV, H, strides (the kernel's order after its descriptors).
+        self.assertEqual(launch.args[9:12], (4 * n, n, h_kv))
+        self.assertIs(launch.args[2], merged["kg_index"])
+        self.assertIs(launch.args[5], merged["kg_order"])
+        self.assertEqual(launch.grid[0] * launch.grid[1] * launch.grid[2], 2 * h_kv * n // 128)
+
+    def test_group_key_lists_merge_each_groups_lists(self):
+        # Against a loop over (kv head, key tile): partial entries of every head, then full
+        # ones, head by head, query tiles offset by head; numpy and jax.numpy alike.
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        n, h = 768, 6
+        pattern = P.per_head([P.causal(), P.strided(512, 128) & P.causal(),
+                              P.documents([300, 468]) & P.causal(), P.local(200, 100),
+                              P.strided(256, 128, offset=640), P.neighborhood((24, 32), (5, 9))])
+        lay = make_layout(pattern, n, h, 128)
+        nt = lay.num_blocks
+        for group in (1, 2, 3, 6):
+            want_index, want_mid = [], []
+            for g in range(h // group):
+                for j in range(nt):
+                    heads = [(r, g * group + r) for r in range(group)]
+                    cut = [(r, x, lay.k_partial[x, j], lay.k_count[x, j]) for r, x in heads]
+                    want_index.append([int(i) + r * nt for part in (0, 1) for r, x, p, c in cut
+                                       for i in lay.k_index[x, j, (0, p)[part]:(p, c)[part]]])
+                    want_mid.append([int(m) for part in (0, 1) for r, x, p, c in cut
+                                     for m in lay.k_mask_id[x, j, (0, p)[part]:(p, c)[part]]])
+            for xp in (np, jnp):
+                got = hopper.group_key_lists(
+                    xp, {k: xp.asarray(v) for k, v in lay.metadata().items()}, group, nt)
+                got = {k: np.asarray(v) for k, v in got.items()}
+                count = lay.k_count.reshape(-1, group, nt).sum(1)
+                np.testing.assert_array_equal(got["kg_count"], count)
+                np.testing.assert_array_equal(
+                    got["kg_partial"], lay.k_partial.reshape(-1, group, nt).sum(1))
+                np.testing.assert_array_equal(got["kg_order"],
+                                              np.argsort(-count, axis=-1, kind="stable"))
+                index = got["kg_index"].reshape(-1, got["kg_index"].shape[-1])
+                mid = got["kg_mask_id"].reshape(index.shape)
+                for row, (wi, wm) in enumerate(zip(want_index, want_mid, strict=True)):
+                    self.assertEqual(index[row, :len(wi)].tolist(), wi)
+                    self.assertEqual(mid[row, :len(wm)].tolist(), wm)
+                    self.assertTrue((index[row, len(wi):] == 0).all())
+                    self.assertTrue((mid[row, len(wm):] == -1).all())
+                self.assertTrue(all(a.dtype == np.int32 for a in got.values()))
+        with self.assertRaisesRegex(ValueError, "group 4 must be >= 1 and divide"):
+            hopper.group_key_lists(np, lay.metadata(), 4, nt)
 
     def test_skip_halves_reach_the_forward_launch(self):
         # Only a layout with enough half entries compiles the forward's pairing of them, with
@@ -309,7 +370,7 @@ class Sm90ForwardTest(parameterized.TestCase):
 
     def test_gqa_groups_with_empty_heads(self):
         # dK/dV programs whose group has a first, a last or every head without entries (the
-        # pass walks the group's heads in turn and must skip the empty ones).
+        # group's merged lists leave no gap for them, group_key_lists).
         n = 512
         some = P.strided(512, 128) & P.causal()  # key tile 0 only, its diagonal partial
         none = P.strided(512, 128, offset=384)  # no key tile at N=512
@@ -323,9 +384,8 @@ class Sm90ForwardTest(parameterized.TestCase):
     @parameterized.named_parameters(("mha", 4), ("gqa", 2))
     def test_steps_and_quarters_without_keys_are_skipped_alike(self, h_kv):
         # Partial tiles with a 64-row half that has no key, or a 64 x 64 quarter with no pair:
-        # the passes' producers and consumers skip those steps (MHA: the quarters too, each
-        # consumer its own; GQA's dK/dV: whole steps, head after head of a group) and must
-        # stay in step.
+        # the passes' producers and consumers skip those steps and quarters (each consumer
+        # its own; GQA's dK/dV over its group's merged lists) and must stay in step.
         n, h = 512, 4
         halves = P.neighborhood((16, 32), (5, 9))
         pattern = P.per_head([halves, P.causal(), halves & P.causal(), halves])

@@ -163,7 +163,7 @@ class NativeSm90CellsTest(absltest.TestCase):
 
     def test_cells_per_call_tensors_and_descriptors(self):
         lay = make_layout(P.causal(), 256, 2, 128)
-        meta = tlaunch.device_metadata(lay, torch.device("cpu"))
+        meta = tlaunch.device_group_metadata(lay, 2, torch.device("cpu"))  # GQA, 2 : 1
         launches = hopper_kernels.launches(meta, 1, 2, 1, 256, 256, 0.125, False, 128,
                                            skip_quarters=lay.skip_quarters,
                                            skip_halves=lay.skip_halves)

@@ -339,8 +339,9 @@ def _choose(q, k, lay: LayoutArrays, scale: float,
     if report and "hopper" in (fwd.name, bwd.name):
         from sparsetp.backends.jax import hopper as _jhopper  # noqa: PLC0415
 
-        meta = _with_statics(lay.metadata(), _statics(lay))
         b, h, n, _ = q.shape
+        meta = _with_group_lists(_with_statics(lay.metadata(), _statics(lay)), h, k.shape[1],
+                                 n)
         launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
                                     _options.current().work_order != "natural", d,
                                     skip_quarters=meta["skip_quarters"],
@@ -418,12 +419,24 @@ def _batch_folded(fn, *arrays):
     return fn_vmappable(*arrays)
 
 
+def _with_group_lists(meta: dict, heads: int, kv_heads: int, seq_len: int) -> dict:
+    """``meta`` plus GQA's merged key-major lists for the sm_90 dK/dV pass
+    (``hopper.group_key_lists``), computed in the graph from the arrays, so a head slice
+    (``shard_map``) or a per-row layout merges its own; ``meta`` itself for MHA."""
+    if heads == kv_heads:
+        return meta
+    return {**meta, **_hopper.group_key_lists(jnp, meta, heads // kv_heads,
+                                              seq_len // _hopper.BLOCK)}
+
+
 def _sm90_launches(q, k, meta, scale, names):
     """The sm_90 launches ``names`` of this call, compiled (trace time), or None where one
     failed to compile (warned; the call then runs the portable kernels)."""
     from sparsetp.backends.jax import hopper as _jhopper  # noqa: PLC0415 (GPU only)
 
     b, h, n, d = q.shape
+    if "dkdv" in names:
+        meta = _with_group_lists(meta, h, k.shape[1], n)
     launches = _hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
                                 _options.current().work_order != "natural", d,
                                 skip_quarters=meta["skip_quarters"],

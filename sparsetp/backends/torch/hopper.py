@@ -99,8 +99,8 @@ class Sm90Kernels:
     def __init__(self, q: torch.Tensor, k: torch.Tensor, lay, scale: float):
         from triton.experimental.gluon import language as gl  # noqa: PLC0415
 
-        meta = self.meta = _launch.device_metadata(lay, q.device)
         b, h, n, d = q.shape
+        meta = self.meta = _launch.device_group_metadata(lay, h // k.shape[1], q.device)
         self.ordered = _options.current().work_order != "natural"
         self.launches = hopper.launches(meta, b, h, k.shape[1], n, k.shape[2], scale,
                                         self.ordered, d, skip_quarters=lay.skip_quarters,

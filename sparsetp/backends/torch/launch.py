@@ -27,7 +27,7 @@ import triton
 
 from sparsetp import _runtime
 from sparsetp.core.layout import BlockLayout
-from sparsetp.kernels import abi, interpreter, schedule
+from sparsetp.kernels import abi, hopper, interpreter, schedule
 from sparsetp.kernels import options as _options
 
 __all__ = ["device_kind", "metadata", "device_metadata", "new_output", "describe", "run",
@@ -68,6 +68,21 @@ def device_metadata(layout: BlockLayout, device: torch.device) -> dict:
         q_group, k_group = schedule.head_groups(layout)
         per_layout[key] = {**_device_arrays(layout.metadata(), device),
                            "q_head_group": q_group, "k_head_group": k_group}
+    return per_layout[key]
+
+
+def device_group_metadata(layout: BlockLayout, group: int, device: torch.device) -> dict:
+    """:func:`device_metadata` plus, for GQA (``group`` query heads per kv head, > 1), the
+    merged key-major lists of the sm_90 dK/dV pass (``hopper.group_key_lists``), cached
+    alike."""
+    meta = device_metadata(layout, device)
+    if group == 1:
+        return meta
+    per_layout = _META_CACHE.setdefault(layout, {})
+    key = f"{device}/group{group}"
+    if key not in per_layout:
+        merged = hopper.group_key_lists(np, layout.metadata(), group, layout.num_blocks)
+        per_layout[key] = {**meta, **_device_arrays(merged, device)}
     return per_layout[key]
 
 
