@@ -41,8 +41,10 @@ Arguments
 never repeated in memory) and ``N_kv`` keys (``layout.kv_len``; the layout aligns the
 diagonal to the end of the keys). The layout, and so ``meta``, has one row per *query* head
 (H rows), for every kernel: the dK/dV launch runs one program per (key tile, b, kv head),
-which walks the key-major lists of the query heads of its group one after another (a fixed
-order, no atomics, deterministic) - so a per-head pattern keeps one mask per query head.
+which walks the key-major lists of the query heads of its group in a fixed order (no atomics,
+deterministic; the portable kernel one head after another, the sm_90 one over the group's
+lists merged, ``hopper.group_key_lists``) - so a per-head pattern keeps one mask per query
+head.
 ``meta`` is a mapping with the int32 arrays of
 :meth:`sparsetp.core.layout.BlockLayout.metadata` (``q_count``, ``q_partial``, ``q_index``,
 ``q_mask_id``, ``q_order``, ``k_count``, ``k_partial``, ``k_index``, ``k_mask_id``, ``k_order``,
