@@ -24,8 +24,9 @@ warp adds it by TMA in a fixed turn order; ``w2d``/``w2u``/``w2f``/``w2fu``).
 Measured and removed (KERNEL_NOTES, "Session 30: the dK/dV consumer's waits and loads"; their
 code is at commit e5b3f45): the library's consumer with its dV/dK MMAs left in flight and its
 loads issued early (form ``m``).
-``--gqa_merged`` (KERNEL_NOTES, "Session 39"): GQA's dK/dV pass on the merged lists in other
-entry orders (``--merged_orders``), and MHA on the same queries in the same rounds.
+``--gqa_merged`` (KERNEL_NOTES, "Session 39"): GQA's dK/dV pass on the library's merged lists
+re-ordered (``--merged_orders``), on the library's grid, and MHA on the same queries in the same
+rounds (session 39's recorded arms grouped their grid by the merged counts instead).
 ``--gqa_mha_form`` (KERNEL_NOTES, "Session 28: where GQA's causal backward loses"): GQA's
 dK/dV pass as MHA's, a program per query head, the group's dK, dV summed after.
 Measured and removed (KERNEL_NOTES, "Session 37"; its code is at commit 36b0a3d): form
@@ -172,25 +173,29 @@ def key_order(layout) -> dict:
             "q_mask_id": np.take_along_axis(mid, order, -1)}
 
 
-def _dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv):
+def _dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv, merged=None):
     """The dK/dV ``kernel``'s arguments. The library's kernel (no ``GROUP``) runs GQA as MHA:
-    q, d_out, lse, delta viewed as ``H_kv`` heads of ``G * N`` rows over the merged lists
-    (:func:`hopper.group_key_lists`, built here from ``meta``'s); a base commit's takes
-    ``GROUP`` and walks each group."""
+    q, d_out, lse, delta viewed as ``H_kv`` heads of ``G * N`` rows over merged key lists
+    (``merged``, ``k_*`` names, on the device; default the library's,
+    :func:`hopper.group_key_lists` of ``meta``'s); a base commit's takes ``GROUP`` and walks
+    each group."""
     h, n = q.shape[1], q.shape[2]
     h_kv, n_kv = k.shape[1], k.shape[2]
     group = () if "GROUP" not in kernel.arg_names else (h // h_kv,)
     if not group and h_kv < h:
         import numpy as np  # noqa: PLC0415
+        import torch  # noqa: PLC0415
 
         g = h // h_kv
-        key = (meta["k_index"].data_ptr(), g)
-        if key not in _MERGED:  # built once, outside the timed calls
-            merged = hopper.group_key_lists(np, {n_: a.cpu().numpy() for n_, a in meta.items()
-                                                 if n_.startswith("k_")}, g, n // BLOCK)
-            _MERGED[key] = {"k" + n_[2:]: a_.to(meta["k_index"].device)
-                            for n_, a_ in _torch_arrays(merged).items()}
-        meta = {**meta, **_MERGED[key]}
+        if merged is None:
+            key = (meta["k_index"].data_ptr(), g)
+            if key not in _MERGED:  # built once, outside the timed calls
+                lists = hopper.group_key_lists(np, {n_: a.cpu().numpy() for n_, a in meta.items()
+                                                    if n_.startswith("k_")}, g, n // BLOCK)
+                _MERGED[key] = {"k" + n_[2:]: torch.from_numpy(a).to(meta["k_index"].device)
+                                for n_, a in lists.items()}
+            merged = _MERGED[key]
+        meta = {**meta, **merged}
         q, d_out = (t.view(t.shape[0], h_kv, g * n, t.shape[-1]) for t in (q, d_out))
         lse, delta = (t.view(t.shape[0], h_kv, g * n) for t in (lse, delta))
         h, n = h_kv, g * n
@@ -202,12 +207,6 @@ def _dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv):
 
 
 _MERGED: dict = {}
-
-
-def _torch_arrays(arrays: dict) -> dict:
-    import torch  # noqa: PLC0415
-
-    return {n_: torch.from_numpy(a) for n_, a in arrays.items()}
 
 
 def _dq_args(kernel, q, k, v, d_out, out, lse, meta, scale, dq, delta):
@@ -248,11 +247,12 @@ def _compile_only():
         if skip_quarters and not skip:
             continue
         args = list(_dkdv_args(kernel, q, q, q, q, stats, stats, meta, 0.1, q, q))
+        one = {}
         if "GROUP" in kernel.arg_names:  # a base commit's group walk
             args[kernel.arg_names.index("GROUP")] = group
-        # MHA's launches pass GROUP = 1, which Triton compiles as a constant: another binary
-        # with other spills than GQA's (KERNEL_NOTES, "Session 31").
-        one = {"GROUP": 1} if group == 1 else {}
+            # Its MHA launches pass GROUP = 1, which Triton compiles as a constant: another
+            # binary with other spills than GQA's (KERNEL_NOTES, "Session 31").
+            one = {"GROUP": 1} if group == 1 else {}
         prof = sm90_profile(kernel, args, {"ORDERED": True, **constexprs, **one}, 4)
         print(json.dumps({"variant": name, "group": group,
                           **skip,
@@ -362,7 +362,7 @@ def _measure(spec, q, k, v, d_out):
     if FLAGS.gqa_merged and h_kv < h:
         for order in FLAGS.merged_orders:
             arms["merged_" + order] = _merged_form(q, k, v, d_out, out, lse, meta, scale,
-                                                   q_grid, layout, order)
+                                                   q_grid, kv_grid, layout, order)
             rec["check"]["merged_" + order] = diffs(arms["merged_" + order]())
         # MHA on the same queries (K, V repeated per query head), timed in the same rounds.
         k_x, v_x = (t.repeat_interleave(h // h_kv, dim=1).contiguous() for t in (k, v))
@@ -420,67 +420,45 @@ def _mha_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout):
 
 
 def merged_lists(layout, group: int, order: str = "head") -> dict:
-    """The key-major lists of ``layout`` (H query heads) merged per kv head: for key tile j of
-    kv head g, the entries of query heads g * G .. g * G + G - 1 as one list over G * N query
-    rows (query tile ``r * NT + i`` is tile i of the group's head r), partial entries first,
-    so the dK/dV kernel runs them with GROUP 1 over q viewed as ``[B, H_kv, G * N, D]``.
-    ``order`` within the partial and the full entries: "head" (head by head, each head's list
-    order), "tile" (by query tile, the heads of one tile together), "desc" (head by head,
+    """The library's merged key lists of ``layout`` (:func:`hopper.group_key_lists`: per kv
+    head and key tile, every query head's partial entries, then the full ones, head by head),
+    as ``k_*`` arrays, with each run of partial and of full entries in ``order``: "head" (the
+    library's), "tile" (by query tile, the heads of one tile together), "desc" (head by head,
     query tiles descending), "tile_desc"."""
     import numpy as np  # noqa: PLC0415
 
-    from sparsetp.core.layout import work_order  # noqa: PLC0415
-
-    kc, kp, ki, km = layout.k_count, layout.k_partial, layout.k_index, layout.k_mask_id
-    h, t, w = ki.shape
-    h_kv, nt = h // group, layout.num_blocks
-    width = -(-group * w // 16) * 16
-    idx = np.zeros((h_kv, t, width), np.int32)
-    mid = np.full((h_kv, t, width), -1, np.int32)
-    for g in range(h_kv):
-        for j in range(t):
-            heads = range(g * group, (g + 1) * group)
-            full = np.concatenate([np.arange(kc[x, j]) >= kp[x, j] for x in heads])
-            head = np.concatenate([np.full(kc[x, j], r) for r, x in enumerate(heads)])
-            tile = np.concatenate([ki[x, j, :kc[x, j]] for x in heads])
-            pos = np.concatenate([np.arange(kc[x, j]) for x in heads])
-            ids = np.concatenate([km[x, j, :kc[x, j]] for x in heads])
-            sign = -1 if order.endswith("desc") else 1
-            keys = ((head, sign * tile) if order == "desc" else (head, pos) if order == "head"
-                    else (sign * tile, head))
-            perm = np.lexsort((*keys[::-1], full))
-            idx[g, j, :perm.size] = (tile + head * nt)[perm]
-            mid[g, j, :perm.size] = ids[perm]
-    count = kc.reshape(h_kv, group, t).sum(1).astype(np.int32)
-    return {"k_count": count, "k_partial": kp.reshape(h_kv, group, t).sum(1).astype(np.int32),
-            "k_index": idx, "k_mask_id": mid, "k_order": work_order(count),
-            "masks": layout.masks, "mask_quarters": layout.mask_quarters}
+    m = hopper.group_key_lists(np, layout.metadata(), group, layout.num_blocks)
+    idx, mid = m["kg_index"], m["kg_mask_id"]
+    if order != "head":
+        slot = np.arange(idx.shape[-1])
+        full = slot >= m["kg_partial"][..., None]
+        pad = slot >= m["kg_count"][..., None]
+        head, tile = idx // layout.num_blocks, idx % layout.num_blocks
+        sign = -1 if order.endswith("desc") else 1
+        keys = (sign * tile, head) if order == "desc" else (head, sign * tile)  # minor first
+        perm = np.lexsort((*keys, full, pad), axis=-1)
+        idx, mid = (np.take_along_axis(a, perm, axis=-1) for a in (idx, mid))
+    return {"k_count": m["kg_count"], "k_partial": m["kg_partial"], "k_index": idx,
+            "k_mask_id": mid, "k_order": m["kg_order"], "masks": layout.masks,
+            "mask_quarters": layout.mask_quarters}
 
 
-def _merged_form(q, k, v, d_out, out, lse, meta, scale, q_grid, layout, order):
-    """GQA's backward with the dK/dV pass on the merged lists (:func:`merged_lists`): the
-    library's dQ pass, then the library's dK/dV kernel with GROUP 1, H = H_kv, N = G * N."""
+def _merged_form(q, k, v, d_out, out, lse, meta, scale, q_grid, kv_grid, layout, order):
+    """GQA's backward with the dK/dV pass on the merged lists in ``order``
+    (:func:`merged_lists`): the library's dQ pass, then the library's dK/dV kernel on its
+    grid."""
     import numpy as np  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
-    from sparsetp.kernels import schedule  # noqa: PLC0415
-
-    b, h, n, d = q.shape
-    h_kv = k.shape[1]
-    g = h // h_kv
-    mm = {key: torch.from_numpy(np.ascontiguousarray(val)).cuda()
-          for key, val in merged_lists(layout, g, order).items()}
+    merged = {key: torch.from_numpy(np.ascontiguousarray(val)).cuda()
+              for key, val in merged_lists(layout, q.shape[1] // k.shape[1], order).items()}
     kernel, constexprs = _dkdv_launch(*VARIANTS["n2e"], skip_quarters=layout.skip_quarters)
-    grid = schedule.list_grid(b, h_kv, n // BLOCK, schedule.grid_group(
-        {"k_head_group": schedule.head_group(mm["k_count"].cpu().numpy(), 132)}, "k", b, h_kv))
-    qv, dov = (t.view(b, h_kv, g * n, d) for t in (q, d_out))
-    lsev = lse.view(b, h_kv, g * n)
 
     def run():
         dq, delta = _library_dq(q, k, v, d_out, out, lse, meta, scale, q_grid, layout)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        kernel[grid](*_dkdv_args(kernel, qv, k, v, dov, lsev, delta.view(b, h_kv, g * n), mm,
-                                 scale, dk, dv), ORDERED=True, **constexprs, num_warps=4)
+        kernel[kv_grid](*_dkdv_args(kernel, q, k, v, d_out, lse, delta, meta, scale, dk, dv,
+                                    merged), ORDERED=True, **constexprs, num_warps=4)
         return dq, dk, dv
     return run
 
