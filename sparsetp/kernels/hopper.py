@@ -23,8 +23,8 @@ ones (no atomics):
   halves (S, dP, dS of 64 x 64 and the dQ accumulator fit its registers);
 * :func:`_attn_bwd_dkdv_kernel_sm90`, the key-major pass (dK and dV, as
   :func:`sparsetp.kernels.attention._attn_bwd_dkdv_kernel`; GQA as MHA over each kv head's
-  merged lists, :func:`group_key_lists`): K and V loaded once, Q and dO in 64-row steps through a ring, each
-  consumer owning 64 keys in FA3's form (P and dS through shared memory).
+  merged lists, :func:`group_key_lists`): K and V loaded once, Q and dO in 64-row steps
+  through a ring, each consumer owning 64 keys in FA3's form (P and dS through shared memory).
 
 Scope (else the portable kernel runs; :func:`forward_choice` and :func:`backward_choice` say
 why; the same for both but the head dims): a CUDA device of compute capability 9.0, the
